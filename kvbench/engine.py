@@ -1,0 +1,397 @@
+"""Running one sample: build the prompt, prefill, compress, decode greedily, score.
+
+The data flow for a single-turn sample, question-aware (`compress_question=true`):
+
+    [context + question + answer prefix] --prefill--> compress (method's prefill hook) --> greedy decode
+
+and question-agnostic (`compress_question=false`, the KVPress protocol Ada-KV follows):
+
+    [context] --prefill--> compress --> [question + answer prefix] appended uncompressed --> greedy decode
+
+Later turns of a multi-turn sample roll the cache back to the end of the previous prompt (golden-context
+mode: the gold answer, not the model's reply, becomes the history), append the next chunk uncompressed and
+decode again. Positions are explicit logical positions, so RoPE stays right whatever was evicted.
+
+Eviction after a dense prefill does not change the prefill itself, so with `reuse_prefill` one dense prefill
+per prompt serves every method and budget of a sweep (`PrefillSnapshots`); eviction then runs from the
+captured observation-window queries through exactly the same hook. Turn it off to measure memory peaks.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvbench.cache import KVBenchCache
+from kvbench.errors import KVBenchError
+from kvbench.methods.base import Method
+from kvbench.models import LoadedModel
+from kvbench.tasks.base import Sample
+from kvbench.tasks.scoring import score as score_prediction
+
+log = logging.getLogger(__name__)
+
+_SPLIT = "\ue000kvbench-split\ue000"  # a private-use marker: chat templates leave it alone
+
+
+@dataclass
+class EngineConfig:
+    compress_question: bool = True
+    reuse_prefill: bool = True
+    snapshot_window: int = 128  # observation queries kept per layer in a reusable prefill snapshot
+    snapshot_cache_mb: int = 2048
+    nll: bool = True
+    chat_template: bool = True  # apply the model's chat template where the sample asks for it
+    system_prompt: str | None = None
+
+
+def resolve_budget(budget: float | int, length: int) -> int:
+    """Tokens per KV head. An integer is taken as is; a float in (0, 1) is a fraction of `length`."""
+    if budget is None or budget <= 0:
+        raise KVBenchError(f"budget must be positive (tokens per KV head, or a ratio in (0, 1)); got {budget}")
+    if isinstance(budget, float) and budget < 1:
+        return max(1, round(budget * length))
+    if isinstance(budget, float) and not budget.is_integer():
+        raise KVBenchError(f"budget {budget} is neither a token count nor a ratio in (0, 1)")
+    return int(budget)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class PromptBuilder:
+    """Token ids of each prompt part, with the model's chat template when the sample asks for it.
+
+    Both modes see the same token sequence: the context part and the question part are tokenized
+    separately, so question-agnostic and question-aware runs differ only in where compression happens.
+    """
+
+    def __init__(self, tokenizer: Any, use_chat_template: bool = True, system_prompt: str | None = None):
+        self.tokenizer = tokenizer
+        self.use_chat_template = use_chat_template and getattr(tokenizer, "chat_template", None) is not None
+        self.system_prompt = system_prompt
+
+    def _templated(self, sample_chat: bool) -> bool:
+        return self.use_chat_template and sample_chat
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        if self.system_prompt is not None:
+            messages = [{"role": "system", "content": self.system_prompt}, *messages]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _ids(self, text: str, first: bool) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=first, return_attention_mask=False)["input_ids"]
+
+    def split_texts(self, context: str, question: str, answer_prefix: str, chat: bool) -> tuple[str, str]:
+        if not self._templated(chat):
+            return context, question + answer_prefix
+        text = self._render([{"role": "user", "content": context + _SPLIT + question}]) + answer_prefix
+        head, tail = text.split(_SPLIT)
+        return head, tail
+
+    def first_turn(self, sample: Sample) -> tuple[list[int], list[int]]:
+        turn = sample.turns[0]
+        head, tail = self.split_texts(sample.context, turn.question, turn.answer_prefix, sample.chat_template)
+        templated = self._templated(sample.chat_template)
+        return self._ids(head, first=not templated), self._ids(tail, first=False)
+
+    def measure(self, context: str, question: str = "", answer_prefix: str = "", chat_template: bool = True) -> int:
+        head, tail = self.split_texts(context, question, answer_prefix, chat_template)
+        return len(self._ids(head, first=not self._templated(chat_template))) + len(self._ids(tail, first=False))
+
+    def history_text(self, sample: Sample, upto: int) -> str:
+        """The rendered prompt through turn `upto` (0-based), gold answers standing in for earlier replies."""
+        turns = sample.turns
+        if not self._templated(sample.chat_template):
+            text = sample.context + turns[0].question + turns[0].answer_prefix
+            for t in range(1, upto + 1):
+                text += gold_continuation(turns[t - 1]) + "\n\n" + turns[t].question + turns[t].answer_prefix
+            return text
+        messages = [{"role": "user", "content": sample.context + turns[0].question}]
+        for t in range(1, upto + 1):
+            prev = turns[t - 1]
+            messages.append({"role": "assistant", "content": prev.answer_prefix + gold_continuation(prev)})
+            messages.append({"role": "user", "content": turns[t].question})
+        return self._render(messages) + turns[upto].answer_prefix
+
+    def next_turn(self, sample: Sample, t: int) -> list[int]:
+        before, after = self.history_text(sample, t - 1), self.history_text(sample, t)
+        if not after.startswith(before):
+            raise KVBenchError("the chat template renders earlier turns differently once a turn is added")
+        return self._ids(after[len(before):], first=False)
+
+
+def gold_continuation(turn: Any) -> str:
+    """The first gold answer as the model would continue the answer prefix (a space after a word)."""
+    answer = turn.answers[0] if turn.answers else ""
+    if turn.answer_prefix and not turn.answer_prefix[-1].isspace() and not answer[:1].isspace():
+        return " " + answer
+    return answer
+
+
+class PrefillSnapshots:
+    """LRU of dense prefills (per-layer K/V, captured window queries, last logits), bounded in bytes."""
+
+    def __init__(self, limit_mb: int):
+        self.limit = limit_mb * 2**20
+        self.entries: OrderedDict[tuple, tuple[KVBenchCache, torch.Tensor, float, int]] = OrderedDict()
+
+    def get(self, key: tuple) -> tuple[KVBenchCache, torch.Tensor, float] | None:
+        if key not in self.entries:
+            return None
+        self.entries.move_to_end(key)
+        cache, logits, seconds, _ = self.entries[key]
+        return cache, logits, seconds
+
+    def put(self, key: tuple, cache: KVBenchCache, logits: torch.Tensor, seconds: float) -> None:
+        size = cache.nbytes()
+        if size > self.limit:
+            return
+        self.entries[key] = (cache, logits, seconds, size)
+        while sum(e[3] for e in self.entries.values()) > self.limit:
+            self.entries.popitem(last=False)
+
+
+_SNAPSHOTS: PrefillSnapshots | None = None
+
+
+def snapshots(limit_mb: int) -> PrefillSnapshots:
+    global _SNAPSHOTS
+    if _SNAPSHOTS is None or _SNAPSHOTS.limit != limit_mb * 2**20:
+        _SNAPSHOTS = PrefillSnapshots(limit_mb)
+    return _SNAPSHOTS
+
+
+class Session:
+    """One conversation on one cache: prefill, append, decode, roll back, all with logical positions."""
+
+    def __init__(self, lm: LoadedModel, method: Method, budget: int | None, cache: KVBenchCache | None = None):
+        self.lm = lm
+        self.method = method
+        n_layers = lm.model.config.num_hidden_layers
+        self.cache = cache if cache is not None else KVBenchCache(n_layers, method, budget)
+        self.position = self.cache.get_seq_length()
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], logits_to_keep: int = 1) -> torch.Tensor:
+        device = self.lm.device
+        input_ids = torch.tensor([ids], device=device)
+        positions = torch.arange(self.position, self.position + len(ids), device=device)[None]
+        out = self.lm.model(
+            input_ids=input_ids,
+            position_ids=positions,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+        )
+        self.position += len(ids)
+        return out.logits[0, -logits_to_keep:].float()
+
+    def prefill(self, ids: list[int], compress: bool) -> tuple[torch.Tensor, float]:
+        """Prefill a chunk; with `compress`, every layer runs the method's eviction hook at its end."""
+        self.cache.compress_on_forward = compress
+        _sync(self.lm.device)
+        start = time.perf_counter()
+        logits = self.forward(ids)[-1]
+        _sync(self.lm.device)
+        self.cache.compress_on_forward = False
+        return logits, time.perf_counter() - start
+
+    def decode(
+        self, logits: torch.Tensor, max_new_tokens: int, stop_ids: set[int], stop_strings: list[str]
+    ) -> tuple[list[int], list[float], str]:
+        """Greedy decoding. Returns the new tokens, the wall time of each decode forward, and why it stopped."""
+        tokens: list[int] = []
+        step_times: list[float] = []
+        for _ in range(max_new_tokens):
+            token = int(torch.argmax(logits))
+            tokens.append(token)
+            if token in stop_ids:
+                return tokens, step_times, "eos"
+            if stop_strings and any(s in self.lm.tokenizer.decode(tokens) for s in stop_strings):
+                return tokens, step_times, "stop_string"
+            if len(tokens) == max_new_tokens:
+                break
+            _sync(self.lm.device)
+            start = time.perf_counter()
+            logits = self.forward([token])[-1]
+            _sync(self.lm.device)
+            step_times.append(time.perf_counter() - start)
+        return tokens, step_times, "max_new_tokens"
+
+    def teacher_forced_nll(self, logits: torch.Tensor, target: list[int]) -> float:
+        """Mean NLL of `target` continuing the current state, one decode step per token on a cache copy.
+
+        The copy shares storage until it diverges and the steps go through the same decode path (selection
+        included), so this measures the compressed cache the method would really decode with.
+        """
+        if not target:
+            return float("nan")
+        twin = Session(self.lm, self.method, self.cache.budget, self.cache.clone())
+        twin.position = self.position
+        total = 0.0
+        for i, token in enumerate(target):
+            total -= float(torch.log_softmax(logits, dim=-1)[token])
+            if i + 1 < len(target):
+                logits = twin.forward([token])[-1]
+        return total / len(target)
+
+    def rollback(self, logical_length: int) -> None:
+        self.cache.truncate(logical_length)
+        self.position = logical_length
+
+
+def stop_token_ids(lm: LoadedModel) -> set[int]:
+    ids: set[int] = set()
+    for source in (lm.tokenizer.eos_token_id, getattr(lm.model.generation_config, "eos_token_id", None)):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(int(i) for i in source)
+    return ids
+
+
+def _truncate_middle(ids: list[int], keep: int) -> list[int]:
+    half = keep // 2
+    return ids[:half] + ids[len(ids) - (keep - half):]
+
+
+def fit_to_model(lm: LoadedModel, sample: Sample, ctx_ids: list[int], q_ids: list[int]) -> list[int]:
+    """Enforce the model's limit on prompt + generation: middle-truncate the context or refuse."""
+    new_tokens = sum(t.max_new_tokens for t in sample.turns)
+    total = len(ctx_ids) + len(q_ids) + new_tokens
+    if total <= lm.max_positions:
+        return ctx_ids
+    if sample.truncation == "middle":
+        return _truncate_middle(ctx_ids, max(1, lm.max_positions - len(q_ids) - new_tokens))
+    raise KVBenchError(
+        f"sample {sample.id}: {len(ctx_ids) + len(q_ids)} prompt tokens + {new_tokens} new tokens exceed the "
+        f"model's limit of {lm.max_positions} positions; lower task.seq_len"
+    )
+
+
+def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample: Sample, cfg: EngineConfig) -> dict[str, Any]:
+    """Run every turn of a sample and return its record (metrics, timings, memory, predictions)."""
+    builder = PromptBuilder(lm.tokenizer, cfg.chat_template, cfg.system_prompt)
+    ctx_ids, q_ids = builder.first_turn(sample)
+    ctx_ids = fit_to_model(lm, sample, ctx_ids, q_ids)
+    segment = ctx_ids + q_ids if cfg.compress_question else ctx_ids
+    rest = [] if cfg.compress_question else q_ids
+    budget = resolve_budget(budget_cfg, len(segment))
+    compressed = method.name != "full" and budget < len(segment)
+    n_layers = lm.model.config.num_hidden_layers
+    session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, budget, segment, cfg, n_layers)
+    cache = session.cache
+    cache.select_budget = budget if method.selects else None
+    kv_after_compress = cache.kv_bytes()
+    kept = cache.kept_per_head()
+    if rest:
+        logits, rest_s = session.prefill(rest, compress=False)
+        prefill_s += rest_s
+    kv_after_prefill = cache.kv_bytes()
+
+    stop_ids = stop_token_ids(lm)
+    turns_out: list[dict[str, Any]] = []
+    all_steps: list[float] = []
+    multi_request = sample.meta.get("mode") == "multi_request"
+    context_end = len(ctx_ids)
+    for t, turn in enumerate(sample.turns):
+        if t > 0:
+            if multi_request:
+                session.rollback(context_end)
+                _, ids = builder.split_texts("", turn.question, turn.answer_prefix, sample.chat_template)
+                chunk = builder._ids(ids, first=False)
+            else:
+                session.rollback(prompt_end)
+                chunk = builder.next_turn(sample, t)
+            logits, _ = session.prefill(chunk, compress=False)
+        prompt_end = session.position
+        target = builder._ids(gold_continuation(turn), first=False) if turn.answers else []
+        nll = session.teacher_forced_nll(logits, target) if cfg.nll else float("nan")
+        tokens, steps, reason = session.decode(logits, turn.max_new_tokens, stop_ids, sample.stop)
+        all_steps += steps
+        prediction = lm.tokenizer.decode([tk for tk in tokens if tk not in stop_ids], skip_special_tokens=True)
+        for s in sample.stop:
+            prediction = prediction.split(s)[0] if s in prediction else prediction
+        turns_out.append(
+            {
+                "prediction": prediction,
+                "answers": turn.answers,
+                "metric": turn.metric,
+                "score": score_prediction(turn.metric, prediction, turn.answers),
+                "nll": nll,
+                "new_tokens": len(tokens),
+                "stop_reason": reason,
+                "decode_ms_per_token": 1e3 * sum(steps) / len(steps) if steps else None,
+            }
+        )
+    flat_kept = [n for layer in kept for n in layer]
+    config = lm.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    elem = torch.finfo(lm.dtype).bits // 8
+    record = {
+        "sample_id": sample.id,
+        "task": sample.task,
+        "score": sum(t["score"] for t in turns_out) / len(turns_out),
+        "nll": turns_out[0]["nll"],
+        "turns": turns_out,
+        "prompt_tokens": len(ctx_ids) + len(q_ids),
+        "context_tokens": len(ctx_ids),
+        "compressed_segment_tokens": len(segment),
+        "budget_tokens": budget,
+        "compressed": compressed,
+        "kept_tokens_mean": sum(flat_kept) / len(flat_kept),
+        "kept_tokens_min": min(flat_kept),
+        "kept_tokens_max": max(flat_kept),
+        "kv_bytes_after_compress": kv_after_compress,
+        "kv_bytes_after_prefill": kv_after_prefill,
+        "kv_bytes_end": cache.kv_bytes(),
+        "kv_bytes_full_prompt": 2 * n_layers * config.num_key_value_heads * head_dim * elem * (len(ctx_ids) + len(q_ids)),
+        "prefill_s": prefill_s,
+        "compress_s": compress_s,
+        "prefill_reused": reused,
+        "decode_ms_per_token": 1e3 * sum(all_steps) / len(all_steps) if all_steps else None,
+        "new_tokens": sum(t["new_tokens"] for t in turns_out),
+        "meta": sample.meta,
+    }
+    for key in ("nll",):
+        if isinstance(record[key], float) and math.isnan(record[key]):
+            record[key] = None
+    return record
+
+
+def _prefill_segment(
+    lm: LoadedModel, method: Method, budget: int, segment: list[int], cfg: EngineConfig, n_layers: int
+) -> tuple[Session, torch.Tensor, float, float, bool]:
+    """Prefill and compress the segment, from a shared dense snapshot when allowed."""
+    window_needed = method.obs_window
+    if not cfg.reuse_prefill or window_needed > cfg.snapshot_window:
+        session = Session(lm, method, budget)
+        logits, seconds = session.prefill(segment, compress=True)
+        return session, logits, seconds, 0.0, False
+    store = snapshots(cfg.snapshot_cache_mb)
+    key = (id(lm.model), lm.dtype, cfg.snapshot_window, tuple(segment))
+    hit = store.get(key)
+    reused = hit is not None
+    if hit is None:
+        dense = Session(lm, None, None)
+        dense.cache.capture_window = cfg.snapshot_window
+        logits, seconds = dense.prefill(segment, compress=False)
+        store.put(key, dense.cache, logits, seconds)
+        hit = (dense.cache, logits, seconds)
+    dense_cache, logits, seconds = hit
+    cache = dense_cache.clone()
+    cache.method, cache.budget = method, budget
+    start = time.perf_counter()
+    cache.compress()
+    compress_s = time.perf_counter() - start
+    session = Session(lm, method, budget, cache)
+    return session, logits, seconds, compress_s, reused

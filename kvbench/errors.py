@@ -1,0 +1,5 @@
+"""The one exception type the CLI turns into a single readable error line (no traceback wall)."""
+
+
+class KVBenchError(RuntimeError):
+    """A user-facing error: bad config, missing model or data, impossible request."""

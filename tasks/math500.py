@@ -1,0 +1,133 @@
+"""Math-500: the 500-problem MATH test subset of PRM800K (Lightman et al.; problems from Hendrycks et al. 2021),
+as used by KeyDiff (App. E) to test KV eviction during long reasoning generations.
+
+Data: `<data_dir>/test.jsonl` in the layout of the HF dataset `HuggingFaceH4/MATH-500` (`problem`, `solution`,
+`answer`, `subject`, `level`, `unique_id`), or, with `data_dir` null, the local Hugging Face cache of
+`load_dataset("HuggingFaceH4/MATH-500", split="test")`. Problems are taken in file order; `num_samples` keeps the
+first N.
+
+Prompt (KeyDiff gives none; this is DeepSeek's documented usage for its R1-distilled models, which KeyDiff
+evaluates): one user message, chat template on, no system prompt:
+`<problem>` + `"\\nPlease reason step by step, and put your final answer within \\boxed{}."`. The problem is the
+context part and the instruction the question part. Generation stops at EOS or `max_new_tokens`. The prompt is
+short, so a method only compresses during decoding here.
+
+Decoding: KeyDiff samples 5 responses per problem and averages accuracy over them. The sampling temperature is
+lost in the paper text; temperature 0.6 / top-p 0.95 are DeepSeek's recommended R1 settings (kvbench spec §6.2).
+The kvbench engine decodes greedily for now, so these values are recorded per sample in
+`meta["sampling"]` (with a per-sample seed) for the engine to honour once it samples; under greedy decoding
+`samples_per_problem > 1` only repeats identical work, hence the default of 1. KeyDiff's generation limits are
+4K, 8K and 32K tokens (its text says 4096, 6144 and "32,786"; its tables say 4K/8K/32K).
+
+Scoring (`kvbench.tasks.math_metrics`): the turn's metric is `math_equiv` (KeyDiff "Flex Match");
+`meta["extra_metrics"]` names `math_exact` (KeyDiff "Exact Match"), to be scored on the same prediction.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn, sample_rng
+from kvbench.tasks.scbench import load_cached_hf_dataset
+
+HF_DATASET = "HuggingFaceH4/MATH-500"
+INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+
+
+def load_rows(data_dir: str | None) -> list[dict[str, Any]]:
+    """All 500 problems, from `data_dir/test.jsonl` when given, else from the HF cache."""
+    if data_dir is not None:
+        path = Path(data_dir) / "test.jsonl"
+        if path.is_file():
+            with path.open(encoding="utf-8") as f:
+                return [json.loads(line) for line in f if line.strip()]
+        where = f"{path} does not exist"
+    else:
+        rows = load_cached_hf_dataset(HF_DATASET, None, "test")
+        if rows is not None:
+            return rows
+        where = f"task.data_dir is null and {HF_DATASET!r} is not in the Hugging Face cache"
+    raise DatasetMissingError(
+        f"Math-500 data not found: {where}. Get it (about 0.45 MB) on a machine with Hub access, then either\n"
+        f"  huggingface-cli download {HF_DATASET} test.jsonl --repo-type dataset --local-dir DIR\n"
+        f"  (then set task.data_dir=DIR), or fill the HF cache with\n"
+        f"  python -c \"from datasets import load_dataset; load_dataset('{HF_DATASET}', split='test')\"\n"
+        f"  and leave task.data_dir null."
+    )
+
+
+class Math500(Task):
+    """Math-500 problems as single-turn samples, `samples_per_problem` per problem.
+
+    Args:
+        name: run label and `Sample.task`.
+        seq_len: must be null (real data; the prompt is short and generation is what grows the cache).
+        num_samples: first N problems; null = all 500.
+        data_dir: folder with `test.jsonl`; null = Hugging Face cache.
+        samples_per_problem: responses per problem (KeyDiff: 5, with sampling); each is its own sample.
+        max_new_tokens: generation limit (KeyDiff: 4096, 8192, 32768).
+        temperature, top_p: the sampling settings of the protocol, recorded in `meta["sampling"]`.
+    """
+
+    def __init__(
+        self,
+        name: str = "math500",
+        seq_len: int | None = None,
+        num_samples: int | None = None,
+        data_dir: str | None = None,
+        samples_per_problem: int = 1,
+        max_new_tokens: int = 4096,
+        temperature: float = 0.6,
+        top_p: float = 0.95,
+    ) -> None:
+        if seq_len is not None:
+            raise ValueError("Math-500 is real data: task.seq_len must be null")
+        if samples_per_problem < 1 or max_new_tokens < 1:
+            raise ValueError("samples_per_problem and max_new_tokens must be positive")
+        self.name = name
+        self.num_samples = num_samples
+        self.data_dir = data_dir
+        self.samples_per_problem = samples_per_problem
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+
+    def samples(self, meter: PromptMeter, seed: int) -> list[Sample]:
+        """One sample per (problem, response index). `seed` only derives the per-sample sampling seeds."""
+        rows = load_rows(self.data_dir)
+        if self.num_samples is not None:
+            rows = rows[: self.num_samples]
+        out = []
+        for row in rows:
+            for k in range(self.samples_per_problem):
+                sampling_seed = sample_rng(seed, self.name, row["unique_id"], k).getrandbits(63)
+                out.append(
+                    Sample(
+                        id=f"{self.name}/{row['unique_id']}/{k}",
+                        task=self.name,
+                        context=row["problem"],
+                        turns=[
+                            Turn(
+                                question=INSTRUCTION,
+                                answers=[row["answer"]],
+                                max_new_tokens=self.max_new_tokens,
+                                metric="math_equiv",
+                            )
+                        ],
+                        chat_template=True,
+                        truncation="error",
+                        meta={
+                            "benchmark": "math500",
+                            "unique_id": row["unique_id"],
+                            "subject": row["subject"],
+                            "level": row["level"],
+                            "sample_index": k,
+                            "samples_per_problem": self.samples_per_problem,
+                            "sampling": {"temperature": self.temperature, "top_p": self.top_p, "seed": sampling_seed},
+                            "extra_metrics": ["math_exact"],
+                        },
+                    )
+                )
+        return out

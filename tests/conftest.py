@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny random Llama / Qwen3 models (seconds) and the embedded SmolLM2 (integration)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from kvbench.models import LoadedModel, load_model
+
+CONF = Path(__file__).resolve().parents[1] / "conf"
+
+
+def model_cfg(name: str, **overrides):
+    cfg = OmegaConf.load(CONF / "model" / f"{name}.yaml")
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value)
+    return cfg
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> LoadedModel:
+    return load_model(model_cfg("tiny_llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3() -> LoadedModel:
+    return load_model(model_cfg("tiny_qwen3"))
+
+
+@pytest.fixture(scope="session", params=["tiny_llama", "tiny_qwen3"])
+def tiny(request) -> LoadedModel:
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> LoadedModel:
+    return load_model(model_cfg("smollm2_135m", device="cpu"))
+
+
+def random_ids(n: int, seed: int = 0, low: int = 10, high: int = 250) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high, (n,), generator=gen).tolist()

@@ -1,0 +1,179 @@
+"""Reports over a results tree: collection, the point table arithmetic, the CLI and the sweep callback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from omegaconf import OmegaConf
+
+from kvbench.report import (
+    TASK_MEAN_LABEL,
+    PrintSweepSummary,
+    collect,
+    format_table,
+    main,
+    pivot_scores,
+    point_table,
+)
+from kvbench.results import RecordStore, point_hash
+
+REPO = Path(__file__).resolve().parents[1]
+MiB = 2**20
+
+
+def write_point(root: Path, method: str, budget: float, task: str, samples: list[tuple[str, float]]) -> Path:
+    """A run directory whose records are (subtask, score) pairs, numbered per subtask."""
+    point = {"model": "tiny", "task": task, "method": method, "budget": budget, "seq_len": 4096,
+             "compress_question": False}
+    run_dir = root / "tiny" / task / f"{method}_{budget}"
+    store = RecordStore(run_dir)
+    for i, (subtask, score) in enumerate(samples):
+        store.append({"sample_id": f"{subtask}-{i}", "task": subtask, "score": score,
+                      "turns": [{"prediction": "p", "score": score}], "nll": 1.0 + i,
+                      "decode_ms_per_token": 10.0, "kv_bytes_after_prefill": budget * 8 * MiB,
+                      "point": point, "point_hash": point_hash(point)})
+    return run_dir
+
+
+@pytest.fixture
+def results(tmp_path: Path) -> Path:
+    suite = [("niah", 1.0), ("niah", 0.0), ("vt", 1.0)]  # niah 50, vt 100: task mean 75, sample mean 66.7
+    write_point(tmp_path, "snapkv", 0.5, "ruler", suite)
+    write_point(tmp_path, "full", 1.0, "ruler", [("niah", 1.0), ("niah", 1.0), ("vt", 1.0)])
+    write_point(tmp_path, "snapkv", 0.5, "qa", [("qa", 0.25)])
+    (tmp_path / "tiny" / "ruler" / "failed_job" / ".hydra").mkdir(parents=True)  # a job that died early
+    return tmp_path
+
+
+def test_collect_flattens_points_and_reads_only(results: Path) -> None:
+    live = results / "tiny" / "qa" / "snapkv_0.5" / "records.jsonl"
+    with open(live, "ab") as f:
+        f.write(b'{"sample_id": "qa-9", "ta')  # an append in flight from a running job
+    before = live.read_bytes()
+    df = collect(results)
+    assert live.read_bytes() == before  # a report never truncates a live file
+    assert len(df) == 7
+    assert {"model", "task", "method", "budget", "seq_len", "subtask", "run_dir", "score", "nll"} <= set(df.columns)
+    assert "point" not in df.columns and "turns" not in df.columns
+    qa = df[df["task"] == "qa"]
+    assert list(qa["subtask"]) == ["qa"] and list(qa["run_dir"]) == [str(Path("tiny/qa/snapkv_0.5"))]
+    assert set(df[df["task"] == "ruler"]["subtask"]) == {"niah", "vt"}
+    assert collect(results / "nothing_here").empty
+
+
+def test_point_table_math_and_suite_mean(results: Path) -> None:
+    table = point_table(collect(results))
+    snap = table[(table["task"] == "ruler") & (table["method"] == "snapkv")].set_index("subtask")
+    assert list(snap.index) == ["niah", "vt", TASK_MEAN_LABEL]  # mean row after its point's subtasks
+    assert snap.loc["niah", "score"] == pytest.approx(50.0) and snap.loc["niah", "n"] == 2
+    assert snap.loc["vt", "score"] == pytest.approx(100.0)
+    assert snap.loc[TASK_MEAN_LABEL, "score"] == pytest.approx(75.0)  # not the sample mean 66.7
+    assert snap.loc[TASK_MEAN_LABEL, "n"] == 3
+    assert snap.loc["niah", "nll"] == pytest.approx(1.5)  # samples 0 and 1: nll 1 and 2
+    assert snap.loc["niah", "kv_bytes_after_prefill"] == pytest.approx(4 * MiB)
+    assert snap.loc["niah", "decode_ms_per_token"] == pytest.approx(10.0)
+    qa = table[table["task"] == "qa"]
+    assert list(qa["subtask"]) == ["qa"] and qa["score"].iloc[0] == pytest.approx(25.0)  # single task: no mean row
+    assert len(table) == 3 + 3 + 1
+
+
+def test_points_differing_only_in_hidden_settings_stay_apart(tmp_path: Path) -> None:
+    point = {"model": "m", "task": "qa", "method": "snapkv", "budget": 0.5}
+    for seed, score in ((0, 1.0), (1, 0.0)):
+        RecordStore(tmp_path / f"seed{seed}").append(
+            {"sample_id": "a", "task": "qa", "score": score, "point": point,
+             "point_hash": point_hash({**point, "seed": seed})})
+    table = point_table(collect(tmp_path))
+    assert sorted(table["score"]) == [0.0, 100.0]
+    with pytest.raises(ValueError, match="differ only in fields not shown"):
+        pivot_scores(table, ["method"])
+
+
+def test_pivot_and_format(results: Path) -> None:
+    table = point_table(collect(results))
+    wide = pivot_scores(table, ["method", "budget"])
+    assert list(wide.columns[-2:]) == ["full/1.0", "snapkv/0.5"]
+    assert list(wide["subtask"]) == ["qa", "niah", "vt", TASK_MEAN_LABEL]  # suite mean row stays last
+    row = wide[(wide["task"] == "ruler") & (wide["subtask"] == TASK_MEAN_LABEL)].iloc[0]
+    assert row["snapkv/0.5"] == pytest.approx(75.0) and row["full/1.0"] == pytest.approx(100.0)
+    text = format_table(wide)
+    assert "snapkv/0.5" in text and "75.0" in text and "nan" not in text
+    plain = format_table(table)
+    assert "66.7" not in plain and "75.0" in plain and "4.0 MiB" in plain and "1.500" in plain
+    md = format_table(table, markdown=True).splitlines()
+    assert md[0].startswith("| model |") and set(md[1]) <= set("|-:") and len(md) == len(table) + 2
+    assert format_table(pd.DataFrame()) == "(no records)"
+
+
+def test_cli_prints_table_and_writes_csv(results: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    csv = tmp_path / "out.csv"
+    assert main([str(results), "--csv", str(csv)]) == 0
+    out = capsys.readouterr().out
+    assert "snapkv" in out and TASK_MEAN_LABEL in out and "75.0" in out
+    assert len(pd.read_csv(csv)) == 7
+    assert main([str(results), "--pivot", "method,budget", "--markdown"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header.endswith("| subtask | full/1.0 | snapkv/0.5 |")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main([str(empty)]) == 1
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(results), "--pivot", "nonexistent"])
+    assert exit_info.value.code == 2
+
+
+def test_module_entry_point_help() -> None:
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, "-m", "kvbench.report", "--help"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0 and "--pivot" in proc.stdout and "RESULTS_DIR" in proc.stdout.upper()
+
+
+def test_callback_prints_on_multirun_end(results: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(results)}}})
+    callback = PrintSweepSummary(pivot="method,budget")
+    callback.on_multirun_start(cfg)
+    callback.on_multirun_end(cfg)
+    out = capsys.readouterr().out
+    assert f"Results of sweep {results}\n" in out and "snapkv/0.5" in out and "did not finish" not in out
+
+
+def test_hydra_sweep_with_a_failed_job_still_prints(tmp_path: Path) -> None:
+    """A real multirun: one job raises, Hydra aborts before on_multirun_end, the table still prints."""
+    app = tmp_path / "app.py"
+    app.write_text(textwrap.dedent("""
+        from pathlib import Path
+        import hydra
+        from hydra.core.hydra_config import HydraConfig
+        from kvbench.results import RecordStore
+
+        @hydra.main(version_base=None, config_path=".", config_name="cfg")
+        def run(cfg):
+            if cfg.method == "bad":
+                raise RuntimeError("boom")
+            point = {"model": "m", "task": "qa", "method": cfg.method, "budget": 0.5}
+            RecordStore(Path(HydraConfig.get().runtime.output_dir)).append(
+                {"sample_id": "a", "task": "qa", "score": 1.0, "point": point})
+
+        run()
+    """))
+    (tmp_path / "cfg.yaml").write_text(textwrap.dedent(f"""
+        method: snapkv
+        hydra:
+          sweep: {{dir: {tmp_path / "sweep"}, subdir: "${{method}}"}}
+          callbacks:
+            summary: {{_target_: kvbench.report.PrintSweepSummary}}
+    """))
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    proc = subprocess.run([sys.executable, str(app), "-m", "method=snapkv,bad,full"], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=120)
+    assert proc.returncode != 0 and "boom" in proc.stderr
+    assert proc.stdout.count("Results of sweep") == 1 and "sweep did not finish" in proc.stdout
+    assert "snapkv" in proc.stdout and "full" in proc.stdout
+    assert "FAILED: method=bad" in proc.stdout
