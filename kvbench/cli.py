@@ -71,6 +71,20 @@ def cached_model(model_cfg: DictConfig):
     return _MODELS[key]
 
 
+_SAMPLES: dict[tuple, list] = {}
+
+
+def cached_samples(cfg: DictConfig, lm, builder) -> list:
+    """Samples depend on the task, the tokenizer (lengths are measured in it), the template and the seed, not on
+    the method: a local sweep generates them once per process."""
+    key = (OmegaConf.to_yaml(cfg.task), lm.name, cfg.seed, OmegaConf.to_yaml(cfg.engine))
+    if key not in _SAMPLES:
+        _SAMPLES.clear()
+        task = instantiate(cfg.task, _convert_="all")
+        _SAMPLES[key] = task.samples(builder.measure, seed=cfg.seed)
+    return _SAMPLES[key]
+
+
 def validate(cfg: DictConfig) -> None:
     budget = cfg.budget
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
@@ -100,9 +114,7 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
             f"task.seq_len={seq_len} exceeds {lm.name}'s limit of {lm.max_positions} positions"
         )
     engine_cfg = EngineConfig(compress_question=cfg.compress_question, **OmegaConf.to_container(cfg.engine))
-    task = instantiate(cfg.task, _convert_="all")
-    builder = PromptBuilder(lm.tokenizer, engine_cfg.chat_template, engine_cfg.system_prompt)
-    samples = task.samples(builder.measure, seed=cfg.seed)
+    samples = cached_samples(cfg, lm, PromptBuilder(lm.tokenizer, engine_cfg.chat_template, engine_cfg.system_prompt))
 
     store = RecordStore(run_dir)
     write_manifest(run_dir, build_manifest(cfg.seed, {"point_hash": phash, "point": point, "dtype": str(lm.dtype)}))

@@ -108,17 +108,21 @@ class PromptBuilder:
         return len(self._ids(head, first=not self._templated(chat_template))) + len(self._ids(tail, first=False))
 
     def history_text(self, sample: Sample, upto: int) -> str:
-        """The rendered prompt through turn `upto` (0-based), gold answers standing in for earlier replies."""
+        """The rendered prompt through turn `upto` (0-based), gold answers standing in for earlier replies.
+
+        The cache is rolled back to the end of turn t's prompt (its answer prefix included) before turn t+1,
+        so the gold answer continues that prefix exactly as a model reply would have.
+        """
         turns = sample.turns
         if not self._templated(sample.chat_template):
             text = sample.context + turns[0].question + turns[0].answer_prefix
             for t in range(1, upto + 1):
-                text += gold_continuation(turns[t - 1]) + "\n\n" + turns[t].question + turns[t].answer_prefix
+                text += history_answer(sample, t - 1) + "\n\n" + turns[t].question + turns[t].answer_prefix
             return text
         messages = [{"role": "user", "content": sample.context + turns[0].question}]
         for t in range(1, upto + 1):
             prev = turns[t - 1]
-            messages.append({"role": "assistant", "content": prev.answer_prefix + gold_continuation(prev)})
+            messages.append({"role": "assistant", "content": prev.answer_prefix + history_answer(sample, t - 1)})
             messages.append({"role": "user", "content": turns[t].question})
         return self._render(messages) + turns[upto].answer_prefix
 
@@ -128,13 +132,35 @@ class PromptBuilder:
             raise KVBenchError("the chat template renders earlier turns differently once a turn is added")
         return self._ids(after[len(before):], first=False)
 
+    def request(self, sample: Sample, t: int) -> list[int]:
+        """Turn t as an independent request on the cached context (multi-request mode)."""
+        turn = sample.turns[t]
+        _, tail = self.split_texts("", turn.question, turn.answer_prefix, sample.chat_template)
+        return self._ids(tail, first=False)
 
-def gold_continuation(turn: Any) -> str:
-    """The first gold answer as the model would continue the answer prefix (a space after a word)."""
-    answer = turn.answers[0] if turn.answers else ""
-    if turn.answer_prefix and not turn.answer_prefix[-1].isspace() and not answer[:1].isspace():
+
+def continuation(answer: str, answer_prefix: str) -> str:
+    """`answer` as the model would continue `answer_prefix`: a space after a word."""
+    if answer_prefix and not answer_prefix[-1].isspace() and not answer[:1].isspace():
         return " " + answer
     return answer
+
+
+def gold_continuation(turn: Any) -> str:
+    """The first gold answer continuing the turn's answer prefix (the teacher-forcing target)."""
+    return continuation(turn.answers[0] if turn.answers else "", turn.answer_prefix)
+
+
+def history_answer(sample: Sample, t: int) -> str:
+    """What stands in for the model's reply to turn t in the next turn's history (golden context).
+
+    A task may give the exact string its reference inserts (`meta["golden_answers"]`, e.g. SCBench's
+    `str(answer)`); otherwise the first gold answer.
+    """
+    golden = sample.meta.get("golden_answers")
+    if golden is not None:
+        return continuation(golden[t], sample.turns[t].answer_prefix)
+    return gold_continuation(sample.turns[t])
 
 
 class PrefillSnapshots:
@@ -206,17 +232,30 @@ class Session:
         return logits, time.perf_counter() - start
 
     def decode(
-        self, logits: torch.Tensor, max_new_tokens: int, stop_ids: set[int], stop_strings: list[str]
+        self,
+        logits: torch.Tensor,
+        max_new_tokens: int,
+        stop_ids: set[int],
+        stop_strings: list[str],
+        min_new_tokens: int = 0,
     ) -> tuple[list[int], list[float], str]:
-        """Greedy decoding. Returns the new tokens, the wall time of each decode forward, and why it stopped."""
+        """Greedy decoding. Returns the new tokens, the wall time of each decode forward, and why it stopped.
+
+        Before `min_new_tokens` tokens, EOS is masked and stop strings are not checked (LongBench's samsum
+        protocol, which would otherwise stop on an immediate newline).
+        """
         tokens: list[int] = []
         step_times: list[float] = []
+        blocked = torch.tensor(sorted(stop_ids), device=logits.device, dtype=torch.long)
         for _ in range(max_new_tokens):
+            if len(tokens) < min_new_tokens and len(blocked):
+                logits = logits.index_fill(0, blocked, float("-inf"))
             token = int(torch.argmax(logits))
             tokens.append(token)
             if token in stop_ids:
                 return tokens, step_times, "eos"
-            if stop_strings and any(s in self.lm.tokenizer.decode(tokens) for s in stop_strings):
+            early = len(tokens) <= min_new_tokens
+            if stop_strings and not early and any(s in self.lm.tokenizer.decode(tokens) for s in stop_strings):
                 return tokens, step_times, "stop_string"
             if len(tokens) == max_new_tokens:
                 break
@@ -265,26 +304,52 @@ def _truncate_middle(ids: list[int], keep: int) -> list[int]:
 
 
 def fit_to_model(lm: LoadedModel, sample: Sample, ctx_ids: list[int], q_ids: list[int]) -> list[int]:
-    """Enforce the model's limit on prompt + generation: middle-truncate the context or refuse."""
+    """Enforce the prompt limits: middle-truncate the context (LongBench, SCBench) or refuse.
+
+    The limit is the model's positions minus the tokens to generate, and the task's own cap on the first
+    prompt (`meta["prompt_token_limit"]`, e.g. SCBench's max_seq_length minus its reserve) when it has one.
+    """
     new_tokens = sum(t.max_new_tokens for t in sample.turns)
-    total = len(ctx_ids) + len(q_ids) + new_tokens
-    if total <= lm.max_positions:
+    limit = lm.max_positions - new_tokens
+    if sample.meta.get("prompt_token_limit"):
+        limit = min(limit, int(sample.meta["prompt_token_limit"]))
+    prompt = len(ctx_ids) + len(q_ids)
+    if prompt <= limit:
         return ctx_ids
-    if sample.truncation == "middle":
-        return _truncate_middle(ctx_ids, max(1, lm.max_positions - len(q_ids) - new_tokens))
+    if sample.truncation == "middle" and limit > len(q_ids):
+        return _truncate_middle(ctx_ids, limit - len(q_ids))
     raise KVBenchError(
-        f"sample {sample.id}: {len(ctx_ids) + len(q_ids)} prompt tokens + {new_tokens} new tokens exceed the "
-        f"model's limit of {lm.max_positions} positions; lower task.seq_len"
+        f"sample {sample.id}: {prompt} prompt tokens + {new_tokens} new tokens exceed the limit of "
+        f"{lm.max_positions} positions of {lm.name}; lower task.seq_len"
     )
 
 
+def _score_turn(turn: Any, prediction: str, extra: list[str]) -> dict[str, Any]:
+    scores = {"score": score_prediction(turn.metric, prediction, turn.answers)}
+    if extra:
+        scores["extra_scores"] = {m: score_prediction(m, prediction, turn.answers) for m in extra}
+    return scores
+
+
 def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample: Sample, cfg: EngineConfig) -> dict[str, Any]:
-    """Run every turn of a sample and return its record (metrics, timings, memory, predictions)."""
+    """Run every turn of a sample and return its record (metrics, timings, memory, predictions).
+
+    Multi-turn samples (golden context) roll back to the end of each turn's prompt and append the next
+    turn uncompressed. Multi-request samples (`meta["mode"] == "multi_request"`) compress the context
+    alone and run every turn, the first included, as an independent request on it.
+    """
+    if sample.meta.get("golden_context") is False:
+        raise KVBenchError(f"sample {sample.id}: multi-turn with the model's own replies as history "
+                           "(golden_context=false) is not implemented; use golden_context=true")
     builder = PromptBuilder(lm.tokenizer, cfg.chat_template, cfg.system_prompt)
+    multi_request = sample.meta.get("mode") == "multi_request"
     ctx_ids, q_ids = builder.first_turn(sample)
+    if multi_request:
+        q_ids = builder.request(sample, 0)
     ctx_ids = fit_to_model(lm, sample, ctx_ids, q_ids)
-    segment = ctx_ids + q_ids if cfg.compress_question else ctx_ids
-    rest = [] if cfg.compress_question else q_ids
+    compress_question = cfg.compress_question and not multi_request
+    segment = ctx_ids + q_ids if compress_question else ctx_ids
+    rest = [] if compress_question else q_ids
     budget = resolve_budget(budget_cfg, len(segment))
     compressed = method.name != "full" and budget < len(segment)
     n_layers = lm.model.config.num_hidden_layers
@@ -299,35 +364,32 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
     kv_after_prefill = cache.kv_bytes()
 
     stop_ids = stop_token_ids(lm)
+    extra_metrics = list(sample.meta.get("extra_metrics", []))
+    min_new = int(sample.meta.get("min_new_tokens", 0))
     turns_out: list[dict[str, Any]] = []
     all_steps: list[float] = []
-    multi_request = sample.meta.get("mode") == "multi_request"
     context_end = len(ctx_ids)
+    prompt_end = session.position
     for t, turn in enumerate(sample.turns):
         if t > 0:
-            if multi_request:
-                session.rollback(context_end)
-                _, ids = builder.split_texts("", turn.question, turn.answer_prefix, sample.chat_template)
-                chunk = builder._ids(ids, first=False)
-            else:
-                session.rollback(prompt_end)
-                chunk = builder.next_turn(sample, t)
+            session.rollback(context_end if multi_request else prompt_end)
+            chunk = builder.request(sample, t) if multi_request else builder.next_turn(sample, t)
             logits, _ = session.prefill(chunk, compress=False)
-        prompt_end = session.position
+            prompt_end = session.position
         target = builder._ids(gold_continuation(turn), first=False) if turn.answers else []
         nll = session.teacher_forced_nll(logits, target) if cfg.nll else float("nan")
-        tokens, steps, reason = session.decode(logits, turn.max_new_tokens, stop_ids, sample.stop)
+        tokens, steps, reason = session.decode(logits, turn.max_new_tokens, stop_ids, sample.stop, min_new)
         all_steps += steps
         prediction = lm.tokenizer.decode([tk for tk in tokens if tk not in stop_ids], skip_special_tokens=True)
-        for s in sample.stop:
-            prediction = prediction.split(s)[0] if s in prediction else prediction
+        for stop in sample.stop:
+            prediction = prediction.split(stop)[0] if stop in prediction[min_new:] else prediction
         turns_out.append(
             {
                 "prediction": prediction,
                 "answers": turn.answers,
                 "metric": turn.metric,
-                "score": score_prediction(turn.metric, prediction, turn.answers),
-                "nll": nll,
+                **_score_turn(turn, prediction, extra_metrics),
+                "nll": None if math.isnan(nll) else nll,
                 "new_tokens": len(tokens),
                 "stop_reason": reason,
                 "decode_ms_per_token": 1e3 * sum(steps) / len(steps) if steps else None,
@@ -337,7 +399,7 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
     config = lm.model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     elem = torch.finfo(lm.dtype).bits // 8
-    record = {
+    return {
         "sample_id": sample.id,
         "task": sample.task,
         "score": sum(t["score"] for t in turns_out) / len(turns_out),
@@ -362,10 +424,6 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
         "new_tokens": sum(t["new_tokens"] for t in turns_out),
         "meta": sample.meta,
     }
-    for key in ("nll",):
-        if isinstance(record[key], float) and math.isnan(record[key]):
-            record[key] = None
-    return record
 
 
 def _prefill_segment(

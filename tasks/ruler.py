@@ -45,12 +45,20 @@ import os
 import random
 import string
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from kvbench.tasks import haystack as hs
-from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn, sample_rng
+from kvbench.tasks.base import (
+    DatasetMissingError,
+    PromptMeter,
+    Sample,
+    Task,
+    Turn,
+    sample_rng,
+)
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +160,6 @@ RULER_TASKS: dict[str, NiahSpec | VtSpec | CweSpec | FweSpec | QaSpec] = {
     "qa_1": QaSpec("squad"),
     "qa_2": QaSpec("hotpotqa"),
 }
-NIAH_SUBTASKS = [t for t, s in RULER_TASKS.items() if isinstance(s, NiahSpec)]
 
 
 @dataclass

