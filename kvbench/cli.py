@@ -7,6 +7,8 @@ only computes the missing samples.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import logging
 import random
 import sys
@@ -38,7 +40,24 @@ def point_identity(cfg: DictConfig) -> dict[str, Any]:
     point = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
              for k in POINT_KEYS}
     point["engine"] = {k: v for k, v in point["engine"].items() if k not in NON_IDENTITY_ENGINE_KEYS}
+    data_file = cfg.task.get("path")
+    if data_file and Path(data_file).is_file():  # an edited file is a new point, not a resume
+        point["task_file_sha256"] = file_digest(Path(data_file).resolve())
     return point
+
+
+@functools.lru_cache(maxsize=16)
+def _digest(path: Path, size: int, mtime_ns: int) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_digest(path: Path) -> str:
+    stat = path.stat()
+    return _digest(path, stat.st_size, stat.st_mtime_ns)
 
 
 def _point_dir(*, _root_: DictConfig) -> str:
@@ -81,6 +100,8 @@ def cached_samples(cfg: DictConfig, lm, builder) -> list:
     if key not in _SAMPLES:
         _SAMPLES.clear()
         task = instantiate(cfg.task, _convert_="all")
+        if task.max_positions is None:
+            task.max_positions = lm.max_positions
         _SAMPLES[key] = task.samples(builder.measure, seed=cfg.seed)
     return _SAMPLES[key]
 

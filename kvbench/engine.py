@@ -325,7 +325,7 @@ def fit_to_model(lm: LoadedModel, sample: Sample, ctx_ids: list[int], q_ids: lis
 
 
 def _score_turn(turn: Any, prediction: str, extra: list[str]) -> dict[str, Any]:
-    scores = {"score": score_prediction(turn.metric, prediction, turn.answers)}
+    scores = {"score": score_prediction(turn.metric, prediction, turn.answers, **turn.metric_args)}
     if extra:
         scores["extra_scores"] = {m: score_prediction(m, prediction, turn.answers) for m in extra}
     return scores
@@ -338,6 +338,7 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
     turn uncompressed. Multi-request samples (`meta["mode"] == "multi_request"`) compress the context
     alone and run every turn, the first included, as an independent request on it.
     """
+    started = time.perf_counter()
     if sample.meta.get("golden_context") is False:
         raise KVBenchError(f"sample {sample.id}: multi-turn with the model's own replies as history "
                            "(golden_context=false) is not implemented; use golden_context=true")
@@ -422,6 +423,7 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
         "prefill_reused": reused,
         "decode_ms_per_token": 1e3 * sum(all_steps) / len(all_steps) if all_steps else None,
         "new_tokens": sum(t["new_tokens"] for t in turns_out),
+        "wall_s": time.perf_counter() - started,  # the whole sample: prefill, NLL, decode, scoring
         "meta": sample.meta,
     }
 

@@ -33,6 +33,8 @@ class Turn:
     max_new_tokens: int
     metric: str
     answer_prefix: str = ""
+    # Keyword arguments of the scorer beyond (prediction, answers), e.g. LongBench classification's class list.
+    metric_args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,6 +76,9 @@ class Task:
     """Base class: subclasses set `name` and implement `samples`."""
 
     name: str = "task"
+    # The evaluated model's limit on prompt + generated tokens; the runner sets it before `samples` so that a
+    # task reading user data can refuse an over-long row up front (synthetic tasks size themselves instead).
+    max_positions: int | None = None
 
     def samples(self, meter: PromptMeter, seed: int) -> list[Sample]:
         raise NotImplementedError

@@ -12,62 +12,63 @@ reproduce kvbench's own samples exactly (other harnesses can ignore them). docs/
 | `answer_prefix`  | string                      | no       | lead-in of the assistant's reply; default ""         |
 | `max_new_tokens` | positive integer            | no       | generation limit; default `task.max_new_tokens`      |
 | `metric`         | string, a registered metric | no       | scorer; default `task.metric` (one of them needed)   |
+| `metric_args`    | object (or its JSON string) | no       | scorer keyword arguments; default {}                 |
 | `id`             | string or integer, unique   | no       | sample id; default the row index (0-based)           |
 | `turns`          | list of turn objects        | no       | a multi-turn session, see below                      |
 | `task`           | string                      | no       | (sub)task name in records; default `task.name`       |
-| `chat_template`  | boolean                     | no       | wrap in the model's chat template; default `task.chat_template` |
+| `chat_template`  | boolean                     | no       | use the model's chat template; default `task.*`      |
 | `stop`           | string or list of strings   | no       | extra stop strings; default none                     |
-| `truncation`     | "error" or "middle"         | no       | too-long prompt: refuse, or keep the context's two ends; default `task.truncation` |
+| `truncation`     | "error" or "middle"         | no       | too long: refuse / keep both ends; default `task.*`  |
 | `meta`           | object (or its JSON string) | no       | facts copied into every record; default {}           |
 
 [1] Not needed when `turns` is given. `turns` lists every turn of the session, first one included: objects
-with `question` and `answers` (or `answer`) and optionally `answer_prefix`, `max_new_tokens` and `metric`,
-which default to the row's columns. Later turns are asked on the same cache with the gold answers of earlier
-turns as history. A row with `turns` may also carry `question`/`answers`; they must then repeat the first
-turn (the exporter writes them so that single-turn harnesses can still run the first question).
+with `question` and `answers` (or `answer`) and optionally `answer_prefix`, `max_new_tokens`, `metric` and
+`metric_args`, which default to the row's columns. Later turns are asked on the same cache with the gold
+answers of earlier turns as history. A row with `turns` may also carry `question`/`answers`; they must then
+repeat the first turn (the exporter writes them so that single-turn harnesses can still run the first one).
 
 Choices:
 - A file's values win; `task.*` settings only fill what a row leaves out, so an exported file runs exactly as
   it was exported whatever the task config says.
 - Every row is validated before any sample is returned, so an invalid file fails before the first record is
   written. Errors name the file, the row (its 0-based index, the JSONL line, the id) and the column.
-- The length check needs the model: rows with `truncation: error` must fit `seq_len` (when set) and the
-  model's limit on prompt + generated tokens, which the runner puts in `max_positions` (the engine would
-  otherwise refuse such a row mid-run, after earlier records were written). Only the rows selected by
-  `num_samples` are measured, since tokenizing long contexts is the expensive part.
+- The length check needs the model: rows with `truncation: error` must pass the engine's limits
+  (`kvbench.engine.fit_to_model`: the model's limit on prompt + generated tokens, which the runner puts in
+  `max_positions`, and `meta["prompt_token_limit"]`) and `seq_len` when set. The engine would otherwise
+  refuse such a row mid-run, after earlier records were written. Only the rows selected by `num_samples`
+  are measured, since tokenizing long contexts is the expensive part.
 - JSON and JSON Lines are read with the standard library, not pandas, so that types are exactly the file's
   (pandas would turn the id "007" into 7 and a missing value into NaN). A `.json` file holds a list of rows
-  or, as `datasets.Dataset.to_json` writes it, JSON Lines. Parquet goes through pyarrow; there `meta` is a
-  JSON string, because Parquet would merge the keys of all rows' objects into one struct.
+  or, as `datasets.Dataset.to_json` writes it, JSON Lines. Parquet goes through pyarrow; there `meta` and
+  `metric_args` are JSON strings, because Parquet would merge the keys of all rows' objects into one struct.
 - Unknown columns are ignored with a warning (a typo such as `answer_prefx` would otherwise pass unseen).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import logging
 import os
 import reprlib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
-from kvbench.errors import KVBenchError
 from kvbench.tasks import generic_metrics
 from kvbench.tasks.base import PromptMeter, Sample, Task, Turn
-from kvbench.tasks.longbench_metrics import register_classification
 from kvbench.tasks.scoring import SCORERS, get_scorer
+
+from kvbench.errors import KVBenchError
 
 log = logging.getLogger(__name__)
 
 FORMATS = (".jsonl", ".json", ".parquet")
 TRUNCATIONS = ("error", "middle")
-TURN_KEYS = ("question", "answers", "answer", "answer_prefix", "max_new_tokens", "metric")
-COLUMNS = ("context", "question", "answers", "answer", "answer_prefix", "max_new_tokens", "metric", "id", "turns",
-           "task", "chat_template", "stop", "truncation", "meta")
-# LongBench's trec/lsht scorer is registered per class list while LongBench builds samples; an exported sample
-# carries the list in meta["all_classes"], from which its scorer is registered again.
-_CLASSIFICATION = "longbench_classification_first_line@"
+TURN_KEYS = ("question", "answers", "answer", "answer_prefix", "max_new_tokens", "metric", "metric_args")
+COLUMNS = ("context", "question", "answers", "answer", "answer_prefix", "max_new_tokens", "metric", "metric_args",
+           "id", "turns", "task", "chat_template", "stop", "truncation", "meta")
 
 
 @dataclasses.dataclass
@@ -101,7 +102,8 @@ def _type_name(value: Any) -> str:
 
 def _json_lines(path: Path, text: str) -> list[_Row]:
     rows: list[_Row] = []
-    for line_no, line in enumerate(text.splitlines(), 1):
+    # Split on "\n" only: str.splitlines also breaks at U+2028, U+0085, ..., which JSON strings hold unescaped.
+    for line_no, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:
@@ -168,12 +170,12 @@ def _string(row: _Row, column: str, value: Any, *, blank_ok: bool = True) -> str
     return value
 
 
-def _strings(row: _Row, column: str, value: Any) -> list[str]:
-    """A string or a non-empty list of non-empty strings, as a list."""
+def _strings(row: _Row, column: str, value: Any, *, empty_list_ok: bool = False) -> list[str]:
+    """A string or a list of non-empty strings, as a list."""
     values = [value] if isinstance(value, str) else value
     if not isinstance(values, list):
         raise row.error(column, f"must be a string or a list of strings, got {_type_name(value)}")
-    if not values:
+    if not values and not empty_list_ok:
         raise row.error(column, "is an empty list")
     for i, item in enumerate(values):
         if not isinstance(item, str):
@@ -194,16 +196,28 @@ def _positive_int(row: _Row, column: str, value: Any) -> int:
     return value
 
 
-def check_metric(name: str, meta: dict[str, Any]) -> str | None:
-    """None if `name` is a registered scorer (registering a LongBench classification one from meta), else why not."""
-    if name.startswith(_CLASSIFICATION) and name not in SCORERS and isinstance(meta.get("all_classes"), list):
-        register_classification(meta["all_classes"])
+def check_metric(name: str) -> str | None:
+    """None if `name` is a registered scorer, else the reason (listing the known names)."""
     try:
         get_scorer(name)
     except KeyError:
         return (f"names unknown metric {name!r}; generic metrics: {', '.join(generic_metrics.GENERIC_METRICS)}; "
                 f"every registered metric: {', '.join(sorted(SCORERS))}")
     return None
+
+
+def _object(row: _Row, column: str, value: Any) -> dict[str, Any]:
+    """An object, or its JSON text (how Parquet files carry free-form objects); None gives {}."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise row.error(column, f"is a string but not JSON ({err.msg})") from None
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise row.error(column, f"must be an object, got {_type_name(value)}")
+    return value
 
 
 @dataclasses.dataclass
@@ -226,8 +240,25 @@ def _pick_answers(row: _Row, data: dict[str, Any], prefix: str) -> list[str] | N
     return None
 
 
+def _turn_settings(row: _Row, data: dict[str, Any], prefix: str, base: dict[str, Any]) -> dict[str, Any]:
+    """answer_prefix, max_new_tokens, metric and metric_args of `data`, each falling back to `base`'s."""
+    out = dict(base)
+    if data.get("answer_prefix") is not None:
+        out["answer_prefix"] = _string(row, f"{prefix}answer_prefix", data["answer_prefix"])
+    if data.get("max_new_tokens") is not None:
+        out["max_new_tokens"] = _positive_int(row, f"{prefix}max_new_tokens", data["max_new_tokens"])
+    if data.get("metric") is not None:
+        problem = check_metric(_string(row, f"{prefix}metric", data["metric"]))
+        if problem:
+            raise row.error(f"{prefix}metric", problem)
+        out["metric"] = data["metric"]
+    if data.get("metric_args") is not None:
+        out["metric_args"] = _object(row, f"{prefix}metric_args", data["metric_args"])
+    return out
+
+
 def _turn(row: _Row, data: Any, prefix: str, base: dict[str, Any]) -> Turn:
-    """One turn from `data` (the row itself or a `turns` entry); `base` holds the row-level fallbacks."""
+    """One turn from `data` (the row itself or a `turns` entry); `base` holds the row-level settings."""
     if not isinstance(data, dict):
         raise row.error(prefix.rstrip("."), f"must be an object, got {_type_name(data)}")
     if data.get("question") is None:
@@ -236,22 +267,18 @@ def _turn(row: _Row, data: Any, prefix: str, base: dict[str, Any]) -> Turn:
     answers = _pick_answers(row, data, prefix)
     if answers is None:
         raise row.error(f"{prefix}answers", "is missing (kvpress's name 'answer' is accepted too)")
-    prefix_value = data.get("answer_prefix")
-    answer_prefix = base["answer_prefix"] if prefix_value is None else _string(row, f"{prefix}answer_prefix", prefix_value)
-    limit = data.get("max_new_tokens")
-    max_new_tokens = base["max_new_tokens"] if limit is None else _positive_int(row, f"{prefix}max_new_tokens", limit)
-    metric = data.get("metric")
-    if metric is None:
-        if base["metric"] is None:
-            raise row.error(f"{prefix}metric", "is missing and task.metric is not set; add the column or pass "
-                                              f"task.metric= (one of {', '.join(generic_metrics.GENERIC_METRICS)})")
-        metric = base["metric"]
-    else:
-        problem = check_metric(_string(row, f"{prefix}metric", metric), base["meta"])
-        if problem:
-            raise row.error(f"{prefix}metric", problem)
-    return Turn(question=question, answers=answers, max_new_tokens=max_new_tokens, metric=metric,
-                answer_prefix=answer_prefix)
+    settings = _turn_settings(row, data, prefix, base)
+    if settings["metric"] is None:
+        raise row.error(f"{prefix}metric", "is missing and task.metric is not set; add the column or pass "
+                                          f"task.metric= (one of {', '.join(generic_metrics.GENERIC_METRICS)})")
+    # The engine calls scorer(prediction, answers, **metric_args): arguments that do not fit would fail
+    # mid-run, after earlier records were written.
+    try:
+        inspect.signature(get_scorer(settings["metric"])).bind("", answers, **settings["metric_args"])
+    except TypeError as err:
+        raise row.error(f"{prefix}metric_args", f"do not fit metric {settings['metric']!r}: {err}") from None
+    return Turn(question=question, answers=answers, max_new_tokens=settings["max_new_tokens"],
+                metric=settings["metric"], answer_prefix=settings["answer_prefix"], metric_args=settings["metric_args"])
 
 
 def parse_row(row: _Row, defaults: _Defaults) -> Sample:
@@ -271,43 +298,24 @@ def parse_row(row: _Row, defaults: _Defaults) -> Sample:
     if data.get("context") is None:
         raise row.error("context", "is missing")
     context = _string(row, "context", data["context"], blank_ok=False)
-
-    meta: Any = data.get("meta")
-    if isinstance(meta, str):
-        try:
-            meta = json.loads(meta)
-        except json.JSONDecodeError as err:
-            raise row.error("meta", f"is a string but not JSON ({err.msg})") from None
-    if meta is None:
-        meta = {}
-    if not isinstance(meta, dict):
-        raise row.error("meta", f"must be an object, got {_type_name(meta)}")
-
+    meta = _object(row, "meta", data.get("meta"))
     task = defaults.name if data.get("task") is None else _string(row, "task", data["task"], blank_ok=False)
     chat_template = data.get("chat_template")
     if chat_template is None:
         chat_template = defaults.chat_template
     elif not isinstance(chat_template, bool):
         raise row.error("chat_template", f"must be true or false, got {_type_name(chat_template)}")
-    stop = [] if data.get("stop") is None else _strings(row, "stop", data["stop"])
+    stop = [] if data.get("stop") is None else _strings(row, "stop", data["stop"], empty_list_ok=True)
     truncation = defaults.truncation if data.get("truncation") is None else data["truncation"]
     if truncation not in TRUNCATIONS:
-        raise row.error("truncation", f"must be one of {', '.join(map(repr, TRUNCATIONS))}, got {_type_name(truncation)}")
+        raise row.error("truncation", f"must be one of {', '.join(map(repr, TRUNCATIONS))}, "
+                                      f"got {_type_name(truncation)}")
 
-    base = {"answer_prefix": "", "max_new_tokens": defaults.max_new_tokens, "metric": defaults.metric, "meta": meta}
-    if data.get("answer_prefix") is not None:
-        base["answer_prefix"] = _string(row, "answer_prefix", data["answer_prefix"])
-    if data.get("max_new_tokens") is not None:
-        base["max_new_tokens"] = _positive_int(row, "max_new_tokens", data["max_new_tokens"])
-    if data.get("metric") is not None:
-        problem = check_metric(_string(row, "metric", data["metric"]), meta)
-        if problem:
-            raise row.error("metric", problem)
-        base["metric"] = data["metric"]
-
+    task_settings = {"answer_prefix": "", "max_new_tokens": defaults.max_new_tokens, "metric": defaults.metric,
+                     "metric_args": {}}
     raw_turns = data.get("turns")
     if raw_turns is None:
-        turns = [_turn(row, data, "", base)]
+        turns = [_turn(row, data, "", task_settings)]
     else:
         if not isinstance(raw_turns, list) or not raw_turns:
             raise row.error("turns", f"must be a non-empty list of turn objects, got {_type_name(raw_turns)}")
@@ -317,10 +325,12 @@ def parse_row(row: _Row, defaults: _Defaults) -> Sample:
             unknown = sorted(set(t) - set(TURN_KEYS)) if isinstance(t, dict) else []
             if unknown:
                 raise row.error(f"turns[{i}]", f"has unknown keys {unknown}; a turn takes {', '.join(TURN_KEYS)}")
+        base = _turn_settings(row, data, "", task_settings)
         turns = [_turn(row, t, f"turns[{i}].", base) for i, t in enumerate(raw_turns)]
         # Top-level question/answers beside `turns` are the first turn for single-turn readers; they must agree.
         if data.get("question") is not None and data["question"] != turns[0].question:
-            raise row.error("question", "differs from turns[0].question; with 'turns' it may only repeat the first turn")
+            raise row.error("question", "differs from turns[0].question; with 'turns' it may only repeat the "
+                                        "first turn")
         top_answers = _pick_answers(row, data, "")
         if top_answers is not None and top_answers != turns[0].answers:
             raise row.error("answers", "differ from turns[0].answers; with 'turns' they may only repeat the first turn")
@@ -349,9 +359,9 @@ class Custom(Task):
             loaded; None skips the model-limit check.
     """
 
-    def __init__(self, name: str = "custom", path: str | None = None, metric: str | None = None, max_new_tokens: int = 64,
-                 num_samples: int | None = None, seq_len: int | None = None, chat_template: bool = True,
-                 truncation: str = "error", max_positions: int | None = None) -> None:
+    def __init__(self, name: str = "custom", path: str | None = None, metric: str | None = None,
+                 max_new_tokens: int = 64, num_samples: int | None = None, seq_len: int | None = None,
+                 chat_template: bool = True, truncation: str = "error", max_positions: int | None = None) -> None:
         # Only stored here: Hydra wraps exceptions raised while instantiating, which would defeat the CLI's
         # one-line error; everything is checked in `samples`.
         self.name = name
@@ -368,7 +378,7 @@ class Custom(Task):
         if not self.path:
             raise KVBenchError("task=custom needs task.path=FILE (.jsonl, .json or .parquet)")
         if self.metric is not None:
-            problem = check_metric(str(self.metric), {})
+            problem = check_metric(str(self.metric))
             if problem:
                 raise KVBenchError(f"task.metric {problem}")
         for key, optional in (("max_new_tokens", False), ("num_samples", True), ("seq_len", True)):
@@ -376,7 +386,8 @@ class Custom(Task):
             if value is None and optional:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise KVBenchError(f"task.{key} must be a positive integer{' or null' if optional else ''}, got {value!r}")
+                raise KVBenchError(f"task.{key} must be a positive integer{' or null' if optional else ''}, "
+                                   f"got {value!r}")
         if self.truncation not in TRUNCATIONS:
             raise KVBenchError(f"task.truncation must be one of {', '.join(TRUNCATIONS)}, got {self.truncation!r}")
         return _Defaults(self.name, self.metric, self.max_new_tokens, bool(self.chat_template), self.truncation)
@@ -402,17 +413,24 @@ class Custom(Task):
         return samples[:selected]
 
     def _check_length(self, row: _Row, sample: Sample, meter: PromptMeter) -> None:
-        """Refuse a row the engine could not run: the same sum as `kvbench.engine.fit_to_model`."""
-        if sample.truncation != "error" or (self.seq_len is None and self.max_positions is None):
+        """Refuse a row the engine would refuse: the limits of `kvbench.engine.fit_to_model`, and seq_len."""
+        if sample.truncation != "error":
             return
         first = sample.turns[0]
-        prompt = meter(sample.context, first.question, first.answer_prefix, sample.chat_template)
         new_tokens = sum(t.max_new_tokens for t in sample.turns)
-        for limit, what in ((self.max_positions, "the model's limit"), (self.seq_len, "task.seq_len")):
-            if limit is not None and prompt + new_tokens > limit:
-                raise row.error("context", f"is too long: the prompt is {prompt} tokens + {new_tokens} new tokens, over "
-                                           f"{what} of {limit}; shorten it or set truncation to 'middle' (column or "
-                                           "task.truncation=middle) to keep its two ends")
+        prompt = meter(sample.context, first.question, first.answer_prefix, sample.chat_template)
+        total = f"{prompt} prompt tokens + {new_tokens} new tokens"
+        problems = []
+        if self.max_positions is not None and prompt + new_tokens > self.max_positions:
+            problems.append(f"{total} exceed the model's limit of {self.max_positions} positions")
+        if self.seq_len is not None and prompt + new_tokens > self.seq_len:
+            problems.append(f"{total} exceed task.seq_len={self.seq_len}")
+        if sample.meta.get("prompt_token_limit") and prompt > int(sample.meta["prompt_token_limit"]):
+            cap = sample.meta["prompt_token_limit"]
+            problems.append(f"{prompt} prompt tokens exceed meta's prompt_token_limit={cap}")
+        if problems:
+            raise row.error("context", f"is too long: {problems[0]}; shorten it, or set truncation to 'middle' (the "
+                                       "column, or task.truncation=middle) to keep its two ends")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -438,11 +456,21 @@ def sample_to_row(sample: Sample) -> dict[str, Any]:
         "metric": first.metric,
         "chat_template": sample.chat_template,
         "stop": list(sample.stop),
+        "metric_args": first.metric_args,
         "truncation": sample.truncation,
         "meta": sample.meta,
     }
     if len(sample.turns) > 1:
         row["turns"] = [dataclasses.asdict(t) for t in sample.turns]
+    return row
+
+
+def _as_json_objects(row: dict[str, Any]) -> dict[str, Any]:
+    """The row for Parquet: free-form objects as JSON text, since Parquet would merge all rows' keys."""
+    row = {**row, "meta": json.dumps(row["meta"], ensure_ascii=False),
+           "metric_args": json.dumps(row["metric_args"], ensure_ascii=False)}
+    if "turns" in row:
+        row["turns"] = [{**t, "metric_args": json.dumps(t["metric_args"], ensure_ascii=False)} for t in row["turns"]]
     return row
 
 
@@ -462,10 +490,10 @@ def write_samples(samples: Iterable[Sample], path: Path) -> int:
             import pyarrow as pa
             import pyarrow.parquet as pq
 
+            rows = [_as_json_objects(row) for row in rows]
+            # By column, null where a row lacks the key (pa.Table.from_pylist would take the first row's keys).
             columns = list(dict.fromkeys(key for row in rows for key in row))
-            table = {key: [row.get(key) for row in rows] for key in columns}
-            table["meta"] = [json.dumps(meta, ensure_ascii=False) for meta in table["meta"]]
-            pq.write_table(pa.table(table), tmp)
+            pq.write_table(pa.table({key: [row.get(key) for row in rows] for key in columns}), tmp)
         else:
             with tmp.open("w", encoding="utf-8") as f:
                 if path.suffix == ".jsonl":

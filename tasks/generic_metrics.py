@@ -5,18 +5,20 @@ the same function object as the scorer it aliases (so the two names always give 
 `exact_match`, which is new. Every scorer takes the prediction and the list of gold answers and returns a
 score in [0, 1]; "max over golds" means the best score against any one gold.
 
-| name                | computes                                                                    | same as              |
-| ------------------- | --------------------------------------------------------------------------- | -------------------- |
-| `string_match_all`  | share of golds contained, case-insensitively, in the prediction (RULER)     | (itself, metrics.py) |
-| `string_match_part` | 1 if any gold is contained, case-insensitively, in the prediction (RULER)   | (itself, metrics.py) |
-| `qa_f1`             | token F1 after `normalize_answer` (below), max over golds (LongBench/SQuAD)  | `longbench_qa_f1`    |
-| `rouge_l`           | ROUGE-L F of the `rouge==1.0.1` package on whitespace words, max over golds; | `longbench_rouge`    |
-|                     | 0 when the library raises (empty prediction)                                |                      |
-| `exact_match`       | 1 if `normalize_answer(prediction) == normalize_answer(gold)` for some gold  | (new)                |
-| `code_sim`          | `fuzz.ratio / 100` between the first prediction line without "`", "#" or     | `longbench_code_sim` |
-|                     | "//" and the gold (LongBench lcc/repobench-p), max over golds               |                      |
-| `math_equiv`        | last `\\boxed{}` of the prediction equals a gold under the MATH normaliser   | (itself,             |
-|                     | or math-verify finds them equivalent                                        | math_metrics.py)     |
+| name                | computes                                                             | same as              |
+| ------------------- | -------------------------------------------------------------------- | -------------------- |
+| `string_match_all`  | share of golds contained, case-insensitively, in the prediction      | (RULER, metrics.py)  |
+| `string_match_part` | 1 if any gold is contained, case-insensitively, in the prediction    | (RULER, metrics.py)  |
+| `qa_f1`             | token F1 after `normalize_answer` (below), max over golds            | `longbench_qa_f1`    |
+| `rouge_l`           | ROUGE-L F of the `rouge==1.0.1` package (LCS of whitespace words,    | `longbench_rouge`    |
+|                     | summary-level over "."-split sentences), max over golds; 0 when the  |                      |
+|                     | library raises (empty prediction)                                    |                      |
+| `exact_match`       | 1 if `normalize_answer(prediction) == normalize_answer(gold)` for    | (new)                |
+|                     | some gold                                                            |                      |
+| `code_sim`          | `fuzz.ratio / 100` of the first prediction line without "`", "#" or  | `longbench_code_sim` |
+|                     | "//" against the gold (LongBench lcc/repobench-p), max over golds    |                      |
+| `math_equiv`        | last `\\boxed{}` of the prediction equals a gold under the MATH      | (math_metrics.py)    |
+|                     | normaliser, or math-verify finds them equivalent                     |                      |
 
 `normalize_answer` (LongBench's, itself SQuAD's): lower-case, delete ASCII punctuation, delete the words
 a/an/the, collapse whitespace. So `exact_match` counts "The Eiffel Tower." equal to "eiffel tower", but
@@ -25,8 +27,9 @@ a/an/the, collapse whitespace. So `exact_match` counts "The Eiffel Tower." equal
 
 from __future__ import annotations
 
-from kvbench.tasks import math_metrics, metrics  # noqa: F401  (registers string_match_*, math_equiv)
-from kvbench.tasks.longbench_metrics import normalize_answer  # importing it registers longbench_*
+# Importing these modules registers the scorers named below (string_match_*, math_equiv, longbench_*).
+from kvbench.tasks import math_metrics, metrics  # noqa: F401
+from kvbench.tasks.longbench_metrics import normalize_answer
 from kvbench.tasks.scoring import SCORERS, register
 
 GENERIC_METRICS = (

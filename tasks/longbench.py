@@ -41,7 +41,6 @@ from kvbench.tasks.longbench_metrics import (
     ALL_SUBSETS,
     ENGLISH_SUBSETS,
     FIRST_LINE_SUBSETS,
-    register_classification,
 )
 
 _CONFIG_DIR = Path(__file__).parent / "data" / "longbench"
@@ -114,14 +113,14 @@ def split_template(subset: str) -> tuple[str, str, str]:
 TEMPLATE_PARTS: dict[str, tuple[str, str, str]] = {s: split_template(s) for s in ALL_SUBSETS}
 
 
-def metric_for(subset: str, all_classes: Sequence[str] | None) -> str:
-    """The registered metric name a subset's samples are scored with."""
+def metric_for(subset: str, all_classes: Sequence[str] | None) -> tuple[str, dict]:
+    """The registered metric name a subset's samples are scored with, and its extra scorer arguments."""
     base = _BASE_METRIC[subset]
     if base == "classification":
         if not all_classes:
             raise ValueError(f"{subset}: classification needs the row's all_classes")
-        return register_classification(all_classes)
-    return f"longbench_{base}" + ("_first_line" if subset in FIRST_LINE_SUBSETS else "")
+        return "longbench_classification_first_line", {"all_classes": list(all_classes)}
+    return f"longbench_{base}" + ("_first_line" if subset in FIRST_LINE_SUBSETS else ""), {}
 
 
 def _missing_message(names: Sequence[str], where: str) -> str:
@@ -256,6 +255,7 @@ class LongBench(Task):
         }
         if subset == "samsum":
             meta["min_new_tokens"] = 1
+        metric, metric_args = metric_for(subset, row["all_classes"])
         return Sample(
             id=f"{task}/{row['_id']}",
             task=task,
@@ -265,8 +265,9 @@ class LongBench(Task):
                     question=question,
                     answers=list(row["answers"]),
                     max_new_tokens=MAX_NEW_TOKENS[subset],
-                    metric=metric_for(subset, row["all_classes"]),
+                    metric=metric,
                     answer_prefix=cue,
+                    metric_args=metric_args,
                 )
             ],
             chat_template=subset not in NO_CHAT_TEMPLATE,

@@ -11,12 +11,9 @@ the same words for different computations, e.g. SCBench's ROUGE comes from `roug
   `longbench_retrieval_zh`, `longbench_count`, `longbench_code_sim`;
 - `longbench_qa_f1_first_line` (triviaqa) and `longbench_rouge_first_line` (samsum): the same with the
   first-line cut;
-- `longbench_classification_first_line@<hash>` (trec, lsht): the classification scorer needs the subset's
-  class list, and a scorer only receives `(prediction, answers)`. `register_classification(all_classes)`
-  registers a closure over the list under a name derived from the list's content (so equal lists share one
-  scorer, and a name always means the same list) and returns the name; the LongBench task calls it while
-  building samples. A process that scores saved samples without building them must call it again with
-  `sample.meta["all_classes"]` first.
+- `longbench_classification_first_line` (trec, lsht): the classification scorer also needs the row's class
+  list, which the sample carries in `Turn.metric_args = {"all_classes": [...]}` (so saved or exported samples
+  score anywhere, with no registration step).
 
 Libraries are the ones LongBench uses, pinned because they change numbers: `rouge==1.0.1` (pltrdy; not
 `rouge-score`), `jieba==0.42.1`, `fuzzywuzzy==0.18.0` with `python-Levenshtein==0.27.5` as its matcher
@@ -25,8 +22,6 @@ Libraries are the ones LongBench uses, pinned because they change numbers: `roug
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import math
 import re
@@ -229,22 +224,11 @@ for _name in ("qa_f1", "rouge"):  # the first-line subsets that do not use class
     register(f"longbench_{_name}_first_line")(_scorer(_PAIR_METRICS[_name], cut_first_line=True))
 
 
-def register_classification(all_classes: Sequence[str]) -> str:
-    """Register (once) the first-line classification scorer for this class list and return its metric name.
-
-    The name carries a hash of the ordered list (order matters for the removal quirk), so it is stable
-    across processes and runs.
-    """
+@register("longbench_classification_first_line")
+def classification_first_line(prediction: str, answers: list[str], all_classes: Sequence[str]) -> float:
+    """trec/lsht: classification on the first line against the row's class list (`Turn.metric_args`)."""
     classes = list(all_classes)
-    digest = hashlib.sha256(json.dumps(classes, ensure_ascii=False).encode()).hexdigest()[:16]
-    name = f"longbench_classification_first_line@{digest}"
-    if name not in SCORERS:
-
-        def classification(prediction: str, gold: str) -> float:
-            return classification_score(prediction, gold, classes)
-
-        register(name)(_scorer(classification, cut_first_line=True))
-    return name
+    return best_over_answers(lambda p, g: classification_score(p, g, classes), first_line(prediction), answers)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Metric registry: every scorer maps (prediction, gold answers) to a score in [0, 1].
+"""Metric registry: every scorer maps (prediction, gold answers, **metric_args) to a score in [0, 1].
 
 Task modules register their scorers with `@register("name")`; a `Turn` names its metric, so a sample is
 scored without knowing which task made it. Scorers are pure functions of strings (no model, no state).
@@ -7,9 +7,9 @@ scored without knowing which task made it. Scorers are pure functions of strings
 from __future__ import annotations
 
 import importlib
-from typing import Callable
+from typing import Any, Callable
 
-Scorer = Callable[[str, list[str]], float]
+Scorer = Callable[..., float]  # (prediction: str, answers: list[str], **metric_args) -> float
 SCORERS: dict[str, Scorer] = {}
 
 # Modules whose import registers scorers; imported on first lookup so `score` works from anywhere.
@@ -18,6 +18,7 @@ SCORER_MODULES = [
     "kvbench.tasks.longbench_metrics",
     "kvbench.tasks.scbench_metrics",
     "kvbench.tasks.math_metrics",
+    "kvbench.tasks.generic_metrics",
 ]
 
 
@@ -39,5 +40,5 @@ def get_scorer(name: str) -> Scorer:
     return SCORERS[name]
 
 
-def score(metric: str, prediction: str, answers: list[str]) -> float:
-    return float(get_scorer(metric)(prediction, answers))
+def score(metric: str, prediction: str, answers: list[str], **metric_args: Any) -> float:
+    return float(get_scorer(metric)(prediction, answers, **metric_args))

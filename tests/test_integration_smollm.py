@@ -86,10 +86,19 @@ def test_cli_end_to_end_writes_records_manifest_and_summary(tmp_path):
     assert (run_dir / "summary.json").is_file() and (run_dir / "config.yaml").is_file()
 
 
-def test_scbench_style_two_turns_on_one_compressed_cache(smollm2):
-    from test_engine import kv_sample
+def test_scbench_kv_two_turns_through_one_compressed_cache(smollm2, tmp_path):
+    """The SCBench loader's multi-turn sample on the real model: turn 2 is appended to the cache that turn 1
+    compressed (exactness of that attention is checked against a dense reference in test_engine.py)."""
+    from kvbench.tasks.scbench import SCBench
 
-    record = run_sample(smollm2, build_method("snapkv"), 96, kv_sample(2), EngineConfig(compress_question=False))
+    pairs = {f"{i:04x}-key": f"{i * 7919 % 10**6:06d}-val" for i in range(30)}
+    row = {"id": 0, "context": json.dumps(pairs), "multi_turns": [
+        {"input": f'Key: "{k}"\nThe value associated with the specified key is: ', "answer": pairs[k]}
+        for k in ("0003-key", "0011-key")]}
+    (tmp_path / "scbench_kv.jsonl").write_text(json.dumps(row) + "\n")
+    task = SCBench(name="scbench_kv", tasks=["scbench_kv"], data_dir=str(tmp_path), num_samples=1, max_turns=2)
+    (sample,) = task.samples(PromptBuilder(smollm2.tokenizer).measure, seed=0)
+    record = run_sample(smollm2, build_method("snapkv"), 96, sample, EngineConfig())
     assert len(record["turns"]) == 2 and record["compressed"]
-    assert all(t["new_tokens"] > 0 for t in record["turns"])
+    assert all(t["new_tokens"] > 0 and 0.0 <= t["score"] <= 1.0 for t in record["turns"])
     assert record["kv_bytes_end"] < record["kv_bytes_full_prompt"]

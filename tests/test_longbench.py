@@ -181,14 +181,16 @@ def test_sample_fields(data_dir: Path) -> None:
     assert metrics["qasper"] == "longbench_qa_f1" and metrics["multifieldqa_zh"] == "longbench_qa_f1_zh"
     assert metrics["dureader"] == metrics["vcsum"] == "longbench_rouge_zh"
     assert metrics["lcc"] == metrics["repobench-p"] == "longbench_code_sim"
-    assert metrics["trec"] == lm.register_classification(TREC_CLASSES)
+    assert metrics["trec"] == "longbench_classification_first_line"
+    trec = next(s for s in task.samples(whitespace_meter, seed=0) if s.meta["subset"] == "trec")
+    assert trec.turns[0].metric_args == {"all_classes": TREC_CLASSES}
 
 
 def test_gold_answers_score_full_marks(data_dir: Path) -> None:
     task = lb.LongBench(subsets=list(lm.ALL_SUBSETS), data_dir=str(data_dir))
     for s in task.samples(whitespace_meter, seed=0):
         turn = s.turns[0]
-        assert SCORERS[turn.metric](turn.answers[0], turn.answers) == pytest.approx(1.0, abs=1e-6), s.task
+        assert SCORERS[turn.metric](turn.answers[0], turn.answers, **turn.metric_args) == pytest.approx(1.0, abs=1e-6), s.task
 
 
 def test_loader_reads_data_subdir_num_samples_and_e(data_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -334,8 +336,10 @@ def test_code_sim_fuzzywuzzy_rounding_and_backend() -> None:
 
 def test_classification_quirks() -> None:
     classes = ["art", "part", "party", "cat"]
-    name = lm.register_classification(classes)
-    score = SCORERS[name]
+
+    def score(prediction: str, answers: list[str]) -> float:
+        return SCORERS["longbench_classification_first_line"](prediction, answers, all_classes=classes)
+
     # Matches [art, part, party, cat]; removing "art" (a substring of the gold) while iterating skips "part",
     # which stays: [part, party, cat] -> 1/3 (a correct removal would give 1/2).
     assert score("party cat", ["party"]) == pytest.approx(1 / 3)
@@ -345,9 +349,6 @@ def test_classification_quirks() -> None:
     assert score("nothing relevant", ["cat"]) == 0.0  # the difflib fallback never runs
     assert score("cat\nparty", ["cat"]) == 1.0  # first line only
     assert score("\ncat", ["cat"]) == 1.0
-    # Same list -> same scorer; the order matters to the quirk, so another order is another scorer.
-    assert lm.register_classification(list(classes)) == name
-    assert lm.register_classification(classes[::-1]) != name
 
 
 def test_subset_score_and_e_buckets() -> None:

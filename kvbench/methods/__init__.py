@@ -1,14 +1,18 @@
-"""KV-cache compression methods. Importing this package registers every method in `METHODS`."""
+"""KV-cache compression methods: every module in this package registers its methods in `METHODS`."""
 
-from kvbench.methods import adakv, exact_topk, full, snapkv, streamingllm  # noqa: F401  (registration)
+import importlib
+import pkgutil
+
+from kvbench.errors import KVBenchError
 from kvbench.methods.base import METHODS, Method, register_method
 
 __all__ = ["METHODS", "Method", "register_method", "build_method"]
 
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
 
 def build_method(name: str, **params) -> Method:
-    from kvbench.errors import KVBenchError
-
     if name not in METHODS:
         raise KVBenchError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
     try:
