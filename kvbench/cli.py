@@ -19,6 +19,7 @@ import hydra
 import numpy as np
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
@@ -26,7 +27,6 @@ from tqdm.auto import tqdm
 import kvbench.conf
 from kvbench.errors import KVBenchError
 from kvbench.results import point_hash
-from kvbench.tasks.base import DatasetMissingError
 
 log = logging.getLogger("kvbench")
 
@@ -99,10 +99,15 @@ def cached_samples(cfg: DictConfig, lm, builder) -> list:
     key = (OmegaConf.to_yaml(cfg.task), lm.name, cfg.seed, OmegaConf.to_yaml(cfg.engine))
     if key not in _SAMPLES:
         _SAMPLES.clear()
-        task = instantiate(cfg.task, _convert_="all")
-        if task.max_positions is None:
-            task.max_positions = lm.max_positions
-        _SAMPLES[key] = task.samples(builder.measure, seed=cfg.seed)
+        try:
+            task = instantiate(cfg.task, _convert_="all")
+            if task.max_positions is None:
+                task.max_positions = lm.max_positions
+            _SAMPLES[key] = task.samples(builder.measure, seed=cfg.seed)
+        except (ValueError, InstantiationException) as exc:  # a task's word on its settings
+            log.debug("task %s failed", cfg.task.name, exc_info=True)
+            cause = exc.__cause__ if isinstance(exc, InstantiationException) and exc.__cause__ else exc
+            raise KVBenchError(f"task {cfg.task.name}: {cause}") from exc
     return _SAMPLES[key]
 
 
@@ -185,7 +190,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
 def _hydra_entry(cfg: DictConfig) -> None:
     try:
         run_point(cfg)
-    except (KVBenchError, DatasetMissingError) as exc:
+    except KVBenchError as exc:
         print(f"kvbench: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
 

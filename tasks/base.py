@@ -23,6 +23,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from kvbench.errors import KVBenchError
+
 
 @dataclass
 class Turn:
@@ -93,5 +95,5 @@ def sample_rng(seed: int, *parts: Any) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "little"))
 
 
-class DatasetMissingError(RuntimeError):
+class DatasetMissingError(KVBenchError):
     """A task needs data that is not on this machine; the message says how to get it."""
