@@ -1,12 +1,15 @@
 """Decode attention over a per-query-head subset of cached tokens (the selection methods' hot path).
 
-`topk_attention` is the PyTorch reference: gather the selected keys/values of each query head and run an
-fp32 softmax over them alone (what Exact-TopK, Quest, SparQ and HSA do at each decode step).
+Each query head attends to the keys/values it selected (what Exact-TopK, Quest, SparQ and HSA do at each
+decode step), with an fp32 softmax over the selected tokens alone. `topk_attention` dispatches between the
+Triton kernel (`topk_attention_triton`, CUDA) and the PyTorch reference (`topk_attention_reference`);
+both compute the same function, documented on the reference.
 """
 
 from __future__ import annotations
 
 import torch
+from kvbench.kernels._dispatch import use_triton
 
 
 def topk_attention(
@@ -17,11 +20,28 @@ def topk_attention(
     scaling: float,
     valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of each query head over its own selected tokens.
+    """`topk_attention_reference`'s result, computed by the Triton kernel when `use_triton` allows it."""
+    tensors = (q, keys, values, idx) + ((valid,) if valid is not None else ())
+    impl = topk_attention_triton if use_triton(*tensors) else topk_attention_reference
+    return impl(q, keys, values, idx, scaling, valid)
 
-    q: [H_kv, G, D]; keys/values: [H_kv, L, D]; idx: [H_kv, G, k] token indices into L (per query head;
-    group-shared selection is the same indices repeated over G); valid: optional [H_kv, L] mask of real
-    (non-padding) slots of a ragged layer: selected padding gets no weight. Returns [H_kv, G, D] in q's dtype.
+
+def topk_attention_reference(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    idx: torch.Tensor,
+    scaling: float,
+    valid: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of each query head over its own selected tokens (PyTorch).
+
+    q: [H_kv, G, D]; keys/values: [H_kv, L, D]; idx: [H_kv, G, k] int64 token indices into L (per query
+    head; a group-shared selection is the same indices repeated over G; repeated indices count repeatedly);
+    valid: optional [H_kv, L] bool mask of the real (non-padding) slots of a ragged layer: selected padding
+    gets no weight. out[h, g] = softmax(scaling * q[h, g] . keys[h, idx[h, g]]) @ values[h, idx[h, g]],
+    computed in fp32 and returned as [H_kv, G, D] in q's dtype. A query head whose selection is all padding
+    gets NaN (a softmax over nothing).
     """
     n_kv, group, k = idx.shape
     dim = keys.shape[-1]
@@ -33,3 +53,29 @@ def topk_attention(
         logits.masked_fill_(~valid.gather(1, idx.reshape(n_kv, -1)).view(n_kv, group, k), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.einsum("hgk,hgkd->hgd", probs, v_sel).to(q.dtype)
+
+
+def topk_attention_triton(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    idx: torch.Tensor,
+    scaling: float,
+    valid: torch.Tensor | None = None,
+    block_k: int = 64,
+) -> torch.Tensor:
+    """`topk_attention_reference` as a Triton kernel: one program per (KV head, group member).
+
+    Each program gathers its selected K/V rows `block_k` indices at a time and folds them into an online
+    softmax with fp32 accumulation. Indices are not bounds-checked (the reference's gather is): every
+    idx value must lie in [0, L). Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1.
+    """
+    n_kv, group, _ = idx.shape
+    dim = q.shape[-1]
+    if q.shape[:2] != (n_kv, group) or keys.shape[0] != n_kv or keys.shape != values.shape or keys.shape[-1] != dim:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, keys {tuple(keys.shape)}, "
+                         f"values {tuple(values.shape)}, idx {tuple(idx.shape)}")
+    # a local import: triton is imported on the first launch, not with kvbench (see _dispatch)
+    from kvbench.kernels._triton_kernels import launch_topk_attention
+
+    return launch_topk_attention(q, keys, values, idx, scaling, valid, block_k)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from kvbench.cache import KVLayer, active_layer
+from kvbench.kernels.ragged_attention import ragged_decode_attention
 from kvbench.kernels.sparse_attention import topk_attention
 
 ATTENTION_NAME = "kvbench"
@@ -87,11 +88,8 @@ def _decode(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor
                 return out.reshape(1, -1, 1, out.shape[-1])
     if not layer.is_ragged:
         return F.scaled_dot_product_attention(query, layer.keys, layer.values, scale=scaling, enable_gqa=True)
-    view = layer.head_view()
-    n_kv = view.keys.shape[0]
-    q = query[0, :, 0, :].view(n_kv, -1, query.shape[-1])[None]  # packed GQA: [1, H_kv, G, D]
-    mask = view.valid[None, :, None, :]
-    out = F.scaled_dot_product_attention(q, view.keys[None], view.values[None], attn_mask=mask, scale=scaling)
+    q = query[0, :, 0, :].view(layer.num_heads, -1, query.shape[-1])  # packed GQA: [H_kv, G, D]
+    out = ragged_decode_attention(q, layer.keys, layer.values, layer._offsets(), layer.head_lens, scaling)
     return out.reshape(1, -1, 1, out.shape[-1])
 
 

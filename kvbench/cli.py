@@ -166,8 +166,12 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         record.update(point=point_fields, point_hash=phash, method_params=method.params())
         store.append(record)
         bar.set_postfix(score=f"{record['score']:.2f}")
-    summary = summarize(store.records())
+    records = store.records()
+    summary = summarize(records)
     summary.update(point=point_fields, point_hash=phash, run_dir=str(run_dir))
+    suite = records[0].get("meta", {}).get("suite") if records else None
+    if suite and suite.get("skipped"):  # e.g. RULER without its QA data: say the average is partial
+        summary["suite_skipped"] = suite["skipped"]
     write_summary(run_dir, summary)
     _print_summary(summary)
     return summary
@@ -177,6 +181,9 @@ def _print_summary(summary: dict[str, Any]) -> None:
     point = summary["point"]
     lines = [f"{point['method']} budget={point['budget']} on {point['task']} ({point['model']}): "
              f"score {summary['score']:.2f} over {summary['n_samples']} samples"]
+    if summary.get("suite_skipped"):
+        lines.append(f"  (mean of {len(summary['tasks'])} subtasks; skipped for missing data: "
+                     f"{', '.join(summary['suite_skipped'])})")
     if len(summary["tasks"]) > 1:
         for task, value in sorted(summary["tasks"].items()):
             lines.append(f"  {task:<32} {value['score']:7.2f}  (n={value['n']})")

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import os
 
-import pytest
-import torch
-from omegaconf import OmegaConf
+# Triton decides at import whether to interpret; transformers imports it (via torch._dynamo) before any test
+# module runs, so the kernel tests' CPU interpreter mode has to be chosen here.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kvbench.models import LoadedModel, load_model
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from kvbench.models import LoadedModel, load_model  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

@@ -1,0 +1,33 @@
+"""Choosing between a Triton kernel and its PyTorch reference.
+
+`KVBENCH_KERNELS` selects the implementation: unset or "auto" runs Triton on CUDA tensors when triton is
+installed and the reference otherwise; "torch" always runs the reference (to compare or to rule a kernel
+out). triton itself is imported only by `kvbench.kernels._triton_kernels`, on the first Triton launch.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+# find_spec rather than an import: importing triton costs ~0.2 s and fixes, for the whole process, whether
+# its standard library (tl.sum, tl.max...) is compiled or interpreted (TRITON_INTERPRET); a CPU-only run
+# never needs it.
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+ENV_VAR = "KVBENCH_KERNELS"
+_CHOICES = ("auto", "torch")
+
+
+def use_triton(*tensors: torch.Tensor) -> bool:
+    """Whether a dispatcher should launch its Triton kernel for these inputs.
+
+    True iff triton is installed, every tensor is on a CUDA device, and `KVBENCH_KERNELS` is not "torch".
+    Read at each call, so the override applies to a process that imported kvbench already. Raises
+    ValueError on any other value of the variable, so that a typo does not silently pick an implementation.
+    """
+    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if choice not in _CHOICES:
+        raise ValueError(f"{ENV_VAR}={choice!r}: expected one of {', '.join(_CHOICES)}")
+    return choice == "auto" and HAS_TRITON and all(t.is_cuda for t in tensors)
