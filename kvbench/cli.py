@@ -7,7 +7,9 @@ only computes the missing samples.
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import gc
 import hashlib
 import logging
 import random
@@ -111,6 +113,27 @@ def cached_samples(cfg: DictConfig, lm, builder) -> list:
     return _SAMPLES[key]
 
 
+def _libc_trim() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def release_host_memory() -> None:
+    """Hand freed KV tensors back to the OS between samples.
+
+    glibc keeps freed heap pages of the cache's per-step reallocations, so without this a CPU run's RSS grew
+    by ~300 MB per 4K-token SmolLM2 sample (measured: 1.5 -> 3.0 GiB over 6 samples; 1.24 GiB flat with it).
+    """
+    gc.collect()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
 def validate(cfg: DictConfig) -> None:
     budget = cfg.budget
     if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
@@ -166,6 +189,7 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         record.update(point=point_fields, point_hash=phash, method_params=method.params())
         store.append(record)
         bar.set_postfix(score=f"{record['score']:.2f}")
+        release_host_memory()
     records = store.records()
     summary = summarize(records)
     summary.update(point=point_fields, point_hash=phash, run_dir=str(run_dir))
