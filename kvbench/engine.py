@@ -353,8 +353,7 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
     rest = [] if compress_question else q_ids
     budget = resolve_budget(budget_cfg, len(segment))
     compressed = method.name != "full" and budget < len(segment)
-    n_layers = lm.model.config.num_hidden_layers
-    session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, budget, segment, cfg, n_layers)
+    session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, budget, segment, cfg)
     cache = session.cache
     cache.select_budget = budget if method.selects else None
     kv_after_compress = cache.kv_bytes()
@@ -417,7 +416,7 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
         "kv_bytes_after_compress": kv_after_compress,
         "kv_bytes_after_prefill": kv_after_prefill,
         "kv_bytes_end": cache.kv_bytes(),
-        "kv_bytes_full_prompt": 2 * n_layers * config.num_key_value_heads * head_dim * elem * (len(ctx_ids) + len(q_ids)),
+        "kv_bytes_full_prompt": 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elem * (len(ctx_ids) + len(q_ids)),
         "prefill_s": prefill_s,
         "compress_s": compress_s,
         "prefill_reused": reused,
@@ -429,7 +428,7 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
 
 
 def _prefill_segment(
-    lm: LoadedModel, method: Method, budget: int, segment: list[int], cfg: EngineConfig, n_layers: int
+    lm: LoadedModel, method: Method, budget: int, segment: list[int], cfg: EngineConfig
 ) -> tuple[Session, torch.Tensor, float, float, bool]:
     """Prefill and compress the segment, from a shared dense snapshot when allowed."""
     window_needed = method.obs_window

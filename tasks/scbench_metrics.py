@@ -39,9 +39,8 @@ from collections import Counter
 from functools import lru_cache
 from typing import Any, Callable
 
-from rouge_score import rouge_scorer
-
 from kvbench.tasks.scoring import register
+from rouge_score import rouge_scorer
 
 # ---------------------------------------------------------------------------------------------------------------
 # String retrieval and dialogue QA

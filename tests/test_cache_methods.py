@@ -7,14 +7,14 @@ import weakref
 
 import pytest
 import torch
+from conftest import random_ids
+from reference import kept_masks, reference_logits
 from transformers import DynamicCache
 
 from kvbench.engine import Session
 from kvbench.methods import build_method
 from kvbench.methods.adakv import allocate
 from kvbench.methods.snapkv import window_scores
-from reference import kept_masks, reference_logits
-from conftest import random_ids
 
 PROMPT = 300
 

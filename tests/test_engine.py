@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvbench.tasks.base import Sample, Turn
+from reference import kept_masks, reference_logits
 
 from kvbench.engine import EngineConfig, PromptBuilder, Session, resolve_budget, run_sample
 from kvbench.errors import KVBenchError
 from kvbench.methods import build_method
-from kvbench.tasks.base import Sample, Turn
-from reference import kept_masks, reference_logits
 
 
 def kv_sample(turns: int = 2, mode: str = "multi_turn") -> Sample:

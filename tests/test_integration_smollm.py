@@ -7,12 +7,11 @@ import subprocess
 import sys
 
 import pytest
-import torch
+from kvbench.tasks.ruler import Ruler
+from reference import kept_masks, reference_logits
 
 from kvbench.engine import EngineConfig, PromptBuilder, Session, run_sample
 from kvbench.methods import build_method
-from kvbench.tasks.ruler import Ruler
-from reference import kept_masks, reference_logits
 
 pytestmark = pytest.mark.integration
 
