@@ -14,8 +14,9 @@ import hashlib
 import logging
 import random
 import sys
+import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 import numpy as np
@@ -30,6 +31,11 @@ import kvbench.conf
 from kvbench.errors import KVBenchError
 from kvbench.results import point_hash
 
+if TYPE_CHECKING:
+    from kvbench.engine import PromptBuilder
+    from kvbench.models import LoadedModel
+    from kvbench.tasks.base import Sample
+
 log = logging.getLogger("kvbench")
 
 CONF_DIR = str(Path(kvbench.conf.__file__).parent)
@@ -42,6 +48,8 @@ def point_identity(cfg: DictConfig) -> dict[str, Any]:
     point = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
              for k in POINT_KEYS}
     point["engine"] = {k: v for k, v in point["engine"].items() if k not in NON_IDENTITY_ENGINE_KEYS}
+    if not budget_matters(cfg):
+        point["budget"] = None
     data_file = cfg.task.get("path")
     if data_file and Path(data_file).is_file():  # an edited file is a new point, not a resume
         point["task_file_sha256"] = file_digest(Path(data_file).resolve())
@@ -62,9 +70,16 @@ def file_digest(path: Path) -> str:
     return _digest(path, stat.st_size, stat.st_mtime_ns)
 
 
+def budget_matters(cfg: DictConfig) -> bool:
+    from kvbench.methods import METHODS
+
+    method = METHODS.get(cfg.method.name)
+    return method is None or method.uses_budget
+
+
 def _point_dir(*, _root_: DictConfig) -> str:
     point = point_identity(_root_)
-    budget = str(_root_.budget).replace(".", "p")
+    budget = str(_root_.budget).replace(".", "p") if point["budget"] is not None else "-"
     mode = "qa" if _root_.compress_question else "qagn"
     return f"{_root_.task.name}/{_root_.model.name}/{_root_.method.name}/b{budget}-{mode}-{point_hash(point)}"
 
@@ -81,13 +96,14 @@ def seed_everything(seed: int) -> None:
 _MODELS: dict[str, Any] = {}
 
 
-def cached_model(model_cfg: DictConfig):
+def cached_model(model_cfg: DictConfig) -> "LoadedModel":
     """Models are loaded once per process: a local multirun reuses them across points."""
     from kvbench.models import load_model
 
     key = OmegaConf.to_yaml(model_cfg)
     if key not in _MODELS:
         _MODELS.clear()
+        log.info("loading model %s (%s, %s)", model_cfg.name, model_cfg.dtype, model_cfg.device)
         _MODELS[key] = load_model(model_cfg)
     return _MODELS[key]
 
@@ -95,7 +111,7 @@ def cached_model(model_cfg: DictConfig):
 _SAMPLES: dict[tuple, list] = {}
 
 
-def cached_samples(cfg: DictConfig, lm, builder) -> list:
+def cached_samples(cfg: DictConfig, lm: "LoadedModel", builder: "PromptBuilder") -> list["Sample"]:
     """Samples depend on the task, the tokenizer (lengths are measured in it), the template and the seed, not on
     the method: a local sweep generates them once per process."""
     key = (OmegaConf.to_yaml(cfg.task), lm.name, cfg.seed, OmegaConf.to_yaml(cfg.engine))
@@ -105,7 +121,10 @@ def cached_samples(cfg: DictConfig, lm, builder) -> list:
             task = instantiate(cfg.task, _convert_="all")
             if task.max_positions is None:
                 task.max_positions = lm.max_positions
+            log.info("%s: building samples (lengths measured in %s's tokenizer)", cfg.task.name, lm.name)
+            start = time.perf_counter()
             _SAMPLES[key] = task.samples(builder.measure, seed=cfg.seed)
+            log.info("%s: %d samples in %.1f s", cfg.task.name, len(_SAMPLES[key]), time.perf_counter() - start)
         except (ValueError, InstantiationException) as exc:  # a task's word on its settings
             log.debug("task %s failed", cfg.task.name, exc_info=True)
             cause = exc.__cause__ if isinstance(exc, InstantiationException) and exc.__cause__ else exc
@@ -176,7 +195,7 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         "model": lm.name,
         "task": cfg.task.name,
         "method": cfg.method.name,
-        "budget": cfg.budget,
+        "budget": point["budget"],
         "seq_len": seq_len,
         "compress_question": cfg.compress_question,
         "dtype": str(lm.dtype).replace("torch.", ""),
@@ -203,7 +222,8 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
 
 def _print_summary(summary: dict[str, Any]) -> None:
     point = summary["point"]
-    lines = [f"{point['method']} budget={point['budget']} on {point['task']} ({point['model']}): "
+    budget = "-" if point["budget"] is None else point["budget"]
+    lines = [f"{point['method']} budget={budget} on {point['task']} ({point['model']}): "
              f"score {summary['score']:.2f} over {summary['n_samples']} samples"]
     if summary.get("suite_skipped"):
         lines.append(f"  (mean of {len(summary['tasks'])} subtasks; skipped for missing data: "

@@ -151,8 +151,6 @@ def _load_converted_gguf(folder: Path, filename: str, name: str, dtype: torch.dt
     """Dequantise a GGUF once (~20 s) and keep a safetensors copy under the kvbench cache."""
     converted = cache_root() / "models" / f"{name}-{(folder / filename).stat().st_size}"
     if not (converted / "config.json").is_file():
-        from tqdm.auto import tqdm  # noqa: F401  (transformers shows its own conversion bar)
-
         log.info("converting %s to %s (once)", folder / filename, converted)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=filename)

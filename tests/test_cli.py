@@ -103,3 +103,16 @@ def test_help_lists_methods_tasks_models_experiments(tmp_path):
     for needle in ("method: adakv, exact_topk, full, snapkv, streamingllm", "ruler_niah_single_1", "smollm2_135m",
                    "experiment: ", "demo"):
         assert needle in result.stdout
+
+
+def test_full_cache_points_ignore_the_budget():
+    from omegaconf import OmegaConf
+
+    from kvbench.cli import point_identity
+
+    def point(method: str, budget: int) -> dict:
+        return point_identity(OmegaConf.create({"model": {}, "task": {}, "method": {"name": method}, "budget": budget,
+                                                "compress_question": True, "engine": {}, "seed": 0}))
+
+    assert point("full", 64) == point("full", 256)  # a sweep runs the reference once, the other job resumes it
+    assert point("snapkv", 64) != point("snapkv", 256)

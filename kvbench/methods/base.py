@@ -34,6 +34,7 @@ class Method:
     name: ClassVar[str] = "base"
     family: ClassVar[str] = "none"  # eviction | selection | two-stage | none
     selects: ClassVar[bool] = False
+    uses_budget: ClassVar[bool] = True  # False: the budget cannot change a result (full), so sweeps share one point
 
     @property
     def obs_window(self) -> int:

@@ -9,3 +9,4 @@ from kvbench.methods.base import Method, register_method
 @dataclass
 class Full(Method):
     name = "full"
+    uses_budget = False
