@@ -245,3 +245,25 @@ def test_truncate_rolls_back_to_logical_length(tiny):
     for layer in session.cache.layers:
         assert layer.lengths() == [30] * layer.num_heads
         assert int(layer.positions.max()) < 100
+
+
+def test_snapkv_scores_equal_the_models_own_attention_weights(tiny):
+    """The observation-window scores are exactly the model's attention probabilities (eager attention with
+    output_attentions), averaged over the window and the GQA group: RoPE, head order and scale are right."""
+    ids = random_ids(120, seed=11)
+    window = 8
+    session = Session(tiny, build_method("full"), None)
+    session.cache.capture_window = window
+    session.prefill(ids, compress=False)
+    model = tiny.model
+    model.set_attn_implementation("eager")
+    try:
+        with torch.inference_mode():
+            attentions = model(input_ids=torch.tensor([ids]), output_attentions=True, use_cache=False).attentions
+    finally:
+        model.set_attn_implementation("kvbench")
+    for layer, att in zip(session.cache.layers, attentions):
+        ours = window_scores(layer.obs_queries, layer.head_view().keys, layer.scaling)
+        n_kv = layer.num_heads
+        theirs = att[0, :, -window:, : len(ids) - window].float().mean(1).view(n_kv, -1, len(ids) - window).mean(1)
+        torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
