@@ -95,5 +95,20 @@ def sample_rng(seed: int, *parts: Any) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "little"))
 
 
+def load_hf_rows(path: str, name: str | None, split: str) -> list[dict[str, Any]] | None:
+    """Rows of a Hugging Face dataset (downloaded, or from the local cache), or None when unavailable.
+
+    Set HF_HUB_OFFLINE=1 on machines without Hub access: `datasets` then reads only the cache and fails at
+    once instead of retrying the network for ~25 s.
+    """
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(path, name, split=split)
+    except (ConnectionError, FileNotFoundError, OSError, ValueError):
+        return None
+    return [dict(row) for row in dataset]
+
+
 class DatasetMissingError(KVBenchError):
     """A task needs data that is not on this machine; the message says how to get it."""

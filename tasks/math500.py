@@ -2,8 +2,8 @@
 as used by KeyDiff (App. E) to test KV eviction during long reasoning generations.
 
 Data: `<data_dir>/test.jsonl` in the layout of the HF dataset `HuggingFaceH4/MATH-500` (`problem`, `solution`,
-`answer`, `subject`, `level`, `unique_id`), or, with `data_dir` null, the local Hugging Face cache of
-`load_dataset("HuggingFaceH4/MATH-500", split="test")`. Problems are taken in file order; `num_samples` keeps the
+`answer`, `subject`, `level`, `unique_id`), or, with `data_dir` null, through
+`load_dataset("HuggingFaceH4/MATH-500", split="test")` (the Hub, or its cache when offline). Problems are taken in file order; `num_samples` keeps the
 first N.
 
 Prompt (KeyDiff gives none; this is DeepSeek's documented usage for its R1-distilled models, which KeyDiff
@@ -29,15 +29,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn, sample_rng
-from kvbench.tasks.scbench import load_cached_hf_dataset
+from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn, load_hf_rows, sample_rng
 
 HF_DATASET = "HuggingFaceH4/MATH-500"
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 
 
 def load_rows(data_dir: str | None) -> list[dict[str, Any]]:
-    """All 500 problems, from `data_dir/test.jsonl` when given, else from the HF cache."""
+    """All 500 problems, from `data_dir/test.jsonl` when given, else from the Hugging Face Hub (or its cache)."""
     if data_dir is not None:
         path = Path(data_dir) / "test.jsonl"
         if path.is_file():
@@ -45,10 +44,10 @@ def load_rows(data_dir: str | None) -> list[dict[str, Any]]:
                 return [json.loads(line) for line in f if line.strip()]
         where = f"{path} does not exist"
     else:
-        rows = load_cached_hf_dataset(HF_DATASET, None, "test")
+        rows = load_hf_rows(HF_DATASET, None, "test")
         if rows is not None:
             return rows
-        where = f"task.data_dir is null and {HF_DATASET!r} is not in the Hugging Face cache"
+        where = f"task.data_dir is null and {HF_DATASET!r} could not be loaded from the Hugging Face Hub or its cache"
     raise DatasetMissingError(
         f"Math-500 data not found: {where}. Get it (about 0.45 MB) on a machine with Hub access, then either\n"
         f"  huggingface-cli download {HF_DATASET} test.jsonl --repo-type dataset --local-dir DIR\n"
@@ -65,7 +64,7 @@ class Math500(Task):
         name: run label and `Sample.task`.
         seq_len: must be null (real data; the prompt is short and generation is what grows the cache).
         num_samples: first N problems; null = all 500.
-        data_dir: folder with `test.jsonl`; null = Hugging Face cache.
+        data_dir: folder with `test.jsonl`; null = the Hugging Face Hub (or its cache).
         samples_per_problem: responses per problem (KeyDiff: 5, with sampling); each is its own sample.
         max_new_tokens: generation limit (KeyDiff: 4096, 8192, 32768).
         temperature, top_p: the sampling settings of the protocol, recorded in `meta["sampling"]`.

@@ -7,8 +7,8 @@ RocketKV (the only seed paper on SCBench) follows with Llama-3.1-8B-Instruct. Sc
 
 Data: one row per shared context, `{id, context, multi_turns: [{input, answer, options?, task?, name?}], repo?,
 lang?}`, read from `<data_dir>/scbench_<task>.jsonl` (the `data/` folder of the HF dataset `microsoft/SCBench`) or,
-with `data_dir` null, from the local Hugging Face cache of `load_dataset("microsoft/SCBench", "scbench_<task>",
-split="test")`. Rows are taken in file order; `num_samples` keeps the first N of each task (the reference's
+with `data_dir` null, through `load_dataset("microsoft/SCBench", "scbench_<task>",
+split="test")` (the Hub, or its cache when offline). Rows are taken in file order; `num_samples` keeps the first N of each task (the reference's
 `--num_eval_examples`); `max_turns` keeps the first turns of every row (reference default 5).
 
 The 12 tasks (rows in the release, max new tokens per turn, metric):
@@ -65,13 +65,11 @@ from __future__ import annotations
 
 import json
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
-from unittest import mock
+from typing import Any, Sequence
 
-from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn
+from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn, load_hf_rows
 from kvbench.tasks.scbench_metrics import REPOQA_LANGUAGES
 
 HF_DATASET = "microsoft/SCBench"
@@ -135,33 +133,8 @@ TASKS: dict[str, TaskSpec] = {
 }
 
 
-@contextmanager
-def _hub_offline() -> Iterator[None]:
-    # `datasets` and `huggingface_hub` read HF_HUB_OFFLINE once at import. Without it, a dataset that is not
-    # cached costs ~25 s of network retries before failing; this module only ever reads the local cache.
-    import datasets
-    import huggingface_hub.constants
-
-    with mock.patch.object(datasets.config, "HF_HUB_OFFLINE", True), mock.patch.object(
-        huggingface_hub.constants, "HF_HUB_OFFLINE", True
-    ):
-        yield
-
-
-def load_cached_hf_dataset(path: str, name: str | None, split: str) -> list[dict[str, Any]] | None:
-    """Rows of a Hugging Face dataset from the local cache only, or None when it is not cached."""
-    import datasets
-
-    try:
-        with _hub_offline():
-            dataset = datasets.load_dataset(path, name, split=split)
-    except (ConnectionError, FileNotFoundError):
-        return None
-    return [dict(row) for row in dataset]
-
-
 def load_rows(task: str, data_dir: str | None) -> list[dict[str, Any]]:
-    """All rows of one SCBench task, from `data_dir` when given, else from the HF cache."""
+    """All rows of one SCBench task, from `data_dir` when given, else from the Hugging Face Hub (or its cache)."""
     if data_dir is not None:
         path = Path(data_dir) / f"{task}.jsonl"
         if path.is_file():
@@ -169,10 +142,10 @@ def load_rows(task: str, data_dir: str | None) -> list[dict[str, Any]]:
                 return [json.loads(line) for line in f if line.strip()]
         where = f"{path} does not exist"
     else:
-        rows = load_cached_hf_dataset(HF_DATASET, task, "test")
+        rows = load_hf_rows(HF_DATASET, task, "test")
         if rows is not None:
             return rows
-        where = f"task.data_dir is null and {HF_DATASET!r} (config {task!r}) is not in the Hugging Face cache"
+        where = f"task.data_dir is null and {HF_DATASET!r} (config {task!r}) could not be loaded from the Hugging Face Hub or its cache"
     raise DatasetMissingError(
         f"SCBench data for {task} not found: {where}. Get it on a machine with Hub access, then either\n"
         f"  huggingface-cli download {HF_DATASET} data/{task}.jsonl --repo-type dataset --local-dir DIR\n"
@@ -228,7 +201,7 @@ class SCBench(Task):
         tasks: SCBench task names (keys of `TASKS`); each sample's `Sample.task` is its task name.
         seq_len: must be null: SCBench is fixed real data (lengths come from the rows).
         num_samples: first N rows of each task; null = all.
-        data_dir: folder with `scbench_<task>.jsonl`; null = Hugging Face cache.
+        data_dir: folder with `scbench_<task>.jsonl`; null = the Hugging Face Hub (or its cache).
         mode: `multi_turn` (golden-context session on one cache) or `multi_request` (independent queries on the
             shared context).
         max_turns: keep the first N turns of every row (reference default 5); null or <= 0 = all.

@@ -7,6 +7,8 @@ import os
 # Triton decides at import whether to interpret; transformers imports it (via torch._dynamo) before any test
 # module runs, so the kernel tests' CPU interpreter mode has to be chosen here.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# No test may reach the Hub: without this, a dataset lookup retries the network for ~25 s before failing.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pathlib import Path  # noqa: E402
 

@@ -6,8 +6,8 @@ import importlib.util
 
 import pytest
 import torch
-
 from conftest import model_cfg
+
 from kvbench.errors import KVBenchError
 from kvbench.models import check_supported, load_model, smollm2_gguf
 
