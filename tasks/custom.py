@@ -362,8 +362,7 @@ class Custom(Task):
     def __init__(self, name: str = "custom", path: str | None = None, metric: str | None = None,
                  max_new_tokens: int = 64, num_samples: int | None = None, seq_len: int | None = None,
                  chat_template: bool = True, truncation: str = "error", max_positions: int | None = None) -> None:
-        # Only stored here: Hydra wraps exceptions raised while instantiating, which would defeat the CLI's
-        # one-line error; everything is checked in `samples`.
+        # Only stored here: every check needs the file or the model's limit, so all of them run in `samples`.
         self.name = name
         self.path = path
         self.metric = metric
