@@ -1,8 +1,10 @@
 """The attention function registered with transformers' `AttentionInterface` as "kvbench".
 
-It is where the cache's storage meets the model: prefill attention (then the method's eviction hook),
-continuation chunks (a question appended to a compressed context, later turns), and decode steps (with the
-method's optional top-k selection). The uncompressed prefill and decode calls are the exact SDPA calls that
+It is the one dispatcher where the cache's storage meets the model: the first prefill chunk, continuation
+chunks (a later prefill block, a question appended to a compressed context, a later turn) and decode steps
+(with the method's optional top-k selection). After every attention call the method's per-chunk work runs
+on the layer (`_after_attention`): whatever the event (end of the segment, a prefill block, a decode step),
+eviction is the same hook on the same layer. The uncompressed prefill and decode calls are the exact SDPA calls that
 transformers' own "sdpa" implementation makes on CPU, so an uncompressed run is bitwise identical to stock.
 
 transformers passes no mask under a custom attention name; causality is handled here. Batch size is 1.
@@ -14,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from kvbench.cache import KVLayer, active_layer
+from kvbench.cache import KVLayer, active_layer, evict_layer
 from kvbench.kernels.ragged_attention import ragged_decode_attention
 from kvbench.kernels.sparse_attention import topk_attention
 
@@ -50,28 +52,24 @@ def kvbench_attention(
 
     if q_len > 1 and layer.seen == q_len:  # first prefill chunk: stock causal SDPA
         out = F.scaled_dot_product_attention(query, key, value, scale=scaling, is_causal=True, enable_gqa=True)
-        if cache.compress_on_forward or cache.capture_window:
-            window = max(cache.capture_window, cache.method.obs_window if cache.method else 0)
-            obs = query[0, :, -window:, :] if window else None
-            if cache.capture_window:
-                layer.obs_queries = obs.clone() if obs is not None else None
-            else:
-                evict_layer(layer, obs)
     elif q_len == 1:
         out = _decode(layer, query, scaling)
     else:
         out = _continuation(layer, query, scaling)
+    _after_attention(layer, query)
     return out.transpose(1, 2).contiguous(), None
 
 
-def evict_layer(layer: KVLayer, obs_queries: torch.Tensor | None) -> None:
-    """Run the method's prefill-end hook on one layer and keep what it chooses."""
+def _after_attention(layer: KVLayer, query: torch.Tensor) -> None:
+    """The method's per-chunk work, right after this layer attended (so the chunk's output saw every entry):
+    keep the queries its scores read, let it observe the attention, and evict when the engine says so."""
     cache = layer.cache
-    if cache.method is None or cache.budget is None:
-        return
-    keep = cache.method.prefill_keep(layer, obs_queries, cache.budget)
-    if keep is not None:
-        layer.keep(keep)
+    if cache.query_window:
+        layer.remember_queries(query[0], cache.query_window)
+    if cache.observing:
+        cache.method.observe(layer, query[0])
+    if cache.evict_now:
+        evict_layer(layer)
 
 
 def _decode(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:

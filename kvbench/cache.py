@@ -2,21 +2,30 @@
 
 Storage layout (batch size 1, as in the Ada-KV and RocketKV reference code):
 
-- *uniform*: every KV head holds the same number of tokens; `keys`/`values` are `[1, H_kv, L, D]` and
-  `positions` is `[H_kv, L]`. Full cache and uniform eviction (StreamingLLM, SnapKV) live here, and the
-  uncompressed attention path is exactly the stock SDPA call.
+- *uniform*: every head holds the same number of tokens; `keys`/`values` are `[1, H, L, D]` and
+  `positions` is `[H, L]`. Full cache and uniform eviction (StreamingLLM, SnapKV, KeyDiff, ...) live here,
+  and the uncompressed attention path is exactly the stock SDPA call.
 - *ragged*: heads hold different numbers of tokens (Ada-KV). `keys`/`values` are flattened to
   `[sum_h len_h, D]` with `head_lens` (the official Ada-KV layout, `cu_seqlens` style), so evicted
   tokens are really freed rather than padded.
 
-`positions` holds each stored token's logical position; RoPE has already been applied to the keys, so
-positions only serve analysis (which tokens survived) and rollback (`truncate`). `seen` counts logical
-tokens, and `get_seq_length()` reports it, so transformers' default positions stay right after eviction
-(the engine passes explicit `position_ids` anyway).
+`H` is the model's KV heads, unless a method split every KV head into one copy per query head (SnapKV per
+query head, RocketKV's baseline): `keep` with G index lists per KV head does that, new tokens are then
+appended to every copy, and the attention paths see a GQA group of 1. The storage that costs is counted.
 
-Eviction always builds new tensors with `gather`/`index_select`: a slice would keep the whole original
-storage alive. Nothing mutates a stored tensor in place, so a prefill snapshot can be shared by several
-caches (see `kvbench.engine.PrefillSnapshots`).
+Per-token state travels with the tokens. `positions` (each stored token's logical position; RoPE is
+already applied to the keys) and a method's `token_state` tensors (H2O's accumulated attention) share one
+layout, so eviction, appends and rollback gather all of them with one set of row indices and no method
+keeps a side table that could drift from the cache. A layer also keeps the last `cache.query_window`
+queries it attended with (`queries`, `query_positions`): the observation window of SnapKV-like scores,
+whether eviction runs at the end of a segment, after a prefill block or during decoding.
+
+`seen` counts logical tokens and `get_seq_length()` reports it, so transformers' default positions stay
+right after eviction (the engine passes explicit `position_ids` anyway).
+
+Eviction always builds new tensors with `index_select`: a slice would keep the whole original storage
+alive. Nothing mutates a stored tensor in place (method state included), so a prefill snapshot and a
+teacher-forcing twin can share tensors with the cache they were cloned from.
 """
 
 from __future__ import annotations
@@ -49,12 +58,16 @@ def active_layer(key: torch.Tensor) -> "KVLayer | None":
 
 @dataclass
 class HeadView:
-    """A padded `[H_kv, L_max, D]` view of a layer plus a validity mask (None when no padding)."""
+    """A padded `[H, L_max, D]` view of a layer plus a validity mask (None when no padding)."""
 
     keys: torch.Tensor
     values: torch.Tensor
-    positions: torch.Tensor  # [H_kv, L_max], -1 on padding
-    valid: torch.Tensor | None  # [H_kv, L_max] bool
+    positions: torch.Tensor  # [H, L_max], -1 on padding
+    valid: torch.Tensor | None  # [H, L_max] bool
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
 
 
 class KVLayer(CacheLayerMixin):
@@ -67,18 +80,23 @@ class KVLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.cache = cache
         self.positions: torch.Tensor | None = None
+        self.token_state: dict[str, torch.Tensor] = {}  # method-owned, same layout as positions
         self.head_lens: list[int] | None = None  # None: uniform layout
         self.seen = 0
-        self.obs_queries: torch.Tensor | None = None  # [H_q, w, D] captured for deferred eviction
+        self.queries: torch.Tensor | None = None  # [H_q, w, D]: the last queries attended with
+        self.query_positions: torch.Tensor | None = None  # [w] their logical positions
         # weak, so that the tensor handed to the model never keeps evicted storage alive
         self.returned_key: weakref.ref | None = None
         self.scaling: float | None = None  # set by the attention function; eviction scores need it
-        self.evicted = False
+        self.budget: int | None = None  # tokens per head this layer was last evicted to
+        self.evictions = 0  # eviction events that removed tokens
+        self.peak_len = 0  # most tokens any head held at any moment
 
     # -- transformers' layer protocol -------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.num_heads, self.head_dim = key_states.shape[1], key_states.shape[-1]
+        self.model_kv_heads = self.num_heads
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -86,7 +104,12 @@ class KVLayer(CacheLayerMixin):
             raise ValueError("KVBenchCache supports batch size 1 (as the Ada-KV and RocketKV reference code)")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if key_states.shape[1] != self.num_heads:  # heads split per query head: every copy gets the token
+            copies = self.num_heads // key_states.shape[1]
+            key_states = key_states.repeat_interleave(copies, dim=1)
+            value_states = value_states.repeat_interleave(copies, dim=1)
         q = key_states.shape[2]
+        before = self.kv_nbytes()
         new_pos = torch.arange(self.seen, self.seen + q, dtype=torch.int32, device=key_states.device)
         if self.keys is None:
             self.keys, self.values = key_states.contiguous(), value_states.contiguous()
@@ -95,9 +118,15 @@ class KVLayer(CacheLayerMixin):
             self.keys = torch.cat([self.keys, key_states], dim=2)
             self.values = torch.cat([self.values, value_states], dim=2)
             self.positions = torch.cat([self.positions, new_pos.expand(self.num_heads, q)], dim=1)
+            self.token_state = {
+                name: torch.cat([t, t.new_zeros(self.num_heads, q, *t.shape[2:])], dim=1)
+                for name, t in self.token_state.items()
+            }
         else:
             self._append_ragged(key_states[0], value_states[0], new_pos)
         self.seen += q
+        self.peak_len = max(self.peak_len, self.physical_length())
+        self.cache._account(self.kv_nbytes() - before)
         self.returned_key = weakref.ref(self.keys)
         _active.layer = self
         return self.keys, self.values
@@ -116,6 +145,10 @@ class KVLayer(CacheLayerMixin):
     def is_ragged(self) -> bool:
         return self.head_lens is not None
 
+    @property
+    def evicted(self) -> bool:
+        return self.evictions > 0
+
     def lengths(self) -> list[int]:
         if self.keys is None:
             return []
@@ -124,12 +157,41 @@ class KVLayer(CacheLayerMixin):
     def physical_length(self) -> int:
         return max(self.lengths(), default=0)
 
+    def kv_nbytes(self) -> int:
+        return _nbytes(self.keys) + _nbytes(self.values)
+
     def _offsets(self) -> torch.Tensor:
+        """First flat row of each head (ragged layout)."""
         lens = torch.tensor(self.head_lens, device=self.keys.device)
-        return torch.cumsum(lens, 0) - lens  # start row of each head
+        return torch.cumsum(lens, 0) - lens
+
+    def _per_token(self) -> dict[str, torch.Tensor]:
+        """Every per-token tensor, flattened to rows: `[sum_h len_h, ...]` in both layouts (views)."""
+        flat = {"positions": self.positions.reshape(-1), **{k: v.reshape(-1, *v.shape[2:]) if not self.is_ragged
+                                                             else v for k, v in self.token_state.items()}}
+        if self.is_ragged:
+            return {"keys": self.keys, "values": self.values, **flat}
+        return {"keys": self.keys[0].reshape(-1, self.head_dim), "values": self.values[0].reshape(-1, self.head_dim),
+                **flat}
+
+    def _set_per_token(self, rows: dict[str, torch.Tensor], head_lens: list[int]) -> None:
+        """Install flat per-token tensors, uniform when every head has the same length."""
+        heads = len(head_lens)
+        if len(set(head_lens)) == 1:
+            n = head_lens[0]
+            self.keys = rows.pop("keys").view(1, heads, n, self.head_dim)
+            self.values = rows.pop("values").view(1, heads, n, self.head_dim)
+            self.positions = rows.pop("positions").view(heads, n)
+            self.token_state = {k: v.view(heads, n, *v.shape[1:]) for k, v in rows.items()}
+            self.head_lens = None
+        else:
+            self.keys, self.values, self.positions = rows.pop("keys"), rows.pop("values"), rows.pop("positions")
+            self.token_state = rows
+            self.head_lens = list(head_lens)
+        self.num_heads = heads
 
     def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, new_pos: torch.Tensor) -> None:
-        # One new flat tensor: each head's old rows shift down by q rows per preceding head.
+        # One new flat tensor per per-token field: each head's old rows shift down by q rows per preceding head.
         q, heads = k.shape[1], self.num_heads
         lens = torch.tensor(self.head_lens, device=k.device)
         head_of_row = torch.repeat_interleave(torch.arange(heads, device=k.device), lens)
@@ -137,79 +199,150 @@ class KVLayer(CacheLayerMixin):
         new_starts = torch.cumsum(lens + q, 0) - q
         new_dest = (new_starts[:, None] + torch.arange(q, device=k.device)[None, :]).reshape(-1)
         total = int(lens.sum()) + heads * q
-        keys = self.keys.new_empty(total, self.head_dim)
-        values = self.values.new_empty(total, self.head_dim)
-        positions = self.positions.new_empty(total)
-        keys[old_dest], values[old_dest], positions[old_dest] = self.keys, self.values, self.positions
-        keys[new_dest] = k.reshape(-1, self.head_dim)
-        values[new_dest] = v.reshape(-1, self.head_dim)
-        positions[new_dest] = new_pos.repeat(heads)
-        self.keys, self.values, self.positions = keys, values, positions
-        self.head_lens = [n + q for n in self.head_lens]
+        incoming = {"keys": k.reshape(-1, self.head_dim), "values": v.reshape(-1, self.head_dim),
+                    "positions": new_pos.repeat(heads)}
+        rows = {}
+        for name, old in self._per_token().items():
+            new = old.new_empty(total, *old.shape[1:])
+            new[old_dest] = old
+            new[new_dest] = incoming[name] if name in incoming else 0
+            rows[name] = new
+        self._set_per_token(rows, [n + q for n in self.head_lens])
 
     def head_view(self) -> HeadView:
-        """Keys/values as `[H_kv, L_max, D]`: a free view when uniform, a padded copy when ragged."""
+        """Keys/values as `[H, L_max, D]`: a free view when uniform, a padded copy when ragged."""
         if not self.is_ragged:
             return HeadView(self.keys[0], self.values[0], self.positions, None)
-        lens = torch.tensor(self.head_lens, device=self.keys.device)
-        width = int(lens.max())
-        slot = torch.arange(width, device=lens.device)[None, :]
-        valid = slot < lens[:, None]
-        rows = (self._offsets()[:, None] + slot).clamp(max=self.keys.shape[0] - 1)
+        rows, valid = self._padded_rows()
         positions = torch.where(valid, self.positions[rows], torch.full_like(self.positions[rows], -1))
         return HeadView(self.keys[rows], self.values[rows], positions, valid)
 
+    def _padded_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        lens = torch.tensor(self.head_lens, device=self.keys.device)
+        slot = torch.arange(int(lens.max()), device=lens.device)[None, :]
+        valid = slot < lens[:, None]
+        rows = (self._offsets()[:, None] + slot).clamp(max=self.keys.shape[0] - 1)
+        return rows, valid
+
+    def padded_state(self, name: str) -> torch.Tensor:
+        """A token-state tensor as `[H, L_max, ...]` (padding rows hold some other row's value: mask them)."""
+        t = self.token_state[name]
+        return t if not self.is_ragged else t[self._padded_rows()[0]]
+
+    def token_tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The method's per-token tensor `name`, created as zeros for the tokens already stored."""
+        if name not in self.token_state:
+            self.token_state[name] = torch.zeros(self.positions.shape, dtype=dtype, device=self.positions.device)
+        return self.token_state[name]
+
     def keep(self, indices: list[torch.Tensor]) -> None:
-        """Keep, per KV head, the tokens at `indices[h]` (positions in the head's current storage)."""
-        view = self.head_view()
-        sizes = {int(ix.numel()) for ix in indices}
-        if len(sizes) == 1:
-            idx = torch.stack([ix.to(view.keys.device) for ix in indices])  # [H, k]
-            gather = idx[:, :, None].expand(-1, -1, self.head_dim)
-            self.keys = view.keys.gather(1, gather).unsqueeze(0)
-            self.values = view.values.gather(1, gather).unsqueeze(0)
-            self.positions = view.positions.gather(1, idx)
-            self.head_lens = None
-        else:
-            self.keys = torch.cat([view.keys[h].index_select(0, ix) for h, ix in enumerate(indices)])
-            self.values = torch.cat([view.values[h].index_select(0, ix) for h, ix in enumerate(indices)])
-            self.positions = torch.cat([view.positions[h].index_select(0, ix) for h, ix in enumerate(indices)])
-            self.head_lens = [int(ix.numel()) for ix in indices]
-        self.evicted = True
+        """Keep, per head, the tokens at `indices[h]` (sorted positions in the head's current storage).
+
+        `G * H` index lists split every head into G copies, copy `i` reading head `i // G` (per-query-head
+        eviction). Keys, values, positions and every token-state tensor are gathered with the same rows into
+        new tensors, so the old storage is freed.
+        """
+        if len(indices) % self.num_heads:
+            raise ValueError(f"{len(indices)} index lists for {self.num_heads} heads")
+        copies = len(indices) // self.num_heads
+        device = self.keys.device
+        lens = self.lengths()
+        starts = self._offsets().tolist() if self.is_ragged else [h * lens[0] for h in range(self.num_heads)]
+        rows = torch.cat([ix.to(device) + starts[i // copies] for i, ix in enumerate(indices)])
+        before = self.kv_nbytes()
+        self._set_per_token({name: t.index_select(0, rows) for name, t in self._per_token().items()},
+                            [int(ix.numel()) for ix in indices])
+        self.evictions += 1
+        self.cache._account(self.kv_nbytes() - before)
 
     def truncate(self, logical_length: int) -> None:
-        """Drop every stored token whose logical position is >= `logical_length` (multi-turn rollback)."""
+        """Drop every stored token (and query) whose logical position is >= `logical_length` (rollback)."""
         view = self.head_view()
         keep = [torch.nonzero((p >= 0) & (p < logical_length)).flatten() for p in view.positions]
         if any(int(ix.numel()) != n for ix, n in zip(keep, self.lengths())):
+            evictions = self.evictions
             self.keep(keep)
+            self.evictions = evictions  # a rollback is not an eviction
+        if self.queries is not None:
+            old = self.query_positions < logical_length
+            self.queries, self.query_positions = self.queries[:, old].clone(), self.query_positions[old].clone()
         self.seen = logical_length
 
+    def remember_queries(self, queries: torch.Tensor, window: int) -> None:
+        """Keep the last `window` queries `[H_q, q, D]` of the chunk just attended (new tensors, no views)."""
+        q = queries.shape[1]
+        positions = torch.arange(self.seen - q, self.seen, dtype=torch.int32, device=queries.device)
+        if self.queries is not None and q < window:
+            queries = torch.cat([self.queries, queries], dim=1)
+            positions = torch.cat([self.query_positions, positions])
+        self.queries, self.query_positions = queries[:, -window:].clone(), positions[-window:].clone()
+
+    def method_state_nbytes(self) -> int:
+        return sum(_nbytes(t) for t in (*self.token_state.values(), self.queries, self.query_positions))
+
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.keys, self.values, self.positions, self.obs_queries) if t is not None]
+        fixed = (self.keys, self.values, self.positions, self.queries, self.query_positions)
+        return [t for t in (*fixed, *self.token_state.values()) if t is not None]
+
+    def clone_into(self, cache: "KVBenchCache") -> "KVLayer":
+        """A layer for `cache` that shares this layer's tensors (never mutated in place)."""
+        twin = KVLayer(self.layer_idx, cache)
+        twin.__dict__.update({k: v for k, v in self.__dict__.items() if k != "cache"})
+        twin.cache = cache
+        twin.head_lens = list(self.head_lens) if self.head_lens is not None else None
+        twin.token_state = dict(self.token_state)
+        return twin
 
 
 class KVBenchCache(Cache):
-    """A transformers Cache whose layers implement kvbench's storage and call the method's hooks.
+    """A transformers Cache whose layers implement kvbench's storage and run the method's hooks.
 
-    `compress_on_forward` is set by the engine for the one forward pass that ends the segment to compress;
-    the attention function then runs the method's eviction hook on each layer right after that layer's
-    prefill attention (so at peak only one layer holds its full KV, as in the reference implementations).
-    With `capture_window > 0` the layers instead keep their last queries and eviction runs later via
-    `compress`, which lets one dense prefill serve many methods and budgets.
+    The engine owns the loop and decides when an eviction event happens: it sets `evict_now` around the
+    forward pass that ends one (the compressed segment, a prefill block, every N-th decode step). The
+    attention function then, on each layer right after that layer's attention, records the queries the
+    method's scores need (`query_window`), lets the method observe the attention (`observing`, H2O) and, when
+    `evict_now`, runs `KVLayer.evict`: at peak only one layer holds its uncompressed KV plus the chunk, as in
+    the reference implementations. A dense snapshot instead keeps `query_window` queries per layer and
+    evicts later through `compress`, which lets one dense prefill serve many methods and budgets.
     """
 
     def __init__(self, num_layers: int, method: "Method | None" = None, budget: int | None = None):
         super().__init__(layers=[KVLayer(i, self) for i in range(num_layers)])
         self.method = method
         self.budget = budget  # tokens per KV head, resolved by the engine; None: no eviction
-        self.compress_on_forward = False
-        self.capture_window = 0
+        self.evict_now = False
+        self.query_window = 0
+        self.observing = False
         self.select_budget: int | None = None  # decode-time selection budget (tokens per head)
+        self._kv_bytes = 0
+        self.kv_peak_bytes = 0  # the most K/V bytes held at any moment
+        self.track_method_state(method is not None and method.schedule() is not None)
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    def _account(self, delta: int) -> None:
+        self._kv_bytes += delta
+        self.kv_peak_bytes = max(self.kv_peak_bytes, self._kv_bytes)
+
+    def track_method_state(self, live: bool) -> None:
+        """Keep (and feed) the method's state only while an eviction event can still happen; free it after."""
+        method = self.method if live else None
+        self.observing = method is not None and method.observes
+        self.query_window = method.obs_window if method is not None else 0
+        for layer in self.layers:
+            if not live:
+                layer.token_state = {}
+            if layer.queries is not None and layer.queries.shape[1] > self.query_window:
+                keep = layer.queries.shape[1] - self.query_window
+                layer.queries = layer.queries[:, keep:].clone() if self.query_window else None
+                layer.query_positions = layer.query_positions[keep:].clone() if self.query_window else None
+
+    def end_segment(self) -> None:
+        """The compressed segment is done: the method's state lives on only if decode steps still evict."""
+        schedule = self.method.schedule() if self.method is not None else None
+        self.track_method_state(bool(schedule and schedule.decode_every))
 
     def nbytes(self) -> int:
         """Bytes of the distinct storages this cache holds: what eviction really freed, not a mask count."""
@@ -221,35 +354,55 @@ class KVBenchCache(Cache):
         return sum(seen.values())
 
     def kv_bytes(self) -> int:
-        """Bytes of keys and values alone (without positions or captured queries)."""
+        """Bytes of keys and values alone (without positions or method state)."""
         return sum(layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
                    for layer in self.layers if layer.keys is not None)
+
+    def method_state_bytes(self) -> int:
+        """Bytes of the method's own state: per-token tensors and the kept observation queries."""
+        return sum(layer.method_state_nbytes() for layer in self.layers)
 
     def kept_per_head(self) -> list[list[int]]:
         return [layer.lengths() for layer in self.layers]
 
+    def peak_entries_per_head(self) -> int:
+        """The most tokens any head of any layer held at any moment (prefill blocks and decode included)."""
+        return max((layer.peak_len for layer in self.layers), default=0)
+
+    def evictions(self) -> int:
+        """Eviction events that removed tokens (the most over layers)."""
+        return max((layer.evictions for layer in self.layers), default=0)
+
     def truncate(self, logical_length: int) -> None:
         for layer in self.layers:
             layer.truncate(logical_length)
+        self._kv_bytes = sum(layer.kv_nbytes() for layer in self.layers)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].seen if self.layers else 0
 
     def compress(self) -> None:
-        """Deferred eviction: run the method's prefill hook on every layer from the captured queries."""
-        from kvbench.attention import evict_layer
-
+        """Deferred eviction at the end of a dense segment: the method's hook on every layer, from the kept
+        queries, exactly as it would have run inline."""
         for layer in self.layers:
-            evict_layer(layer, layer.obs_queries)
-            layer.obs_queries = None
-        self.capture_window = 0
+            evict_layer(layer)
+        self.end_segment()
 
     def clone(self) -> "KVBenchCache":
         """A copy that shares the (never mutated in place) tensors: costs no memory until it diverges."""
-        twin = KVBenchCache(self.num_layers, self.method, self.budget)
-        twin.select_budget = self.select_budget
-        for mine, theirs in zip(self.layers, twin.layers):
-            theirs.__dict__.update({k: v for k, v in mine.__dict__.items() if k != "cache"})
-            theirs.cache = twin
-            theirs.head_lens = list(mine.head_lens) if mine.head_lens is not None else None
+        twin = KVBenchCache(0, self.method, self.budget)
+        twin.layers = [layer.clone_into(twin) for layer in self.layers]
+        for key in ("evict_now", "query_window", "observing", "select_budget", "_kv_bytes", "kv_peak_bytes"):
+            setattr(twin, key, getattr(self, key))
         return twin
+
+
+def evict_layer(layer: KVLayer) -> None:
+    """One eviction event on one layer: the method picks, per head, what to keep of the layer's budget."""
+    cache = layer.cache
+    if cache.method is None or cache.budget is None:
+        return
+    layer.budget = cache.method.layer_budget(layer, cache.budget)
+    keep = cache.method.keep(layer, layer.budget)
+    if keep is not None:
+        layer.keep(keep)

@@ -48,6 +48,9 @@ def point_identity(cfg: DictConfig) -> dict[str, Any]:
     point = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
              for k in POINT_KEYS}
     point["engine"] = {k: v for k, v in point["engine"].items() if k not in NON_IDENTITY_ENGINE_KEYS}
+    # a null method parameter means "the method's default behaviour": a point from before the parameter
+    # existed is the same point
+    point["method"] = {k: v for k, v in point["method"].items() if v is not None}
     if not budget_matters(cfg):
         point["budget"] = None
     data_file = cfg.task.get("path")

@@ -197,38 +197,61 @@ def snapshots(limit_mb: int) -> PrefillSnapshots:
 
 
 class Session:
-    """One conversation on one cache: prefill, append, decode, roll back, all with logical positions."""
+    """One conversation on one cache: prefill, append, decode, roll back, all with logical positions.
 
-    def __init__(self, lm: LoadedModel, method: Method, budget: int | None, cache: KVBenchCache | None = None):
+    The session owns the loop and fires the method's eviction events (its `schedule()`): the compressed
+    segment is one forward evicted at its end, or blocks of `block_size` tokens each evicted after it; decode
+    steps evict every `decode_every` steps. Teacher forcing follows the same schedule on a copy of the cache.
+    """
+
+    def __init__(self, lm: LoadedModel, method: Method | None, budget: int | None, cache: KVBenchCache | None = None):
         self.lm = lm
         self.method = method
+        self.schedule = method.schedule() if method is not None else None
         n_layers = lm.model.config.num_hidden_layers
         self.cache = cache if cache is not None else KVBenchCache(n_layers, method, budget)
         self.position = self.cache.get_seq_length()
+        self.decode_steps = 0
 
     @torch.inference_mode()
-    def forward(self, ids: list[int], logits_to_keep: int = 1) -> torch.Tensor:
+    def forward(self, ids: list[int], logits_to_keep: int = 1, evict: bool = False) -> torch.Tensor:
+        """One forward pass over `ids`; with `evict`, every layer runs the method's eviction right after its
+        attention (an eviction event)."""
         device = self.lm.device
         input_ids = torch.tensor([ids], device=device)
         positions = torch.arange(self.position, self.position + len(ids), device=device)[None]
-        out = self.lm.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            past_key_values=self.cache,
-            use_cache=True,
-            logits_to_keep=logits_to_keep,
-        )
+        self.cache.evict_now = evict
+        try:
+            out = self.lm.model(
+                input_ids=input_ids,
+                position_ids=positions,
+                past_key_values=self.cache,
+                use_cache=True,
+                logits_to_keep=logits_to_keep,
+            )
+        finally:
+            self.cache.evict_now = False
         self.position += len(ids)
         return out.logits[0, -logits_to_keep:].float()
 
+    def step(self, token: int) -> torch.Tensor:
+        """One decode step; an eviction event every `decode_every` steps of the method's schedule."""
+        self.decode_steps += 1
+        every = self.schedule.decode_every if self.schedule is not None else 0
+        return self.forward([token], evict=bool(every) and self.decode_steps % every == 0)[-1]
+
     def prefill(self, ids: list[int], compress: bool) -> tuple[torch.Tensor, float]:
-        """Prefill a chunk; with `compress`, every layer runs the method's eviction hook at its end."""
-        self.cache.compress_on_forward = compress
+        """Prefill a chunk. With `compress` it is the segment to compress: one forward evicted at its end, or
+        the method's blocks, each evicted after its forward (the cache never holds more than budget + block)."""
+        block = self.schedule.block_size if compress and self.schedule is not None else None
+        chunks = [ids[i:i + block] for i in range(0, len(ids), block)] if block else [ids]
         _sync(self.lm.device)
         start = time.perf_counter()
-        logits = self.forward(ids)[-1]
+        for chunk in chunks:
+            logits = self.forward(chunk, evict=compress)[-1]
         _sync(self.lm.device)
-        self.cache.compress_on_forward = False
+        if compress:
+            self.cache.end_segment()
         return logits, time.perf_counter() - start
 
     def decode(
@@ -261,7 +284,7 @@ class Session:
                 break
             _sync(self.lm.device)
             start = time.perf_counter()
-            logits = self.forward([token])[-1]
+            logits = self.step(token)
             _sync(self.lm.device)
             step_times.append(time.perf_counter() - start)
         return tokens, step_times, "max_new_tokens"
@@ -269,18 +292,19 @@ class Session:
     def teacher_forced_nll(self, logits: torch.Tensor, target: list[int]) -> float:
         """Mean NLL of `target` continuing the current state, one decode step per token on a cache copy.
 
-        The copy shares storage until it diverges and the steps go through the same decode path (selection
-        included), so this measures the compressed cache the method would really decode with.
+        The copy shares storage until it diverges and the steps go through the same decode path (selection and
+        decode-time eviction included), so this measures the compressed cache the method would really decode
+        with.
         """
         if not target:
             return float("nan")
         twin = Session(self.lm, self.method, self.cache.budget, self.cache.clone())
-        twin.position = self.position
+        twin.position, twin.decode_steps = self.position, self.decode_steps
         total = 0.0
         for i, token in enumerate(target):
             total -= float(torch.log_softmax(logits, dim=-1)[token])
             if i + 1 < len(target):
-                logits = twin.forward([token])[-1]
+                logits = twin.step(token)
         return total / len(target)
 
     def rollback(self, logical_length: int) -> None:
@@ -352,7 +376,6 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
     segment = ctx_ids + q_ids if compress_question else ctx_ids
     rest = [] if compress_question else q_ids
     budget = resolve_budget(budget_cfg, len(segment))
-    compressed = method.name != "full" and budget < len(segment)
     session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, budget, segment, cfg)
     cache = session.cache
     cache.select_budget = budget if method.selects else None
@@ -396,6 +419,8 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
             }
         )
     flat_kept = [n for layer in kept for n in layer]
+    kept_end = [n for layer in cache.kept_per_head() for n in layer]
+    schedule = method.schedule()
     config = lm.model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     elem = torch.finfo(lm.dtype).bits // 8
@@ -409,13 +434,24 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
         "context_tokens": len(ctx_ids),
         "compressed_segment_tokens": len(segment),
         "budget_tokens": budget,
-        "compressed": compressed,
+        # selection methods compress the attention of every step; eviction may first fire while decoding
+        "compressed": (method.uses_budget and budget < len(segment)) or cache.evictions() > 0,
+        "eviction_schedule": None if schedule is None else {"events": list(schedule.events),
+                                                            "block_size": schedule.block_size,
+                                                            "decode_every": schedule.decode_every},
+        "eviction_events": cache.evictions(),
+        "layer_budgets": [layer.budget for layer in cache.layers] if schedule is not None else None,
         "kept_tokens_mean": sum(flat_kept) / len(flat_kept),
         "kept_tokens_min": min(flat_kept),
         "kept_tokens_max": max(flat_kept),
+        "kept_tokens_end_mean": sum(kept_end) / len(kept_end),
+        "kept_tokens_end_max": max(kept_end),
+        "kv_peak_entries_per_head": cache.peak_entries_per_head(),  # at any moment, prefill blocks included
+        "kv_peak_bytes": cache.kv_peak_bytes,
         "kv_bytes_after_compress": kv_after_compress,
         "kv_bytes_after_prefill": kv_after_prefill,
         "kv_bytes_end": cache.kv_bytes(),
+        "method_state_bytes_end": cache.method_state_bytes(),
         "kv_bytes_full_prompt": 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elem * (len(ctx_ids) + len(q_ids)),
         "prefill_s": prefill_s,
         "compress_s": compress_s,
@@ -430,9 +466,11 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
 def _prefill_segment(
     lm: LoadedModel, method: Method, budget: int, segment: list[int], cfg: EngineConfig
 ) -> tuple[Session, torch.Tensor, float, float, bool]:
-    """Prefill and compress the segment, from a shared dense snapshot when allowed."""
-    window_needed = method.obs_window
-    if not cfg.reuse_prefill or window_needed > cfg.snapshot_window:
+    """Prefill and compress the segment, from a shared dense snapshot when the method's eviction only needs
+    the end of one dense pass (not block-wise, no state accumulated over every query, a short enough window)."""
+    schedule = method.schedule()
+    one_dense_pass = schedule is None or schedule.block_size is None
+    if not (cfg.reuse_prefill and one_dense_pass and not method.observes and method.obs_window <= cfg.snapshot_window):
         session = Session(lm, method, budget)
         logits, seconds = session.prefill(segment, compress=True)
         return session, logits, seconds, 0.0, False
@@ -442,7 +480,7 @@ def _prefill_segment(
     reused = hit is not None
     if hit is None:
         dense = Session(lm, None, None)
-        dense.cache.capture_window = cfg.snapshot_window
+        dense.cache.query_window = cfg.snapshot_window
         logits, seconds = dense.prefill(segment, compress=False)
         store.put(key, dense.cache, logits, seconds)
         hit = (dense.cache, logits, seconds)

@@ -111,7 +111,7 @@ def test_adakv_budgets_sum_to_layer_budget_with_alpha_floor_and_free_memory(tiny
     full_bytes = session.cache.kv_bytes()
 
     session = Session(tiny, build_method("adakv", window=window, alpha=alpha), budget)
-    session.cache.capture_window = window
+    session.cache.query_window = window
     session.prefill(ids, compress=False)
     dense_keys = [weakref.ref(layer.keys) for layer in session.cache.layers]
     session.cache.compress()
@@ -139,7 +139,7 @@ def test_inline_and_deferred_eviction_agree(tiny):
     inline = Session(tiny, build_method("adakv", window=8), 50)
     logits_inline, _ = inline.prefill(ids, compress=True)
     deferred = Session(tiny, build_method("adakv", window=8), 50)
-    deferred.cache.capture_window = 32
+    deferred.cache.query_window = 32
     logits_deferred, _ = deferred.prefill(ids, compress=False)
     deferred.cache.compress()
     assert deferred.cache.kept_per_head() == inline.cache.kept_per_head()
@@ -253,7 +253,7 @@ def test_snapkv_scores_equal_the_models_own_attention_weights(tiny):
     ids = random_ids(120, seed=11)
     window = 8
     session = Session(tiny, build_method("full"), None)
-    session.cache.capture_window = window
+    session.cache.query_window = window
     session.prefill(ids, compress=False)
     model = tiny.model
     model.set_attn_implementation("eager")
@@ -263,7 +263,7 @@ def test_snapkv_scores_equal_the_models_own_attention_weights(tiny):
     finally:
         model.set_attn_implementation("kvbench")
     for layer, att in zip(session.cache.layers, attentions):
-        ours = window_scores(layer.obs_queries, layer.head_view().keys, layer.scaling)
+        ours = window_scores(layer.queries, layer.head_view().keys, layer.scaling)
         n_kv = layer.num_heads
         theirs = att[0, :, -window:, : len(ids) - window].float().mean(1).view(n_kv, -1, len(ids) - window).mean(1)
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)

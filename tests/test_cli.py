@@ -31,7 +31,7 @@ def records(root: Path) -> dict[str, list[dict]]:
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["method=nope"], "unknown method 'nope'; available: adakv"),
+        (["method=nope"], "unknown method 'nope'; available: ada_pyramid, adakv"),
         (["task=nope"], "unknown task 'nope'"),
         (["model=nope"], "unknown model 'nope'"),
         (["-m", "method=full,nope"], "unknown method 'nope'"),
@@ -41,6 +41,8 @@ def records(root: Path) -> dict[str, list[dict]]:
         (["model=tiny_llama", "task=ruler_niah_single_1", "task.seq_len=300"], "sequence length is too small"),
         (["model=tiny_llama", "task=niah", "task.haystack=foo"], "unknown haystack 'foo'"),
         (["model=tiny_llama", "task=longbench", "task.data_dir=/nonexistent"], "LongBench data (THUDM/LongBench) not found"),
+        (["model=tiny_llama", "method=keydiff", "method.block_size=0"], "method keydiff: block_size must be a positive"),
+        (["model=tiny_llama", "method=adakv", "method.alpha=2"], "method adakv: alpha (the per-head floor"),
     ],
 )
 def test_bad_input_gives_one_clear_error_line(tmp_path, args, message):
@@ -100,7 +102,8 @@ def test_interrupted_multirun_resumes_without_loss_or_duplicates(tmp_path):
 def test_help_lists_methods_tasks_models_experiments(tmp_path):
     result = kvbench("--help", cwd=tmp_path)
     assert result.returncode == 0
-    for needle in ("method: adakv, exact_topk, full, snapkv, streamingllm", "ruler_niah_single_1", "smollm2_135m",
+    methods = "method: ada_pyramid, adakv, exact_topk, full, h2o, keydiff, keyl2norm, pyramidkv, snapkv, streamingllm, tova"
+    for needle in (methods, "ruler_niah_single_1", "smollm2_135m",
                    "experiment: ", "demo"):
         assert needle in result.stdout
 
@@ -116,3 +119,15 @@ def test_full_cache_points_ignore_the_budget():
 
     assert point("full", 64) == point("full", 256)  # a sweep runs the reference once, the other job resumes it
     assert point("snapkv", 64) != point("snapkv", 256)
+
+
+def test_block_wise_sweep_over_several_methods_sets_the_shared_schedule(tmp_path):
+    result = kvbench("-m", *TINY, "task.num_samples=1", "method=snapkv,h2o,keydiff", "++method.block_size=16",
+                     "budget=32", f"results_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    points = records(tmp_path)
+    assert len(points) == 3
+    for (record,) in points.values():
+        assert record["eviction_schedule"]["events"] == ["prefill_block", "decode_step"]
+        assert record["method_params"]["block_size"] == 16 and not record["prefill_reused"]
+        assert record["kv_peak_entries_per_head"] <= 32 + 16 and record["kept_tokens_end_max"] == 32

@@ -17,5 +17,5 @@ def build_method(name: str, **params) -> Method:
         raise KVBenchError(f"unknown method {name!r}; available: {', '.join(sorted(METHODS))}")
     try:
         return METHODS[name](**params)
-    except TypeError as exc:
+    except (TypeError, ValueError) as exc:  # an unknown parameter, or one out of its range
         raise KVBenchError(f"method {name}: {exc}") from None

@@ -12,6 +12,9 @@ Per layer, with b = budget - window outside-window slots per KV head and h KV he
    cache stores them ragged (flattened per layer), so the memory is really freed.
 
 `alpha=0` gives plain Algorithm 1 (the retained attention mass is then the global optimum, Thm 3.3).
+
+Block-wise or decode-time eviction (`block_size`, `decode_every`, not in the paper) re-runs the allocation on
+the ragged layer: the layer's total stays H * budget, each head's window is its own last `window` tokens.
 """
 
 from __future__ import annotations
@@ -24,8 +27,14 @@ from kvbench.methods.base import register_method
 from kvbench.methods.snapkv import SnapKV, with_window
 
 
-def allocate(scores: torch.Tensor, total: int, alpha: float) -> list[int]:
-    """Per-head budgets for `total` slots over `scores` [h, n] (Algorithm 1 plus the alpha safeguard)."""
+def allocate(scores: torch.Tensor, total: int, alpha: float, capacity: list[int] | None = None) -> list[int]:
+    """Per-head budgets for `total` slots over `scores` [h, n] (Algorithm 1 plus the alpha safeguard).
+
+    `capacity` caps each head at its number of candidates when heads hold different numbers of tokens
+    (re-eviction of a ragged layer after a block or a decode step; -inf scores mark the missing ones): a
+    capped head's excess goes to the heads that won the most slots among those with room, so the sum stays
+    `total`. After a single dense prefill no cap ever binds.
+    """
     heads, n = scores.shape
     won = torch.bincount(scores.reshape(-1).topk(total).indices // n, minlength=heads).double()
     target = (1 - alpha) * won + alpha * (total / heads)
@@ -35,7 +44,15 @@ def allocate(scores: torch.Tensor, total: int, alpha: float) -> list[int]:
         # largest remainder; ties go to the lower head index (stable sort) for determinism
         order = torch.sort(target - budgets, descending=True, stable=True).indices[:short]
         budgets[order] += 1
-    return [int(b) for b in budgets]
+    result = [int(b) for b in budgets]
+    if capacity is not None:
+        excess = sum(max(0, b - c) for b, c in zip(result, capacity))
+        result = [min(b, c) for b, c in zip(result, capacity)]
+        for h in torch.sort(won, descending=True, stable=True).indices.tolist():
+            extra = min(excess, capacity[h] - result[h])
+            result[h] += extra
+            excess -= extra
+    return result
 
 
 @register_method
@@ -44,13 +61,22 @@ class AdaKV(SnapKV):
     name = "adakv"
     alpha: float = 0.2
 
-    def prefill_keep(self, layer, obs_queries, budget):
-        length = layer.physical_length()
-        if budget >= length:
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.granularity != "group":
+            raise ValueError("adakv allocates per KV head: granularity must be group")
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
+            raise ValueError(f"alpha (the per-head floor, a fraction of the uniform budget) must be in [0, 1], "
+                             f"got {self.alpha!r}")
+
+    def keep(self, layer, budget):
+        lens = layer.lengths()
+        if budget * len(lens) >= sum(lens):
             return None
         window = min(self.window, budget)
         if window == budget:
-            return super().prefill_keep(layer, obs_queries, budget)
-        scores = self.pooled_scores(layer, obs_queries, window)
-        per_head = allocate(scores, (budget - window) * scores.shape[0], self.alpha)
-        return [with_window(s.topk(b).indices, length, window) for s, b in zip(scores, per_head)]
+            return [torch.arange(n - window, n, device=layer.keys.device) for n in lens]
+        scores = self.pooled_scores(layer, window)
+        capacity = [n - window for n in lens] if layer.is_ragged else None
+        per_head = allocate(scores, (budget - window) * scores.shape[0], self.alpha, capacity)
+        return [with_window(s.topk(b).indices, n, window) for s, b, n in zip(scores, per_head, lens)]

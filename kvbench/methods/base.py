@@ -1,13 +1,24 @@
-"""The method interface: a method is a small dataclass with up to two hooks.
+"""The method interface: a method is a small dataclass that says when it evicts and which tokens it keeps.
 
-- `prefill_keep(layer, obs_queries, budget)`: called once per layer at the end of the segment being
-  compressed (the prompt, or the context alone in question-agnostic mode). Returns, per KV head, the sorted
-  indices of the tokens to keep, or None to keep everything. The cache then really frees the rest.
-- `select(layer, q, view, budget, scaling)`: called at every decode step. Returns `[H_kv, G, k]` indices of
-  the cached tokens each query head attends to, or None for all of them.
+Hooks (all optional; the engine, the cache and the attention function call them, never the other way):
 
-Budgets are tokens per KV head (the RocketKV / Ada-KV unit). A budget at or above the segment length means
-no compression; hooks return None then, and the engine records `compressed: false`.
+- `schedule()`: the events at which the method evicts, or None for a method that never does. An
+  `EvictionMethod` builds it from its `block_size` and `decode_every` fields: at the end of the compressed
+  segment (one dense prefill, the Ada-KV / kvpress framework), after every prefill block of `block_size`
+  tokens (KeyDiff's block prompt processing), and after every `decode_every`-th decode step.
+- `keep(layer, budget)`: at each eviction event, per layer. Returns, per head, the sorted indices of the
+  tokens to keep, or None to keep everything. The cache gathers keys, values, positions and the method's
+  token state with them, so the rest is really freed. Scores read `layer.queries` (the last `obs_window`
+  queries the layer attended with, kept by the cache across chunks and decode steps).
+- `layer_budget(layer, budget)`: the budget of one layer (PyramidKV's schedule); the identity by default.
+- `observe(layer, queries)`: after every attention call while eviction can still happen, for methods whose
+  state accumulates over every query (H2O). Set `observes = True`. State lives in `layer.token_tensor(name)`
+  and is replaced, never modified in place.
+- `select(layer, q, view, budget, scaling)`: at every decode step for selection methods (`selects = True`).
+  Returns `[H_kv, G, k]` indices of the cached tokens each query head attends to, or None for all of them.
+
+Budgets are tokens per KV head (the RocketKV / Ada-KV unit). A budget at or above the number of stored
+tokens means nothing to evict; `keep` returns None then, and the record says `compressed: false`.
 """
 
 from __future__ import annotations
@@ -29,21 +40,42 @@ def register_method(cls: type["Method"]) -> type["Method"]:
     return cls
 
 
+@dataclass(frozen=True)
+class Schedule:
+    """When a method evicts. The engine owns the loop and follows this."""
+
+    block_size: int | None  # None: the segment is one dense forward, evicted at its end
+    decode_every: int  # evict after every N-th decode step; 0: the cache grows while decoding
+
+    @property
+    def events(self) -> tuple[str, ...]:
+        prefill = ("segment_end",) if self.block_size is None else ("prefill_block",)
+        return prefill + (("decode_step",) if self.decode_every else ())
+
+
 @dataclass
 class Method:
     name: ClassVar[str] = "base"
     family: ClassVar[str] = "none"  # eviction | selection | two-stage | none
     selects: ClassVar[bool] = False
+    observes: ClassVar[bool] = False
     uses_budget: ClassVar[bool] = True  # False: the budget cannot change a result (full), so sweeps share one point
 
     @property
     def obs_window(self) -> int:
-        """How many final prefill queries `prefill_keep` needs (0: none)."""
+        """How many of the latest queries `keep` reads from `layer.queries` (0: none)."""
         return 0
 
-    def prefill_keep(
-        self, layer: "KVLayer", obs_queries: torch.Tensor | None, budget: int
-    ) -> list[torch.Tensor] | None:
+    def schedule(self) -> Schedule | None:
+        return None
+
+    def layer_budget(self, layer: "KVLayer", budget: int) -> int:
+        return budget
+
+    def observe(self, layer: "KVLayer", queries: torch.Tensor) -> None:
+        return None
+
+    def keep(self, layer: "KVLayer", budget: int) -> list[torch.Tensor] | None:
         return None
 
     def select(
@@ -53,3 +85,49 @@ class Method:
 
     def params(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass
+class EvictionMethod(Method):
+    """A method that permanently evicts, on the schedule its two fields describe (every eviction method
+    accepts both, so any of them runs one-shot, block-wise or with decode-time eviction).
+
+    `block_size`: None (one dense prefill of the compressed segment, evicted at its end) or M (the segment is
+    fed in blocks of M tokens and every layer is cut back to its budget after each, so no head ever holds
+    more than budget + M tokens). `decode_every`: evict after every N-th generated token (1: the cache stays
+    at the budget while generating); None means 1 with `block_size` (KeyDiff: generation is the block loop
+    with M = 1) and 0 without (the Ada-KV / kvpress framework: the cache grows while decoding).
+    """
+
+    family: ClassVar[str] = "eviction"
+    block_size: int | None = None
+    decode_every: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size is not None and (not _is_int(self.block_size) or self.block_size < 1):
+            raise ValueError(f"block_size must be a positive number of tokens or null, got {self.block_size!r}")
+        if self.decode_every is not None and (not _is_int(self.decode_every) or self.decode_every < 0):
+            raise ValueError(f"decode_every must be a number of decode steps >= 0 or null, got {self.decode_every!r}")
+
+    def schedule(self) -> Schedule:
+        every = self.decode_every if self.decode_every is not None else int(self.block_size is not None)
+        return Schedule(self.block_size, every)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def keep_top(scores: torch.Tensor, budget: int, recent: int = 0) -> list[torch.Tensor]:
+    """Per head, the sorted indices of the `budget` highest scores, the last `recent` entries always kept.
+
+    scores: `[H, L]` over a uniform layer (fp32). Used by the methods that rank every stored token by one
+    score (H2O, TOVA, KeyDiff, KeyL2Norm): older tokens compete for `budget - recent` slots.
+    """
+    length = scores.shape[1]
+    recent = min(recent, budget)
+    tail = torch.arange(length - recent, length, device=scores.device)
+    if budget == recent:
+        return [tail] * scores.shape[0]
+    top = scores[:, : length - recent].topk(budget - recent, dim=-1).indices.sort(dim=-1).values
+    return [torch.cat([t, tail]) for t in top]

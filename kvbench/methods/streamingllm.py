@@ -1,9 +1,10 @@
 """StreamingLLM (Xiao et al. 2024): attention sinks plus the most recent tokens.
 
-Per KV head keep the first `n_sink` tokens and the last `budget - n_sink` of the compressed segment. As in
-the Ada-KV / KVPress evaluation framework (specs/adakv.md §2.5), eviction happens once at the end of prefill
-and the cache then grows by one token per step; the rolling decode-time window of the original paper needs
-decode-time eviction, which arrives with H2O/KeyDiff.
+Per KV head keep the first `n_sink` tokens and the last `budget - n_sink` stored ones. By default eviction
+happens once at the end of the compressed segment and the cache then grows by one token per step, as in the
+Ada-KV / kvpress evaluation framework (specs/adakv.md §2.5). `decode_every=1` is the paper's rolling window
+(the cache stays at the budget while generating); `block_size` runs it under block prompt processing as the
+KeyDiff paper's Sink baseline.
 """
 
 from __future__ import annotations
@@ -12,17 +13,21 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.methods.base import Method, register_method
+from kvbench.methods.base import EvictionMethod, register_method
 
 
 @register_method
 @dataclass
-class StreamingLLM(Method):
+class StreamingLLM(EvictionMethod):
     name = "streamingllm"
-    family = "eviction"
     n_sink: int = 4
 
-    def prefill_keep(self, layer, obs_queries, budget):
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
+            raise ValueError(f"n_sink must be a number of tokens >= 0, got {self.n_sink!r}")
+
+    def keep(self, layer, budget):
         length = layer.physical_length()
         if budget >= length:
             return None

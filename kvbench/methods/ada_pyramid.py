@@ -1,0 +1,25 @@
+"""Ada-Pyramid (Ada-KV paper): PyramidKV's per-layer budgets, Ada-KV's head-wise allocation inside each
+layer (specs/adakv.md §2.4): layer l allocates H * b_l outside-window slots with the floor alpha * b_l."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvbench.methods.adakv import AdaKV
+from kvbench.methods.base import register_method
+from kvbench.methods.pyramidkv import pyramid_layer_budget
+
+
+@register_method
+@dataclass
+class AdaPyramid(AdaKV):
+    name = "ada_pyramid"
+    beta: int = 20
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if isinstance(self.beta, bool) or not isinstance(self.beta, int) or self.beta < 1:
+            raise ValueError(f"beta (the shallowest/deepest budget ratio) must be a positive integer, got {self.beta!r}")
+
+    def layer_budget(self, layer, budget):
+        return pyramid_layer_budget(layer, budget, self.window, self.beta)

@@ -1,0 +1,80 @@
+"""KeyDiff (Park et al. 2025, seed paper 001): evict by key geometry alone, block-wise by default.
+
+Per layer and KV head, an anchor is computed from all stored keys (the old cache plus the new block), each
+key is scored by its dissimilarity to it, and the `budget` most dissimilar keys are kept
+(specs/keydiff.md §2.3-2.5). No attention weights are needed, so it works with any attention kernel.
+
+- `anchor`: `mean_raw` (mean of the post-RoPE keys; the main text's "unnormalized keys", the spec's §8.1
+  default), `mean_normalized` (mean of the unit keys: ranks exactly as `pairwise`, kvpress's choice),
+  `pairwise` (Eq. 7, the n x n cosine matrix, O(n^2 d): a reference), `median` (coordinate-wise median).
+- `metric`: `cosine` (score -cos(k, a)), `dot` (-k.a) or `euclidean` (||k - a||, keep the farthest).
+- `window_ratio`: share of the budget reserved for the most recent tokens (Table 13: 0.1, 0.2; off by default).
+- Schedule: the paper's block prompt processing, `block_size=128` (kvpress's BlockPress default; the number
+  is lost from the paper text) and eviction after every generated token (`decode_every` null -> 1), so no head
+  ever holds more than budget + 128 tokens. `block_size=null` is the one-shot variant (Table 9).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.methods.base import EvictionMethod, keep_top, register_method
+
+ANCHORS = ("mean_raw", "mean_normalized", "pairwise", "median")
+METRICS = ("cosine", "dot", "euclidean")
+
+
+def keydiff_scores(keys: torch.Tensor, anchor: str = "mean_raw", metric: str = "cosine") -> torch.Tensor:
+    """Scores `[H, L]` (higher = keep) of keys `[H, L, D]`, in fp32 (bf16 ties can flip top-k decisions)."""
+    k = keys.float()
+    if anchor == "pairwise":
+        if metric != "cosine":
+            raise ValueError("the pairwise anchor (Eq. 7) is defined for the cosine metric only")
+        unit = F.normalize(k, dim=-1)
+        return -(unit @ unit.transpose(1, 2)).sum(dim=-1)
+    if anchor == "mean_raw":
+        a = k.mean(dim=1, keepdim=True)
+    elif anchor == "mean_normalized":
+        a = F.normalize(k, dim=-1).mean(dim=1, keepdim=True)
+    elif anchor == "median":
+        a = k.median(dim=1, keepdim=True).values
+    else:
+        raise ValueError(f"anchor must be one of {', '.join(ANCHORS)}, not {anchor!r}")
+    if metric == "cosine":
+        return -F.cosine_similarity(k, a, dim=-1)
+    if metric == "dot":
+        return -(k * a).sum(dim=-1)
+    if metric == "euclidean":
+        return (k - a).norm(dim=-1)
+    raise ValueError(f"metric must be one of {', '.join(METRICS)}, not {metric!r}")
+
+
+@register_method
+@dataclass
+class KeyDiff(EvictionMethod):
+    name = "keydiff"
+    block_size: int | None = 128
+    anchor: str = "mean_raw"
+    metric: str = "cosine"
+    window_ratio: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.anchor not in ANCHORS:
+            raise ValueError(f"anchor must be one of {', '.join(ANCHORS)}, not {self.anchor!r}")
+        if self.metric not in METRICS:
+            raise ValueError(f"metric must be one of {', '.join(METRICS)}, not {self.metric!r}")
+        if self.anchor == "pairwise" and self.metric != "cosine":
+            raise ValueError("the pairwise anchor (Eq. 7) is defined for the cosine metric only")
+        if isinstance(self.window_ratio, bool) or not isinstance(self.window_ratio, (int, float)) \
+                or not 0 <= self.window_ratio <= 1:
+            raise ValueError(f"window_ratio must be in [0, 1], got {self.window_ratio!r}")
+
+    def keep(self, layer, budget):
+        if budget >= layer.physical_length():
+            return None
+        scores = keydiff_scores(layer.head_view().keys, self.anchor, self.metric)
+        return keep_top(scores, budget, recent=round(self.window_ratio * budget))
