@@ -47,7 +47,6 @@ def kvbench_attention(
         raise RuntimeError("kvbench attention needs a KVBenchCache: pass past_key_values=KVBenchCache(...)")
     scaling = scaling if scaling is not None else module.head_dim**-0.5
     q_len = query.shape[2]
-    cache = layer.cache
     layer.scaling = scaling
 
     if q_len > 1 and layer.seen == q_len:  # first prefill chunk: stock causal SDPA

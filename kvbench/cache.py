@@ -166,13 +166,15 @@ class KVLayer(CacheLayerMixin):
         return torch.cumsum(lens, 0) - lens
 
     def _per_token(self) -> dict[str, torch.Tensor]:
-        """Every per-token tensor, flattened to rows: `[sum_h len_h, ...]` in both layouts (views)."""
-        flat = {"positions": self.positions.reshape(-1), **{k: v.reshape(-1, *v.shape[2:]) if not self.is_ragged
-                                                             else v for k, v in self.token_state.items()}}
+        """Every per-token tensor as flat rows `[sum_h len_h, ...]`, head after head (views when uniform)."""
         if self.is_ragged:
-            return {"keys": self.keys, "values": self.values, **flat}
-        return {"keys": self.keys[0].reshape(-1, self.head_dim), "values": self.values[0].reshape(-1, self.head_dim),
-                **flat}
+            return {"keys": self.keys, "values": self.values, "positions": self.positions, **self.token_state}
+
+        def rows(t: torch.Tensor) -> torch.Tensor:  # [H, L, ...] -> [H * L, ...]
+            return t.reshape(-1, *t.shape[2:])
+
+        return {"keys": rows(self.keys[0]), "values": rows(self.values[0]), "positions": rows(self.positions),
+                **{name: rows(t) for name, t in self.token_state.items()}}
 
     def _set_per_token(self, rows: dict[str, torch.Tensor], head_lens: list[int]) -> None:
         """Install flat per-token tensors, uniform when every head has the same length."""
@@ -223,11 +225,6 @@ class KVLayer(CacheLayerMixin):
         valid = slot < lens[:, None]
         rows = (self._offsets()[:, None] + slot).clamp(max=self.keys.shape[0] - 1)
         return rows, valid
-
-    def padded_state(self, name: str) -> torch.Tensor:
-        """A token-state tensor as `[H, L_max, ...]` (padding rows hold some other row's value: mask them)."""
-        t = self.token_state[name]
-        return t if not self.is_ragged else t[self._padded_rows()[0]]
 
     def token_tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The method's per-token tensor `name`, created as zeros for the tokens already stored."""

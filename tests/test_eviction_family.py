@@ -221,10 +221,10 @@ def test_pyramid_layers_hold_their_schedule_and_ada_pyramid_heads_sum_to_it_with
 @pytest.fixture(scope="module")
 def smollm2_tiny_slice():
     """A random 6-layer GQA Llama (PyramidKV needs depth to show a schedule)."""
+    from conftest import model_cfg
     from omegaconf import OmegaConf
 
     from kvbench.models import load_model
-    from conftest import model_cfg
 
     cfg = model_cfg("tiny_llama")
     OmegaConf.update(cfg, "config.num_hidden_layers", 6)

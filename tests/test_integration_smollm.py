@@ -129,8 +129,8 @@ def test_every_eviction_method_runs_on_the_embedded_model(smollm2, niah_samples,
 def test_block_wise_keydiff_matches_dense_reference_on_smollm(smollm2, niah_samples):
     """Block prompt processing on the real model: every block and decode step attends exactly to what each
     head held at that moment (eviction after every 128-token block and every generated token)."""
-    from test_eviction_family import run_and_record
     from reference import reference_chunks
+    from test_eviction_family import run_and_record
 
     ids = sum(PromptBuilder(smollm2.tokenizer).first_turn(niah_samples[1]), [])
     session, chunks, past, outs = run_and_record(smollm2, build_method("keydiff"), 256, ids, steps=4)
