@@ -1,8 +1,11 @@
-"""The Triton kernels behind `kvbench.kernels.sparse_attention` and `kvbench.kernels.ragged_attention`.
+"""The Triton kernels behind `kvbench.kernels.sparse_attention`, `.ragged_attention`, `.page_summary` and
+`.reduced_scores`.
 
-Imported only on the first Triton launch (see `kvbench.kernels._dispatch`). Both kernels are decode-time
-GEMVs, one program per (KV head, group member) with an online softmax in fp32, so they use elementwise
-products and reductions rather than tl.dot (a single query row is below tl.dot's minimum tile).
+Imported only on the first Triton launch (see `kvbench.kernels._dispatch`). The attention kernels are
+decode-time GEMVs, one program per (KV head, group member) with an online softmax in fp32, so they use
+elementwise products and reductions rather than tl.dot (a single query row is below tl.dot's minimum tile);
+the scoring kernels are GEMVs too, over a gathered handful of head dimensions. Every launcher takes
+shape-checked inputs of any strides and returns fresh outputs.
 """
 
 from __future__ import annotations
@@ -23,32 +26,38 @@ def launch_topk_attention(
     scaling: float,
     valid: torch.Tensor | None,
     block_k: int,
-) -> torch.Tensor:
-    """Run `_topk_attention_kernel` on shape-checked inputs; see `topk_attention_triton`."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `_topk_attention_kernel` on shape-checked inputs; see `topk_attention_triton`.
+
+    Returns (out [H_kv, G, D] in q's dtype, lse [H_kv, G] fp32 natural-log log-sum-exp of the logits).
+    """
     n_kv, group, k = idx.shape
     dim = q.shape[-1]
     out = torch.empty_like(q)
+    lse = torch.empty((n_kv, group), dtype=torch.float32, device=q.device)
     if valid is None:
         valid_u8, valid_strides = idx, (0, 0)  # never read: HAS_VALID is False
     else:
         valid_u8 = valid.view(torch.uint8)  # loaded as bytes; a bool tensor is one byte per slot
         valid_strides = valid_u8.stride()
     _topk_attention_kernel[(n_kv * group,)](
-        q, keys, values, idx, valid_u8, out,
+        q, keys, values, idx, valid_u8, out, lse,
         scaling * LOG2E, group, k, dim,
         *q.stride(), *keys.stride(), *values.stride(), *idx.stride(), *valid_strides, *out.stride(),
+        *lse.stride(),
         HAS_VALID=valid is not None,
         BLOCK_K=min(block_k, triton.next_power_of_2(max(k, 1))),
         BLOCK_D=triton.next_power_of_2(dim),
     )
-    return out
+    return out, lse
 
 
 @triton.jit
 def _topk_attention_kernel(
-    q_ptr, k_ptr, v_ptr, idx_ptr, valid_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, idx_ptr, valid_ptr, out_ptr, lse_ptr,
     qk_scale, group, k, dim,
     s_qh, s_qg, s_qd, s_kh, s_kl, s_kd, s_vh, s_vl, s_vd, s_ih, s_ig, s_ik, s_mh, s_ml, s_oh, s_og, s_od,
+    s_lh, s_lg,
     HAS_VALID: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -83,6 +92,9 @@ def _topk_attention_kernel(
     # l_i == 0 (all padding) gives 0/0 = NaN, as the reference's softmax over nothing does
     out = acc / l_i
     tl.store(out_ptr + h * s_oh + g * s_og + d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    # m_i and l_i are in base 2 (the logits carry LOG2E; a jitted function cannot read that global, hence the
+    # literal ln 2); all padding leaves m_i = -inf and l_i = 0, and -inf + log2(0) is the reference's -inf
+    tl.store(lse_ptr + h * s_lh + g * s_lg, (m_i + tl.log2(l_i)) * 0.6931471805599453)
 
 
 def launch_ragged_decode_attention(
@@ -144,3 +156,199 @@ def _ragged_decode_kernel(
     # an empty head never enters the loop: 0/0 = NaN, as the reference's softmax over nothing
     out = acc / l_i
     tl.store(out_ptr + h * s_oh + g * s_og + d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def launch_page_minmax(
+    keys: torch.Tensor, page_size: int, block_rows: int = 16, tile: int = 4096
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run `_page_minmax_kernel`: see `page_minmax_reference`. Returns (kmin, kmax), [H, P, D] in keys' dtype.
+
+    One program per (head, block of pages); it walks its pages `block_rows` rows at a time, so a large page
+    does not need a [page_size, D] tile in registers and a small one shares a program with its neighbours.
+    """
+    if keys.dim() != 3 or page_size < 1:
+        raise ValueError(f"keys {tuple(keys.shape)} must be [H, N, D] and page_size {page_size} >= 1")
+    heads, n, dim = keys.shape
+    pages = triton.cdiv(n, page_size)
+    kmin = keys.new_empty((heads, pages, dim))
+    kmax = keys.new_empty((heads, pages, dim))
+    if kmin.numel() == 0:
+        return kmin, kmax
+    block_d = triton.next_power_of_2(dim)
+    block_r = min(triton.next_power_of_2(page_size), block_rows)
+    # all three factors are powers of two, so the quotient is one too (as tl.arange requires)
+    block_p = max(1, min(triton.next_power_of_2(pages), tile // (block_r * block_d)))
+    # pages on grid axis 0: axis 1 is capped at 65535 programs on CUDA
+    _page_minmax_kernel[(triton.cdiv(pages, block_p), heads)](
+        keys, kmin, kmax,
+        n, pages, page_size, dim,
+        *keys.stride(), *kmin.stride(), *kmax.stride(),
+        BLOCK_P=block_p, BLOCK_R=block_r, BLOCK_D=block_d,
+    )
+    return kmin, kmax
+
+
+@triton.jit
+def _page_minmax_kernel(
+    k_ptr, min_ptr, max_ptr,
+    n, pages, page_size, dim,
+    s_kh, s_kn, s_kd, s_ih, s_ip, s_id, s_ah, s_ap, s_ad,
+    BLOCK_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    h = tl.program_id(1).to(tl.int64)
+    p = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
+    d = tl.arange(0, BLOCK_D)
+    p_ok = p < pages
+    d_ok = d < dim
+    first = p.to(tl.int64) * page_size
+    # the partial last page stops at row n: rows past it are never read, so they cannot widen its bounds
+    end = tl.minimum(first + page_size, n)
+    lo = tl.full([BLOCK_P, BLOCK_D], float("inf"), tl.float32)
+    hi = tl.full([BLOCK_P, BLOCK_D], float("-inf"), tl.float32)
+    for r0 in range(0, page_size, BLOCK_R):
+        rows = first[:, None] + (r0 + tl.arange(0, BLOCK_R))[None, :]  # [BLOCK_P, BLOCK_R]
+        # rows < end also masks a chunk's lanes past page_size (they belong to the next page)
+        live = ((rows < end[:, None]) & p_ok[:, None])[:, :, None] & d_ok[None, None, :]
+        x = tl.load(k_ptr + h * s_kh + rows[:, :, None] * s_kn + d[None, None, :] * s_kd, mask=live, other=0.0)
+        # fp32 holds every fp16/bf16 value exactly: the min/max and the cast back are exact
+        x = x.to(tl.float32)
+        lo = tl.minimum(lo, tl.min(tl.where(live, x, float("inf")), axis=1))
+        hi = tl.maximum(hi, tl.max(tl.where(live, x, float("-inf")), axis=1))
+    tile = p_ok[:, None] & d_ok[None, :]
+    tl.store(min_ptr + h * s_ih + p[:, None] * s_ip + d[None, :] * s_id, lo.to(min_ptr.dtype.element_ty), mask=tile)
+    tl.store(max_ptr + h * s_ah + p[:, None] * s_ap + d[None, :] * s_ad, hi.to(max_ptr.dtype.element_ty), mask=tile)
+
+
+def launch_page_scores(
+    q: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    dims: torch.Tensor,
+    positive: torch.Tensor,
+    block_p: int = 64,
+    pages_per_program: int = 256,
+    tile: int = 4096,
+) -> torch.Tensor:
+    """Run `_page_scores_kernel`: see `page_scores_reference`. Returns [H, G, P] fp32.
+
+    One program per (head, group member) and span of `pages_per_program` pages, looping over its span
+    `block_p` pages (at most `tile` gathered elements) at a time: a short cache is one program per query
+    head, and a long one (thousands of pages at decode) still spreads over the GPU's SMs instead of
+    running as H * G long programs.
+    """
+    heads, group, dim = q.shape
+    pages, k1 = kmin.shape[1], dims.shape[1]
+    if (
+        kmin.shape != kmax.shape
+        or kmin.shape[0] != heads
+        or kmin.shape[2] != dim
+        or dims.shape[0] != heads
+        or positive.shape not in ((heads, group, k1), (heads, 1, k1))
+    ):
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, kmin {tuple(kmin.shape)}, kmax {tuple(kmax.shape)}, "
+                         f"dims {tuple(dims.shape)}, positive {tuple(positive.shape)}")
+    out = torch.empty((heads, group, pages), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    pos_u8 = positive.view(torch.uint8)  # loaded as bytes; a bool tensor is one byte per element
+    s_ph, s_pg, s_pk = pos_u8.stride()
+    if positive.shape[1] == 1:
+        s_pg = 0  # one sign pattern for the whole group
+    block_k = triton.next_power_of_2(max(k1, 1))
+    block_p = max(1, min(block_p, triton.next_power_of_2(pages), tile // block_k))
+    span = triton.cdiv(pages_per_program, block_p) * block_p
+    _page_scores_kernel[(triton.cdiv(pages, span), heads * group)](
+        q, kmin, kmax, dims, pos_u8, out,
+        group, pages, k1, span,
+        *q.stride(), *kmin.stride(), *kmax.stride(), *dims.stride(), s_ph, s_pg, s_pk, *out.stride(),
+        BLOCK_P=block_p, BLOCK_K=block_k,
+    )
+    return out
+
+
+@triton.jit
+def _page_scores_kernel(
+    q_ptr, min_ptr, max_ptr, dims_ptr, pos_ptr, out_ptr,
+    group, pages, k1, span,
+    s_qh, s_qg, s_qd, s_ih, s_ip, s_id, s_ah, s_ap, s_ad, s_dh, s_dk, s_ph, s_pg, s_pk, s_oh, s_og, s_op,
+    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(1)
+    h = (pid // group).to(tl.int64)
+    g = pid % group
+    j = tl.arange(0, BLOCK_K)
+    j_ok = j < k1
+    dd = tl.load(dims_ptr + h * s_dh + j * s_dk, mask=j_ok, other=0)
+    qs = tl.load(q_ptr + h * s_qh + g * s_qg + dd * s_qd, mask=j_ok, other=0.0).to(tl.float32)
+    sign = tl.load(pos_ptr + h * s_ph + g * s_pg + j * s_pk, mask=j_ok, other=0)
+    use_max = j_ok & (sign != 0)
+    use_min = j_ok & (sign == 0)
+    start = tl.program_id(0) * span
+    end = tl.minimum(start + span, pages)
+    for p0 in range(start, end, BLOCK_P):
+        p = p0 + tl.arange(0, BLOCK_P)
+        p_ok = p < end
+        # each dimension reads one bound: the other's lanes are masked off, so the sum of the two loads is the
+        # chosen bound, and the page summaries are read once rather than twice
+        bound = tl.load(
+            max_ptr + h * s_ah + p[:, None] * s_ap + dd[None, :] * s_ad, mask=p_ok[:, None] & use_max[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        bound += tl.load(
+            min_ptr + h * s_ih + p[:, None] * s_ip + dd[None, :] * s_id, mask=p_ok[:, None] & use_min[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        score = tl.sum(bound * qs[None, :], axis=1)
+        tl.store(out_ptr + h * s_oh + g * s_og + p * s_op, score, mask=p_ok)
+
+
+def launch_reduced_scores(
+    q: torch.Tensor, keys_t: torch.Tensor, dims: torch.Tensor, block_n: int = 128, block_r: int = 32
+) -> torch.Tensor:
+    """Run `_reduced_scores_kernel`: see `reduced_scores_reference`. Returns [H, G, N] fp32.
+
+    One program per (head, group member, block of `block_n` tokens), reading the chosen rows of keys_t
+    `block_r` at a time: each row is contiguous along N, so every load of a program is coalesced.
+    """
+    heads, group, dim = q.shape
+    n, r = keys_t.shape[2], dims.shape[1]
+    if keys_t.shape[:2] != (heads, dim) or dims.shape[0] != heads:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, keys_t {tuple(keys_t.shape)}, "
+                         f"dims {tuple(dims.shape)}")
+    out = torch.empty((heads, group, n), dtype=torch.float32, device=q.device)
+    if out.numel() == 0:
+        return out
+    block_n = min(block_n, triton.next_power_of_2(n))
+    _reduced_scores_kernel[(triton.cdiv(n, block_n), heads * group)](
+        q, keys_t, dims, out,
+        group, n, r,
+        *q.stride(), *keys_t.stride(), *dims.stride(), *out.stride(),
+        BLOCK_N=block_n, BLOCK_R=min(block_r, triton.next_power_of_2(max(r, 1))),
+    )
+    return out
+
+
+@triton.jit
+def _reduced_scores_kernel(
+    q_ptr, k_ptr, dims_ptr, out_ptr,
+    group, n, r,
+    s_qh, s_qg, s_qd, s_kh, s_kd, s_kn, s_dh, s_dr, s_oh, s_og, s_on,
+    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
+):
+    pid = tl.program_id(1)
+    # int64: h * s_kh passes 2^31 once H * D * N does
+    h = (pid // group).to(tl.int64)
+    g = pid % group
+    t = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    t_ok = t < n
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j0 in range(0, r, BLOCK_R):
+        j = j0 + tl.arange(0, BLOCK_R)
+        j_ok = j < r
+        dd = tl.load(dims_ptr + h * s_dh + j * s_dr, mask=j_ok, other=0)
+        qs = tl.load(q_ptr + h * s_qh + g * s_qg + dd * s_qd, mask=j_ok, other=0.0).to(tl.float32)
+        kt = tl.load(
+            k_ptr + h * s_kh + dd[:, None] * s_kd + t[None, :] * s_kn, mask=j_ok[:, None] & t_ok[None, :], other=0.0
+        )
+        acc += tl.sum(kt.to(tl.float32) * qs[:, None], axis=0)
+    tl.store(out_ptr + h * s_oh + g * s_og + t * s_on, acc, mask=t_ok)

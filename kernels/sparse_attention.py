@@ -19,11 +19,12 @@ def topk_attention(
     idx: torch.Tensor,
     scaling: float,
     valid: torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`topk_attention_reference`'s result, computed by the Triton kernel when `use_triton` allows it."""
     tensors = (q, keys, values, idx) + ((valid,) if valid is not None else ())
     impl = topk_attention_triton if use_triton(*tensors) else topk_attention_reference
-    return impl(q, keys, values, idx, scaling, valid)
+    return impl(q, keys, values, idx, scaling, valid, return_lse=return_lse)
 
 
 def topk_attention_reference(
@@ -33,7 +34,8 @@ def topk_attention_reference(
     idx: torch.Tensor,
     scaling: float,
     valid: torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of each query head over its own selected tokens (PyTorch).
 
     q: [H_kv, G, D]; keys/values: [H_kv, L, D]; idx: [H_kv, G, k] int64 token indices into L (per query
@@ -41,7 +43,9 @@ def topk_attention_reference(
     valid: optional [H_kv, L] bool mask of the real (non-padding) slots of a ragged layer: selected padding
     gets no weight. out[h, g] = softmax(scaling * q[h, g] . keys[h, idx[h, g]]) @ values[h, idx[h, g]],
     computed in fp32 and returned as [H_kv, G, D] in q's dtype. A query head whose selection is all padding
-    gets NaN (a softmax over nothing).
+    gets NaN (a softmax over nothing). With `return_lse`, also the log-sum-exp of each head's selected logits
+    ([H_kv, G] fp32, natural log, -inf over nothing), with which partial attentions over disjoint token sets
+    merge exactly: out = sum_i exp(lse_i - lse) out_i with lse = logsumexp_i(lse_i).
     """
     n_kv, group, k = idx.shape
     dim = keys.shape[-1]
@@ -52,7 +56,8 @@ def topk_attention_reference(
     if valid is not None:
         logits.masked_fill_(~valid.gather(1, idx.reshape(n_kv, -1)).view(n_kv, group, k), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    return torch.einsum("hgk,hgkd->hgd", probs, v_sel).to(q.dtype)
+    out = torch.einsum("hgk,hgkd->hgd", probs, v_sel).to(q.dtype)
+    return (out, torch.logsumexp(logits, dim=-1)) if return_lse else out
 
 
 def topk_attention_triton(
@@ -62,8 +67,9 @@ def topk_attention_triton(
     idx: torch.Tensor,
     scaling: float,
     valid: torch.Tensor | None = None,
+    return_lse: bool = False,
     block_k: int = 64,
-) -> torch.Tensor:
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`topk_attention_reference` as a Triton kernel: one program per (KV head, group member).
 
     Each program gathers its selected K/V rows `block_k` indices at a time and folds them into an online
@@ -78,4 +84,5 @@ def topk_attention_triton(
     # a local import: triton is imported on the first launch, not with kvbench (see _dispatch)
     from kvbench.kernels._triton_kernels import launch_topk_attention
 
-    return launch_topk_attention(q, keys, values, idx, scaling, valid, block_k)
+    out, lse = launch_topk_attention(q, keys, values, idx, scaling, valid, block_k)
+    return (out, lse) if return_lse else out

@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from kvbench.cache import KVLayer, active_layer, evict_layer
+from kvbench.cache import HeadView, KVLayer, active_layer, evict_layer
 from kvbench.kernels.ragged_attention import ragged_decode_attention
 from kvbench.kernels.sparse_attention import topk_attention
+from kvbench.methods.base import Selection
 
 ATTENTION_NAME = "kvbench"
 
@@ -74,20 +75,40 @@ def _after_attention(layer: KVLayer, query: torch.Tensor) -> None:
 def _decode(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
     cache = layer.cache
     method = cache.method
-    if method is not None and method.selects and cache.select_budget is not None:
-        if cache.select_budget < layer.physical_length():
-            view = layer.head_view()
-            n_kv = view.keys.shape[0]
-            q = query[0, :, 0, :].view(n_kv, -1, query.shape[-1])  # [H_kv, G, D]
-            idx = method.select(layer, q, view, cache.select_budget, scaling)
-            if idx is not None:
-                out = topk_attention(q, view.keys, view.values, idx, scaling, view.valid)  # [H_kv, G, D]
-                return out.reshape(1, -1, 1, out.shape[-1])
+    selection = None
+    if method is not None and method.selects and cache.plan is not None and cache.plan.select is not None:
+        view = layer.head_view()
+        q = query[0, :, 0, :].view(view.keys.shape[0], -1, query.shape[-1])  # [H_kv, G, D]
+        selection = method.select(layer, q, view, cache.plan, scaling)
+        if selection is not None:
+            if not isinstance(selection, Selection):
+                selection = Selection(selection)
+            out = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid)  # [H_kv, G, D]
+            if selection.weight is not None:
+                out = (selection.weight * out.float() + (1 - selection.weight) * selection.fallback.float()).to(q.dtype)
+            recall = attention_recall(q, view, selection.idx, scaling) if cache.measure_recall else None
+            cache.stats.add(layer, method.step_traffic(layer, selection), recall)
+            return out.reshape(1, -1, 1, out.shape[-1])
+    if method is not None:
+        cache.stats.add(layer, method.step_traffic(layer, None), None)
     if not layer.is_ragged:
         return F.scaled_dot_product_attention(query, layer.keys, layer.values, scale=scaling, enable_gqa=True)
     q = query[0, :, 0, :].view(layer.num_heads, -1, query.shape[-1])  # packed GQA: [H_kv, G, D]
     out = ragged_decode_attention(q, layer.keys, layer.values, layer._offsets(), layer.head_lens, scaling)
     return out.reshape(1, -1, 1, out.shape[-1])
+
+
+def attention_recall(q: torch.Tensor, view: HeadView, idx: torch.Tensor, scaling: float) -> float:
+    """Top-k attention-mass recall of a selection: the exact attention mass on the selected tokens over the
+    mass of the exact top-|selected| tokens, per query head, averaged (1 for Exact-TopK). Over the tokens the
+    layer holds at this step, so after an eviction stage it is measured on what survived."""
+    logits = torch.einsum("hgd,hld->hgl", q.float(), view.keys.float()) * scaling
+    if view.valid is not None:
+        logits.masked_fill_(~view.valid[:, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    chosen = probs.gather(-1, idx).sum(-1)
+    best = probs.topk(idx.shape[-1], dim=-1).values.sum(-1)
+    return float((chosen / best).mean())
 
 
 def _continuation(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:

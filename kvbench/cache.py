@@ -20,6 +20,11 @@ keeps a side table that could drift from the cache. A layer also keeps the last 
 queries it attended with (`queries`, `query_positions`): the observation window of SnapKV-like scores,
 whether eviction runs at the end of a segment, after a prefill block or during decoding.
 
+Derived state a selection method reads (page summaries, SparQ's transposed keys) is `aux`: immutable objects
+the method builds (`Method.build_aux`) when the segment ends; the cache hands every append and rollback to
+them (`append(layer, n)` / `truncate(layer)` return the updated object) and drops them when an eviction
+changes the rows, after which the method rebuilds them.
+
 `seen` counts logical tokens and `get_seq_length()` reports it, so transformers' default positions stay
 right after eviction (the engine passes explicit `position_ids` anyway).
 
@@ -33,13 +38,13 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 if TYPE_CHECKING:
-    from kvbench.methods.base import Method
+    from kvbench.methods.base import Method, Plan
 
 _active = threading.local()
 
@@ -81,6 +86,7 @@ class KVLayer(CacheLayerMixin):
         self.cache = cache
         self.positions: torch.Tensor | None = None
         self.token_state: dict[str, torch.Tensor] = {}  # method-owned, same layout as positions
+        self.aux: dict[str, Any] = {}  # method-owned derived state (page summaries, ...), immutable objects
         self.head_lens: list[int] | None = None  # None: uniform layout
         self.seen = 0
         self.queries: torch.Tensor | None = None  # [H_q, w, D]: the last queries attended with
@@ -125,6 +131,7 @@ class KVLayer(CacheLayerMixin):
         else:
             self._append_ragged(key_states[0], value_states[0], new_pos)
         self.seen += q
+        self.aux = {name: state.append(self, q) for name, state in self.aux.items()}
         self.peak_len = max(self.peak_len, self.physical_length())
         self.cache._account(self.kv_nbytes() - before)
         self.returned_key = weakref.ref(self.keys)
@@ -249,6 +256,7 @@ class KVLayer(CacheLayerMixin):
         before = self.kv_nbytes()
         self._set_per_token({name: t.index_select(0, rows) for name, t in self._per_token().items()},
                             [int(ix.numel()) for ix in indices])
+        self.aux = {}  # derived from rows that changed: the method rebuilds it
         self.evictions += 1
         self.cache._account(self.kv_nbytes() - before)
 
@@ -257,9 +265,11 @@ class KVLayer(CacheLayerMixin):
         view = self.head_view()
         keep = [torch.nonzero((p >= 0) & (p < logical_length)).flatten() for p in view.positions]
         if any(int(ix.numel()) != n for ix, n in zip(keep, self.lengths())):
-            evictions = self.evictions
+            evictions, aux = self.evictions, self.aux
             self.keep(keep)
             self.evictions = evictions  # a rollback is not an eviction
+            self.aux = {name: state.truncate(self) for name, state in aux.items()}
+            self.aux = {name: state for name, state in self.aux.items() if state is not None}
         if self.queries is not None:
             old = self.query_positions < logical_length
             self.queries, self.query_positions = self.queries[:, old].clone(), self.query_positions[old].clone()
@@ -275,7 +285,8 @@ class KVLayer(CacheLayerMixin):
         self.queries, self.query_positions = queries[:, -window:].clone(), positions[-window:].clone()
 
     def method_state_nbytes(self) -> int:
-        return sum(_nbytes(t) for t in (*self.token_state.values(), self.queries, self.query_positions))
+        tensors = (*self.token_state.values(), self.queries, self.query_positions)
+        return sum(_nbytes(t) for t in tensors) + sum(state.nbytes() for state in self.aux.values())
 
     def tensors(self) -> list[torch.Tensor]:
         fixed = (self.keys, self.values, self.positions, self.queries, self.query_positions)
@@ -288,6 +299,7 @@ class KVLayer(CacheLayerMixin):
         twin.cache = cache
         twin.head_lens = list(self.head_lens) if self.head_lens is not None else None
         twin.token_state = dict(self.token_state)
+        twin.aux = dict(self.aux)
         return twin
 
 
@@ -303,14 +315,15 @@ class KVBenchCache(Cache):
     evicts later through `compress`, which lets one dense prefill serve many methods and budgets.
     """
 
-    def __init__(self, num_layers: int, method: "Method | None" = None, budget: int | None = None):
+    def __init__(self, num_layers: int, method: "Method | None" = None, plan: "Plan | None" = None):
         super().__init__(layers=[KVLayer(i, self) for i in range(num_layers)])
         self.method = method
-        self.budget = budget  # tokens per KV head, resolved by the engine; None: no eviction
+        self.plan = plan  # the method's budgets for this sample (None: no method, nothing is evicted)
         self.evict_now = False
         self.query_window = 0
         self.observing = False
-        self.select_budget: int | None = None  # decode-time selection budget (tokens per head)
+        self.measure_recall = False  # selection methods: top-k attention-mass recall of every decode step
+        self.stats = DecodeStats()
         self._kv_bytes = 0
         self.kv_peak_bytes = 0  # the most K/V bytes held at any moment
         self.track_method_state(method is not None and method.schedule() is not None)
@@ -336,10 +349,20 @@ class KVBenchCache(Cache):
                 layer.queries = layer.queries[:, keep:].clone() if self.query_window else None
                 layer.query_positions = layer.query_positions[keep:].clone() if self.query_window else None
 
+    @property
+    def budget(self) -> int | None:
+        """Tokens per KV head the eviction hook keeps (None: nothing is evicted)."""
+        return self.plan.evict if self.plan is not None else None
+
     def end_segment(self) -> None:
-        """The compressed segment is done: the method's state lives on only if decode steps still evict."""
+        """The compressed segment is done: the method's state lives on only if later events still evict, and
+        its derived state is built over what the layers now hold."""
         schedule = self.method.schedule() if self.method is not None else None
-        self.track_method_state(bool(schedule and schedule.decode_every))
+        self.track_method_state(bool(schedule and (schedule.decode_every or schedule.every_turn)))
+        if self.method is not None:
+            for layer in self.layers:
+                if not layer.aux and layer.keys is not None:
+                    layer.aux = self.method.build_aux(layer)
 
     def nbytes(self) -> int:
         """Bytes of the distinct storages this cache holds: what eviction really freed, not a mask count."""
@@ -386,12 +409,33 @@ class KVBenchCache(Cache):
         self.end_segment()
 
     def clone(self) -> "KVBenchCache":
-        """A copy that shares the (never mutated in place) tensors: costs no memory until it diverges."""
-        twin = KVBenchCache(0, self.method, self.budget)
+        """A copy that shares the (never mutated in place) tensors: costs no memory until it diverges. Its
+        decode statistics start empty."""
+        twin = KVBenchCache(0, self.method, self.plan)
         twin.layers = [layer.clone_into(twin) for layer in self.layers]
-        for key in ("evict_now", "query_window", "observing", "select_budget", "_kv_bytes", "kv_peak_bytes"):
+        for key in ("evict_now", "query_window", "observing", "measure_recall", "_kv_bytes", "kv_peak_bytes"):
             setattr(twin, key, getattr(self, key))
         return twin
+
+
+@dataclass
+class DecodeStats:
+    """What the decode steps of one cache read, by the method's own cost model, and how well selections
+    recalled the exact top-k attention mass (both summed over layers; divide by `layer_steps`)."""
+
+    layer_steps: int = 0
+    read_elements: int = 0  # K/V and auxiliary elements read, all heads
+    read_token_equivalents: float = 0.0  # read_elements / (2 D) per KV group: comparable to a token budget
+    recall_sum: float = 0.0
+    recall_steps: int = 0
+
+    def add(self, layer: "KVLayer", elements: int, recall: float | None) -> None:
+        self.layer_steps += 1
+        self.read_elements += elements
+        self.read_token_equivalents += elements / (2 * layer.head_dim * layer.model_kv_heads)
+        if recall is not None:
+            self.recall_sum += recall
+            self.recall_steps += 1
 
 
 def evict_layer(layer: KVLayer) -> None:

@@ -30,7 +30,7 @@ import torch
 
 from kvbench.cache import KVBenchCache
 from kvbench.errors import KVBenchError
-from kvbench.methods.base import Method
+from kvbench.methods.base import Method, Plan
 from kvbench.models import LoadedModel
 from kvbench.tasks.base import Sample
 from kvbench.tasks.scoring import score as score_prediction
@@ -49,6 +49,7 @@ class EngineConfig:
     nll: bool = True
     chat_template: bool = True  # apply the model's chat template where the sample asks for it
     system_prompt: str | None = None
+    topk_recall: bool = True  # selection methods: measure top-k attention-mass recall at every decode step
 
 
 def resolve_budget(budget: float | int, length: int) -> int:
@@ -204,10 +205,22 @@ class Session:
     steps evict every `decode_every` steps. Teacher forcing follows the same schedule on a copy of the cache.
     """
 
-    def __init__(self, lm: LoadedModel, method: Method | None, budget: int | None, cache: KVBenchCache | None = None):
+    def __init__(
+        self,
+        lm: LoadedModel,
+        method: Method | None,
+        budget: int | Plan | None,
+        cache: KVBenchCache | None = None,
+        sequence_length: int | None = None,
+    ):
+        """`budget`: the method's `Plan` for this sample, or a token budget to plan from (`sequence_length`
+        is the prompt plus the tokens to generate, which selection methods derive their parameters from)."""
         self.lm = lm
         self.method = method
         self.schedule = method.schedule() if method is not None else None
+        if isinstance(budget, int) and method is not None:
+            budget = method.plan(budget, sequence_length=sequence_length or lm.max_positions, new_tokens=0,
+                                 head_dim=_head_dim(lm))
         n_layers = lm.model.config.num_hidden_layers
         self.cache = cache if cache is not None else KVBenchCache(n_layers, method, budget)
         self.position = self.cache.get_seq_length()
@@ -298,7 +311,7 @@ class Session:
         """
         if not target:
             return float("nan")
-        twin = Session(self.lm, self.method, self.cache.budget, self.cache.clone())
+        twin = Session(self.lm, self.method, self.cache.plan, self.cache.clone())
         twin.position, twin.decode_steps = self.position, self.decode_steps
         total = 0.0
         for i, token in enumerate(target):
@@ -310,6 +323,11 @@ class Session:
     def rollback(self, logical_length: int) -> None:
         self.cache.truncate(logical_length)
         self.position = logical_length
+
+
+def _head_dim(lm: LoadedModel) -> int:
+    config = lm.model.config
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def stop_token_ids(lm: LoadedModel) -> set[int]:
@@ -376,14 +394,27 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
     segment = ctx_ids + q_ids if compress_question else ctx_ids
     rest = [] if compress_question else q_ids
     budget = resolve_budget(budget_cfg, len(segment))
-    session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, budget, segment, cfg)
+    first = sample.turns[0]
+    sequence_length = min(len(ctx_ids) + len(q_ids) + first.max_new_tokens, lm.max_positions)
+    plan = method.plan(budget, sequence_length=sequence_length, new_tokens=first.max_new_tokens,
+                       head_dim=_head_dim(lm))
+    if method.last_prompt_token_via_decode:  # the prompt's last token goes through the decode path (RocketKV)
+        held_back = (rest or segment)[-1:]
+        segment, rest = (segment, rest[:-1]) if rest else (segment[:-1], [])
+    else:
+        held_back = []
+    session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, plan, segment, cfg)
     cache = session.cache
-    cache.select_budget = budget if method.selects else None
+    cache.measure_recall = cfg.topk_recall and method.selects
     kv_after_compress = cache.kv_bytes()
     kept = cache.kept_per_head()
     if rest:
         logits, rest_s = session.prefill(rest, compress=False)
         prefill_s += rest_s
+    if held_back:
+        start = time.perf_counter()
+        logits = session.forward(held_back)[-1]
+        prefill_s += time.perf_counter() - start
     kv_after_prefill = cache.kv_bytes()
 
     stop_ids = stop_token_ids(lm)
@@ -397,7 +428,8 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
         if t > 0:
             session.rollback(context_end if multi_request else prompt_end)
             chunk = builder.request(sample, t) if multi_request else builder.next_turn(sample, t)
-            logits, _ = session.prefill(chunk, compress=False)
+            compress_turn = bool(session.schedule and session.schedule.every_turn)
+            logits, _ = session.prefill(chunk, compress=compress_turn)
             prompt_end = session.position
         target = builder._ids(gold_continuation(turn), first=False) if turn.answers else []
         nll = session.teacher_forced_nll(logits, target) if cfg.nll else float("nan")
@@ -422,7 +454,7 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
     kept_end = [n for layer in cache.kept_per_head() for n in layer]
     schedule = method.schedule()
     config = lm.model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = _head_dim(lm)
     elem = torch.finfo(lm.dtype).bits // 8
     return {
         "sample_id": sample.id,
@@ -434,6 +466,8 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
         "context_tokens": len(ctx_ids),
         "compressed_segment_tokens": len(segment),
         "budget_tokens": budget,
+        "budget_plan": {"evict": plan.evict, "select": plan.select, "sequence_length": sequence_length,
+                        **plan.derived},
         # selection methods compress the attention of every step; eviction may first fire while decoding
         "compressed": (method.uses_budget and budget < len(segment)) or cache.evictions() > 0,
         "eviction_schedule": None if schedule is None else {"events": list(schedule.events),
@@ -452,6 +486,7 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
         "kv_bytes_after_prefill": kv_after_prefill,
         "kv_bytes_end": cache.kv_bytes(),
         "method_state_bytes_end": cache.method_state_bytes(),
+        **_decode_accounting(cache, lm, sequence_length),
         "kv_bytes_full_prompt": 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elem * (len(ctx_ids) + len(q_ids)),
         "prefill_s": prefill_s,
         "compress_s": compress_s,
@@ -463,15 +498,35 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
     }
 
 
+def _decode_accounting(cache: KVBenchCache, lm: LoadedModel, sequence_length: int) -> dict[str, Any]:
+    """What the decode steps read (the method's cost model) and how much the cache stores, in true bytes and
+    in RocketKV Table 1's convention: retained KV tokens / S + auxiliary elements / (S * D), per KV group."""
+    stats, config = cache.stats, lm.model.config
+    elem = torch.finfo(lm.dtype).bits // 8
+    steps = stats.layer_steps / config.num_hidden_layers
+    kv_heads = config.num_key_value_heads
+    head_dim = cache.layers[0].head_dim
+    retained = sum(sum(layer.lengths()) * kv_heads / layer.num_heads for layer in cache.layers)  # per KV group
+    aux = sum(state.paper_elements for layer in cache.layers for state in layer.aux.values())
+    full = config.num_hidden_layers * kv_heads * sequence_length
+    return {
+        "decode_read_bytes_per_step": stats.read_elements * elem / steps if steps else None,
+        "decode_read_tokens_per_group": stats.read_token_equivalents / stats.layer_steps if stats.layer_steps else None,
+        "topk_recall": stats.recall_sum / stats.recall_steps if stats.recall_steps else None,
+        "storage_ratio_table1": (retained + aux / head_dim) / full,
+        "storage_ratio_bytes": (cache.kv_bytes() + cache.method_state_bytes()) / (2 * full * head_dim * elem),
+    }
+
+
 def _prefill_segment(
-    lm: LoadedModel, method: Method, budget: int, segment: list[int], cfg: EngineConfig
+    lm: LoadedModel, method: Method, plan: Plan, segment: list[int], cfg: EngineConfig
 ) -> tuple[Session, torch.Tensor, float, float, bool]:
     """Prefill and compress the segment, from a shared dense snapshot when the method's eviction only needs
     the end of one dense pass (not block-wise, no state accumulated over every query, a short enough window)."""
     schedule = method.schedule()
     one_dense_pass = schedule is None or schedule.block_size is None
     if not (cfg.reuse_prefill and one_dense_pass and not method.observes and method.obs_window <= cfg.snapshot_window):
-        session = Session(lm, method, budget)
+        session = Session(lm, method, plan)
         logits, seconds = session.prefill(segment, compress=True)
         return session, logits, seconds, 0.0, False
     store = snapshots(cfg.snapshot_cache_mb)
@@ -486,9 +541,9 @@ def _prefill_segment(
         hit = (dense.cache, logits, seconds)
     dense_cache, logits, seconds = hit
     cache = dense_cache.clone()
-    cache.method, cache.budget = method, budget
+    cache.method, cache.plan = method, plan
     start = time.perf_counter()
     cache.compress()
     compress_s = time.perf_counter() - start
-    session = Session(lm, method, budget, cache)
+    session = Session(lm, method, plan, cache)
     return session, logits, seconds, compress_s, reused

@@ -1,11 +1,13 @@
-"""Time the decode kernels' PyTorch references against their Triton kernels on a CUDA GPU.
+"""Time the kernels' PyTorch references against their Triton kernels on a CUDA GPU.
 
     python scripts/bench_kernels.py [--dtype bf16] [--heads 8] [--group 4] [--dim 128]
 
-Prints milliseconds per call and the reference/Triton ratio (> 1: Triton is faster) for top-k attention
-over a uniform cache and for ragged decode attention, where the padded SDPA call that kvbench.attention
-makes today is timed too (its padding copy included, as the decode path pays it every step). Without a GPU
-it says so and exits 0. A benchmark, not a test: it checks agreement only loosely (bf16) before timing.
+Prints milliseconds per call, the reference/Triton ratio (> 1: Triton is faster) and the largest absolute
+difference from the reference for top-k attention over a uniform cache (with and without the log-sum-exp),
+for ragged decode attention, where the padded SDPA call that kvbench.attention makes today is timed too
+(its padding copy included, as the decode path pays it every step), for the page summaries and page score
+bounds of Quest and HSA, and for SparQ's reduced-dimension scores. Without a GPU it says so and exits 0. A
+benchmark, not a test: it checks agreement only loosely (bf16) before timing.
 """
 
 from __future__ import annotations
@@ -21,18 +23,27 @@ import torch.nn.functional as F
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
-def _time(label: str, impls: dict[str, Callable[..., torch.Tensor]], args: tuple) -> None:
-    """Check every implementation against the first, then print ms per call and first/other ratios."""
+def _parts(out: torch.Tensor | tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _time(label: str, impls: dict[str, Callable[..., torch.Tensor | tuple]], args: tuple) -> None:
+    """Check every implementation against the first, then print ms per call, first/other ratios and the
+    largest absolute difference from the first (over every output, for those that return several)."""
     from triton.testing import do_bench
 
-    outs = {name: fn(*args) for name, fn in impls.items()}
+    outs = {name: _parts(fn(*args)) for name, fn in impls.items()}
     baseline, expected = next(iter(outs.items()))
-    for out in outs.values():
-        torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    errors = {}
+    for name, out in outs.items():
+        for got, want in zip(out, expected, strict=True):
+            torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+        errors[name] = max((got.float() - want.float()).abs().max().item() for got, want in zip(out, expected))
     ms = {name: do_bench(partial(fn, *args), warmup=25, rep=200) for name, fn in impls.items()}
     parts = [f"{name} {t:8.4f} ms" for name, t in ms.items()]
     ratios = [f"{baseline}/{name} {ms[baseline] / t:6.2f}x" for name, t in ms.items() if name != baseline]
-    print(f"{label:<36} " + "  ".join(parts) + "  |  " + "  ".join(ratios))
+    errs = [f"{name} max|err| {errors[name]:.1e}" for name in ms if name != baseline]
+    print(f"{label:<36} " + "  ".join(parts) + "  |  " + "  ".join(ratios) + "  |  " + "  ".join(errs))
 
 
 def bench_topk(n_kv: int, group: int, dim: int, dtype: torch.dtype) -> None:
@@ -48,6 +59,8 @@ def bench_topk(n_kv: int, group: int, dim: int, dtype: torch.dtype) -> None:
         values = torch.randn(n_kv, length, dim, device="cuda", dtype=dtype)
         idx = torch.randint(0, length, (n_kv, group, k), device="cuda")
         _time(f"topk L={length} k={k}", impls, (q, keys, values, idx, dim**-0.5))
+        # valid=None, return_lse=True: what a split selection (merged by lse) pays for the extra output
+        _time(f"topk+lse L={length} k={k}", impls, (q, keys, values, idx, dim**-0.5, None, True))
 
 
 def _padded_sdpa(
@@ -91,6 +104,45 @@ def bench_ragged(n_kv: int, group: int, dim: int, dtype: torch.dtype) -> None:
         _time(f"ragged mean={mean_len} max={max(lens)}", impls, (q, keys, values, offsets, lens, dim**-0.5))
 
 
+def bench_page_minmax(n_kv: int, dim: int, dtype: torch.dtype) -> None:
+    from kvbench.kernels.page_summary import page_minmax_reference, page_minmax_triton
+
+    impls = {"reference": page_minmax_reference, "triton": page_minmax_triton}
+    # 16 is Quest's page size; N = 131000 leaves a partial last page of 56 rows
+    for length, page_size in [(32768, 16), (131072, 16), (131000, 64)]:
+        keys = torch.randn(n_kv, length, dim, device="cuda", dtype=dtype)
+        _time(f"page_minmax N={length} page={page_size}", impls, (keys, page_size))
+
+
+def bench_page_scores(n_kv: int, group: int, dim: int, dtype: torch.dtype) -> None:
+    from kvbench.kernels.page_summary import page_scores_reference, page_scores_triton
+
+    impls = {"reference": page_scores_reference, "triton": page_scores_triton}
+    for pages in (2048, 8192, 32768):
+        q = torch.randn(n_kv, group, dim, device="cuda", dtype=dtype)
+        kmin = torch.randn(n_kv, pages, dim, device="cuda", dtype=dtype)
+        kmax = kmin + torch.rand(n_kv, pages, dim, device="cuda", dtype=dtype)
+        # Quest: every dimension, each query head's own signs
+        all_dims = torch.arange(dim, device="cuda").expand(n_kv, dim).contiguous()
+        _time(f"page_scores quest P={pages}", impls, (q, kmin, kmax, all_dims, q > 0))
+        # HSA: the k1 = D/8 dimensions of largest group |q|, the group's signs ([H, 1, k1])
+        dims = q.float().abs().sum(1).topk(dim // 8, dim=-1).indices
+        positive = q.float().gather(2, dims[:, None, :].expand(n_kv, group, -1)).sum(1, keepdim=True) > 0
+        _time(f"page_scores hsa k1={dim // 8} P={pages}", impls, (q, kmin, kmax, dims, positive))
+
+
+def bench_reduced_scores(n_kv: int, group: int, dim: int, dtype: torch.dtype) -> None:
+    from kvbench.kernels.reduced_scores import reduced_scores_reference, reduced_scores_triton
+
+    impls = {"reference": reduced_scores_reference, "triton": reduced_scores_triton}
+    r = dim // 8  # SparQ's compression ratio of 1/8
+    for length in (4096, 32768, 131072):
+        q = torch.randn(n_kv, group, dim, device="cuda", dtype=dtype)
+        keys_t = torch.randn(n_kv, dim, length, device="cuda", dtype=dtype)
+        dims = q.float().abs().sum(1).topk(r, dim=-1).indices
+        _time(f"reduced_scores N={length} r={r}", impls, (q, keys_t, dims))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
@@ -105,6 +157,9 @@ def main() -> int:
     print(f"{torch.cuda.get_device_name()}  H_kv={args.heads} G={args.group} D={args.dim} {args.dtype}")
     bench_topk(args.heads, args.group, args.dim, dtype)
     bench_ragged(args.heads, args.group, args.dim, dtype)
+    bench_page_minmax(args.heads, args.dim, dtype)
+    bench_page_scores(args.heads, args.group, args.dim, dtype)
+    bench_reduced_scores(args.heads, args.group, args.dim, dtype)
     return 0
 
 

@@ -40,7 +40,6 @@ def stock_logits(lm, ids: list[int], steps: int) -> tuple[list[torch.Tensor], li
 def run_session(lm, method: str, budget: int, ids: list[int], steps: int, question: list[int] | None = None, **params):
     session = Session(lm, build_method(method, **params), budget)
     logits, _ = session.prefill(ids, compress=True)
-    session.cache.select_budget = budget if session.method.selects else None
     if question:
         logits, _ = session.prefill(question, compress=False)
     outs, tokens = [logits], []
@@ -158,10 +157,9 @@ def test_exact_topk_full_budget_matches_full_and_small_budget_matches_masked_ref
     # forcing the gather path with k = cache length changes only the summation order
     session = Session(tiny, build_method("exact_topk"), PROMPT + 10)
     logits, _ = session.prefill(ids, compress=True)
-    session.cache.select_budget = 1  # select on every step, then widen k to the whole cache inside select
+    # take the gather path with k = the cache length: select every token instead of short-circuiting
     method = session.method
-    original = method.select
-    method.select = lambda layer, q, view, budget, scaling: original(layer, q, view, view.keys.shape[1], scaling)
+    method.select = lambda layer, q, view, plan, scaling: torch.arange(view.keys.shape[1]).expand(*q.shape[:2], -1)
     outs = [logits]
     for _ in range(3):
         outs.append(session.forward([int(outs[-1].argmax())])[-1])
@@ -172,11 +170,10 @@ def test_exact_topk_full_budget_matches_full_and_small_budget_matches_masked_ref
     k = 16
     session = Session(tiny, build_method("exact_topk"), k)
     session.prefill(ids, compress=True)
-    session.cache.select_budget = k
     layer = session.cache.layers[0]
     q = torch.randn(layer.num_heads, 2, layer.head_dim)
     view = layer.head_view()
-    idx = session.method.select(layer, q, view, k, 0.25)
+    idx = session.method.select(layer, q, view, session.cache.plan, 0.25)
     from kvbench.kernels.sparse_attention import topk_attention
 
     ours = topk_attention(q, view.keys, view.values, idx, 0.25)
@@ -194,7 +191,8 @@ def test_exact_topk_group_granularity_shares_selection(tiny):
     session = Session(tiny, build_method("exact_topk", granularity="group"), 8)
     session.prefill(ids, compress=True)
     layer = session.cache.layers[1]
-    idx = session.method.select(layer, torch.randn(layer.num_heads, 2, layer.head_dim), layer.head_view(), 8, 0.25)
+    idx = session.method.select(layer, torch.randn(layer.num_heads, 2, layer.head_dim), layer.head_view(),
+                                session.cache.plan, 0.25)
     assert torch.equal(idx[:, 0], idx[:, 1])
 
 

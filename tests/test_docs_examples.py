@@ -51,7 +51,6 @@ def test_selection_and_layer_budget_examples(tiny_llama, doc_methods):
     _, namespace = doc_methods
     session = Session(tiny_llama, build_method("topk_example"), 16)
     session.prefill(random_ids(100, seed=41), compress=True)
-    session.cache.select_budget = 16
     assert torch.isfinite(session.step(5)).all()
 
     class Layer:

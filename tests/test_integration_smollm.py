@@ -139,3 +139,35 @@ def test_block_wise_keydiff_matches_dense_reference_on_smollm(smollm2, niah_samp
     # eager fp32 vs SDPA differ by ~3e-5 on this model even without compression (logits reach ~40)
     for ours, theirs in zip(outs, ref):
         assert float((ours - theirs).abs().max()) < 5e-4
+
+
+@pytest.mark.parametrize("name", ["quest", "sparq", "hsa", "rocketkv", "rocketkv_mt", "exact_topk"])
+def test_every_sparse_attention_method_runs_on_the_embedded_model(smollm2, niah_samples, name):
+    record = run_sample(smollm2, build_method(name), 128, niah_samples[0], EngineConfig())
+    plan = record["budget_plan"]
+    assert record["compressed"] and plan["select"] == 128 and record["nll"] is not None
+    assert 0 < record["topk_recall"] <= 1.0 + 1e-6
+    if name != "exact_topk":  # the estimate's traffic is inside the budget
+        assert record["decode_read_tokens_per_group"] <= 128 * 1.1
+    if name == "rocketkv":
+        assert record["kept_tokens_mean"] == plan["prompt_budget"] and record["kv_bytes_end"] < record["kv_bytes_full_prompt"]
+
+
+@pytest.mark.parametrize("name", ["quest", "sparq", "hsa", "rocketkv", "rocketkv_mt"])
+def test_sparse_methods_on_a_two_turn_scbench_sample(smollm2, tmp_path, name):
+    from kvbench.tasks.scbench import SCBench
+
+    pairs = {f"{i:04x}-key": f"{i * 7919 % 10**6:06d}-val" for i in range(40)}
+    row = {"id": 0, "context": json.dumps(pairs), "multi_turns": [
+        {"input": f'Key: "{k}"\nThe value associated with the specified key is: ', "answer": pairs[k]}
+        for k in ("0003-key", "0011-key")]}
+    (tmp_path / "scbench_kv.jsonl").write_text(json.dumps(row) + "\n")
+    task = SCBench(name="scbench_kv", tasks=["scbench_kv"], data_dir=str(tmp_path), num_samples=1, max_turns=2)
+    (sample,) = task.samples(PromptBuilder(smollm2.tokenizer).measure, seed=0)
+    record = run_sample(smollm2, build_method(name), 128, sample, EngineConfig())
+    assert len(record["turns"]) == 2 and all(t["new_tokens"] > 0 for t in record["turns"])
+    assert record["topk_recall"] is not None
+    if name == "rocketkv":  # re-compressed at the end of turn 2's input
+        assert record["eviction_events"] == 2 and record["kept_tokens_end_max"] <= record["budget_plan"]["capacity"]
+    if name == "rocketkv_mt":  # the full history kept
+        assert record["eviction_events"] == 0 and record["kv_bytes_end"] > record["kv_bytes_full_prompt"]

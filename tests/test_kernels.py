@@ -1,4 +1,4 @@
-"""Triton decode kernels vs their PyTorch references (Triton interpreter on CPU), references vs dense oracles.
+"""Triton kernels vs their PyTorch references (Triton interpreter on CPU), references vs dense oracles.
 
 triton reads TRITON_INTERPRET once, when it is imported (its standard library, tl.sum, tl.max..., is
 jitted then): conftest sets it before anything imports triton, and this module sets it too for
@@ -19,11 +19,19 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from kvbench.kernels._dispatch import ENV_VAR, use_triton
+from kvbench.kernels._triton_kernels import launch_page_minmax, launch_page_scores, launch_reduced_scores
+from kvbench.kernels.page_summary import (
+    page_minmax,
+    page_minmax_reference,
+    page_scores,
+    page_scores_reference,
+)
 from kvbench.kernels.ragged_attention import (
     ragged_decode_attention,
     ragged_decode_attention_reference,
     ragged_decode_attention_triton,
 )
+from kvbench.kernels.reduced_scores import reduced_scores, reduced_scores_reference
 from kvbench.kernels.sparse_attention import (
     topk_attention,
     topk_attention_reference,
@@ -38,11 +46,17 @@ FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 # a bf16 output is the fp32 result cast once: within one ulp (2^-7 relative), not half of one, because the
 # Triton interpreter truncates fp32 -> bf16 casts (compiled kernels round to nearest)
 BF16_TOL = {"atol": 1e-6, "rtol": 2.0**-7 + 1e-5}
+FP16_TOL = {"atol": 1e-6, "rtol": 2.0**-10 + 1e-5}  # the same bound at fp16's 10 mantissa bits
+# fp32 scores (whatever the input dtype: fp16/bf16 widen exactly) summed over up to 32 O(1) products in another
+# order than the reference's einsum/bmm: a few fp32 ulps of the sum of |products|
+SCORE_TOL = {"atol": 5e-5, "rtol": 1e-5}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 def _close_to_fp32(out: torch.Tensor, exact: torch.Tensor) -> None:
     """`out` (in its own dtype) matches the fp32 result `exact` up to that dtype's output rounding."""
-    torch.testing.assert_close(out.float(), exact, **(FP32_TOL if out.dtype == torch.float32 else BF16_TOL))
+    tol = {torch.float32: FP32_TOL, torch.float16: FP16_TOL}.get(out.dtype, BF16_TOL)
+    torch.testing.assert_close(out.float(), exact, **tol)
 
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype) -> torch.Tensor:
@@ -110,14 +124,18 @@ def test_topk_selected_padding_gets_no_weight(dtype):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered in divide")  # the expected 0/0
+@pytest.mark.filterwarnings("ignore:divide by zero encountered in log2")  # the expected log2(0) = -inf
 def test_topk_all_padding_selection_is_nan_in_both():
     q, keys, values = torch.randn(1, 2, 16), torch.randn(1, 10, 16), torch.randn(1, 10, 16)
     valid = torch.arange(10)[None, :] < 5
     idx = torch.tensor([[[5, 6, 7], [0, 8, 9]]])
-    ours = topk_attention_triton(q, keys, values, idx, 0.25, valid)
-    ref = topk_attention_reference(q, keys, values, idx, 0.25, valid)
+    ours, ours_lse = topk_attention_triton(q, keys, values, idx, 0.25, valid, return_lse=True)
+    ref, ref_lse = topk_attention_reference(q, keys, values, idx, 0.25, valid, return_lse=True)
     assert ours[0, 0].isnan().all() and ref[0, 0].isnan().all()
+    # -inf, not NaN: merging it with another part gives that part weight exp(-inf - lse) = 0
+    assert ours_lse[0, 0] == ref_lse[0, 0] == float("-inf")
     torch.testing.assert_close(ours[0, 1], ref[0, 1], **FP32_TOL)
+    torch.testing.assert_close(ours_lse[0, 1], ref_lse[0, 1], **FP32_TOL)
 
 
 def test_topk_strided_inputs():
@@ -148,6 +166,67 @@ def test_topk_reference_matches_dense_masked_softmax(masked):
         topk_attention_reference(q, keys, values, idx, 0.2, valid), _dense_topk(q, keys, values, idx, 0.2, valid),
         **FP32_TOL,
     )
+
+
+def _distinct_idx(gen, n_kv, group, length, k):
+    """[n_kv, group, k] indices, distinct within each query head's selection."""
+    rows = [torch.randperm(length, generator=gen)[:k] for _ in range(n_kv * group)]
+    return torch.stack(rows).view(n_kv, group, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_topk_lse_matches_logsumexp(group, dtype):
+    n_kv, length, dim, k = 2, 70, 32, 19
+    gen = torch.Generator().manual_seed(group)
+    q = _randn(gen, n_kv, group, dim, dtype=dtype)
+    keys = _randn(gen, n_kv, length, dim, dtype=dtype)
+    values = _randn(gen, n_kv, length, dim, dtype=dtype)
+    idx = torch.randint(0, length, (n_kv, group, k), generator=gen)  # repeats count repeatedly in the lse too
+    valid = torch.arange(length)[None, :] < torch.tensor([length, 50])[:, None]
+    valid[1, idx[1, :, 0]] = True  # every query head keeps a real token
+    ours, ours_lse = topk_attention_triton(q, keys, values, idx, 0.3, valid, return_lse=True, block_k=8)
+    ref, ref_lse = topk_attention_reference(q, keys, values, idx, 0.3, valid, return_lse=True)
+    k_sel = keys.float()[torch.arange(n_kv)[:, None, None], idx]  # [H_kv, G, k, D]
+    logits = torch.einsum("hgd,hgkd->hgk", q.float(), k_sel) * 0.3
+    logits.masked_fill_(~valid[torch.arange(n_kv)[:, None, None], idx], float("-inf"))
+    exact_lse = torch.logsumexp(logits, -1)
+    assert ours_lse.dtype == ref_lse.dtype == torch.float32 and ours_lse.shape == (n_kv, group)
+    torch.testing.assert_close(ours_lse, exact_lse, **FP32_TOL)
+    torch.testing.assert_close(ref_lse, exact_lse, **FP32_TOL)
+    # asking for the lse leaves the output as it was
+    torch.testing.assert_close(ours, topk_attention_triton(q, keys, values, idx, 0.3, valid, block_k=8), atol=0, rtol=0)
+    exact = topk_attention_reference(q.float(), keys.float(), values.float(), idx, 0.3, valid)
+    _close_to_fp32(ours, exact)
+    _close_to_fp32(ref, exact)
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("masked", [False, True])
+def test_topk_lse_merges_disjoint_halves_exactly(impl, masked):
+    n_kv, group, length, dim, k = 2, 4, 64, 16, 30
+    gen = torch.Generator().manual_seed(9)
+    q, keys, values = (torch.randn(n_kv, s, dim, generator=gen) for s in (group, length, length))
+    idx = _distinct_idx(gen, n_kv, group, length, k)
+    valid = None
+    if masked:
+        valid = torch.rand(n_kv, length, generator=gen) < 0.6
+        # each half keeps a real token: a half that is all padding has NaN out, which no weight of 0 cancels
+        valid.scatter_(1, idx[:, :, 0], True)
+        valid.scatter_(1, idx[:, :, k // 2], True)
+    if impl == "triton":
+        def attend(i):
+            return topk_attention_triton(q, keys, values, i, 0.4, valid, return_lse=True, block_k=4)
+    else:
+        def attend(i):
+            return topk_attention_reference(q, keys, values, i, 0.4, valid, return_lse=True)
+    out1, lse1 = attend(idx[..., : k // 2])
+    out2, lse2 = attend(idx[..., k // 2 :])
+    whole, whole_lse = attend(idx)
+    lse = torch.logaddexp(lse1, lse2)
+    merged = (lse1 - lse).exp()[..., None] * out1 + (lse2 - lse).exp()[..., None] * out2
+    torch.testing.assert_close(lse, whole_lse, **FP32_TOL)
+    torch.testing.assert_close(merged, whole, **FP32_TOL)
 
 
 # -- ragged decode attention ----------------------------------------------------------------------------
@@ -247,6 +326,191 @@ def test_ragged_rejects_mismatched_shapes():
         ragged_decode_attention_reference(q, keys, keys, torch.tensor([0, 5, 8]), [5, 3, 2], 0.5)
 
 
+# -- page summaries (Quest, HSA) ------------------------------------------------------------------------
+
+
+def _page_loop(keys, page_size):
+    """Oracle: each page's min and max by slicing, one page at a time."""
+    heads, n, dim = keys.shape
+    pages = [keys[:, start : start + page_size] for start in range(0, n, page_size)]
+    if not pages:
+        return keys.new_empty(heads, 0, dim), keys.new_empty(heads, 0, dim)
+    return torch.stack([p.amin(1) for p in pages], 1), torch.stack([p.amax(1) for p in pages], 1)
+
+
+# (N, page size): partial last pages, N = 1, N < page, N a multiple of the page, and a page (40) that the
+# kernel reads in three chunks of 16 rows, the last one straddling the next page
+PAGE_CASES = [(70, 16), (1, 16), (5, 16), (48, 16), (33, 1), (67, 2), (64, 3), (70, 40)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n, page_size", PAGE_CASES)
+def test_page_minmax_triton_matches_reference(n, page_size, dtype):
+    gen = torch.Generator().manual_seed(n * 100 + page_size)
+    keys = _randn(gen, 2, n, 24, dtype=dtype)  # D = 24: masked lanes
+    kmin, kmax = launch_page_minmax(keys, page_size)
+    ref_min, ref_max = page_minmax_reference(keys, page_size)
+    assert kmin.dtype == kmax.dtype == dtype and kmin.shape == kmax.shape == (2, -(-n // page_size), 24)
+    # a min or a max is one of its inputs: exact in every dtype
+    assert torch.equal(kmin, ref_min) and torch.equal(kmax, ref_max)
+
+
+def test_page_minmax_triton_strided_and_empty():
+    gen = torch.Generator().manual_seed(10)
+    # keys as the transpose of a [H, D, N] tensor: rows are not contiguous
+    keys = torch.randn(2, 16, 45, generator=gen).transpose(1, 2)
+    for got, want in zip(launch_page_minmax(keys, 8), _page_loop(keys, 8)):
+        assert torch.equal(got, want)
+    kmin, kmax = launch_page_minmax(keys[:, :0], 8)
+    assert kmin.shape == kmax.shape == (2, 0, 16)
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 3, 16])
+@pytest.mark.parametrize("n", [0, 1, 37])
+def test_page_minmax_reference_matches_page_loop(n, page_size):
+    keys = torch.randn(2, n, 8, generator=torch.Generator().manual_seed(n + page_size))
+    for got, want in zip(page_minmax_reference(keys, page_size), _page_loop(keys, page_size)):
+        assert torch.equal(got, want)
+
+
+def _page_score_inputs(gen, group, n, dim, page_size, k1, shared_sign, dtype):
+    """q, page summaries, k1 dims per KV head (all of them in random order when k1 = D) and signs."""
+    heads = 2
+    q = _randn(gen, heads, group, dim, dtype=dtype)
+    kmin, kmax = page_minmax_reference(_randn(gen, heads, n, dim, dtype=dtype), page_size)
+    if k1 == dim:
+        dims = torch.stack([torch.randperm(dim, generator=gen) for _ in range(heads)])
+    else:  # HSA's choice: the dimensions of largest group |q|
+        dims = q.float().abs().sum(1).topk(k1, dim=-1).indices
+    q_sel = q.float().gather(2, dims[:, None, :].expand(heads, group, k1))
+    positive = q_sel.sum(1, keepdim=True) > 0 if shared_sign else q_sel > 0
+    return q, kmin, kmax, dims, positive
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "group, n, page_size, k1, shared_sign, block_p, pages_per_program",
+    [
+        (1, 70, 16, 32, False, 64, 1024),  # Quest: all dims, own signs, partial last page
+        (4, 67, 2, 1, True, 4, 8),  # one dim, group-shared signs ([H, 1, k1]), five programs per head
+        (8, 64, 3, 5, True, 8, 8),  # HSA-like, G = 8
+        (4, 1, 1, 32, False, 64, 1024),  # a single page of a single token
+        (8, 33, 1, 32, True, 16, 16),  # page size 1: the bound is q . k itself
+    ],
+)
+def test_page_scores_triton_matches_reference(group, n, page_size, k1, shared_sign, block_p, pages_per_program, dtype):
+    gen = torch.Generator().manual_seed(group * 1000 + n)
+    q, kmin, kmax, dims, positive = _page_score_inputs(gen, group, n, 32, page_size, k1, shared_sign, dtype)
+    ours = launch_page_scores(q, kmin, kmax, dims, positive, block_p=block_p, pages_per_program=pages_per_program)
+    ref = page_scores_reference(q, kmin, kmax, dims, positive)
+    assert ours.dtype == ref.dtype == torch.float32 and ours.shape == ref.shape == (2, group, kmin.shape[1])
+    torch.testing.assert_close(ours, ref, **SCORE_TOL)
+
+
+def test_page_scores_triton_strided_inputs():
+    # summaries and q as views with odd strides, positive already expanded over the group (stride 0)
+    gen = torch.Generator().manual_seed(11)
+    wide = torch.randn(2, 9, 40, generator=gen)
+    kmin, kmax = wide[..., :16], wide[..., 20:36]  # [H, P=9, D=16]
+    q = torch.randn(4, 2, 16, generator=gen).transpose(0, 1)  # [H, G, D], not contiguous
+    dims = torch.randint(0, 16, (2, 6), generator=gen)
+    positive = (torch.rand(2, 1, 6, generator=gen) > 0.5).expand(2, 4, 6)
+    torch.testing.assert_close(
+        launch_page_scores(q, kmin, kmax, dims, positive, block_p=4, pages_per_program=4),
+        page_scores_reference(q, kmin, kmax, dims, positive),
+        **SCORE_TOL,
+    )
+
+
+def test_page_scores_reference_matches_its_formula():
+    gen = torch.Generator().manual_seed(12)
+    heads, group, dim, k1 = 2, 3, 8, 4
+    q, kmin, kmax, dims, positive = _page_score_inputs(gen, group, 20, dim, 3, k1, False, torch.float32)
+    positive[0, 1] = ~positive[0, 1]  # signs need not follow q's
+    out = page_scores_reference(q, kmin, kmax, dims, positive)
+    for h in range(heads):
+        for g in range(group):
+            for p in range(kmin.shape[1]):
+                want = sum(
+                    float(q[h, g, dims[h, j]]) * float((kmax if positive[h, g, j] else kmin)[h, p, dims[h, j]])
+                    for j in range(k1)
+                )
+                assert out[h, g, p].item() == pytest.approx(want, rel=1e-5, abs=1e-5)
+    # a group-shared sign pattern is the same as repeating it over the group
+    shared = positive[:, :1]
+    torch.testing.assert_close(
+        page_scores_reference(q, kmin, kmax, dims, shared),
+        page_scores_reference(q, kmin, kmax, dims, shared.expand(heads, group, k1).clone()),
+        atol=0, rtol=0,
+    )
+
+
+@pytest.mark.parametrize("page_size", [1, 2, 3, 16])
+def test_page_scores_reference_bounds_every_key(page_size):
+    # Quest's bound: with all dims and each query head's own signs, no key of a page scores above its bound
+    heads, n, dim = 2, 37, 32
+    gen = torch.Generator().manual_seed(page_size)
+    q, keys = torch.randn(heads, 1, dim, generator=gen), torch.randn(heads, n, dim, generator=gen)
+    kmin, kmax = page_minmax_reference(keys, page_size)
+    dims = torch.arange(dim).expand(heads, dim)
+    bound = page_scores_reference(q, kmin, kmax, dims, q > 0)[:, 0].double()  # [H, P]
+    logits = torch.einsum("hd,hnd->hn", q[:, 0].double(), keys.double())
+    for p in range(kmin.shape[1]):
+        page_max = logits[:, p * page_size : (p + 1) * page_size].amax(1)
+        assert (bound[:, p] >= page_max - 1e-5).all()
+        if page_size == 1:  # a one-token page's bound is that token's logit
+            torch.testing.assert_close(bound[:, p], page_max, atol=1e-5, rtol=1e-5)
+
+
+# -- reduced-dimension scores (SparQ) --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "group, n, r, block_n, block_r",
+    [
+        (1, 1, 1, 128, 32),  # one token, one dim
+        (4, 70, 32, 16, 8),  # every dim (r = D), five token blocks, the last partial
+        (8, 33, 5, 128, 4),  # r not a multiple of the dim block
+    ],
+)
+def test_reduced_scores_triton_matches_reference(group, n, r, block_n, block_r, dtype):
+    gen = torch.Generator().manual_seed(group * 100 + n + r)
+    heads, dim = 2, 32
+    q = _randn(gen, heads, group, dim, dtype=dtype)
+    keys_t = _randn(gen, heads, dim, n, dtype=dtype)
+    dims = torch.stack([torch.randperm(dim, generator=gen)[:r] for _ in range(heads)])
+    ours = launch_reduced_scores(q, keys_t, dims, block_n=block_n, block_r=block_r)
+    ref = reduced_scores_reference(q, keys_t, dims)
+    assert ours.dtype == ref.dtype == torch.float32 and ours.shape == ref.shape == (heads, group, n)
+    torch.testing.assert_close(ours, ref, **SCORE_TOL)
+
+
+def test_reduced_scores_triton_strided_and_empty():
+    gen = torch.Generator().manual_seed(13)
+    keys_t = torch.randn(2, 45, 16, generator=gen).transpose(1, 2)  # [H, D, N] with N not contiguous
+    q = torch.randn(4, 2, 16, generator=gen).transpose(0, 1)
+    dims = torch.randint(0, 16, (2, 3), generator=gen)  # a repeated dim counts twice, as in the reference
+    torch.testing.assert_close(
+        launch_reduced_scores(q, keys_t, dims, block_n=16), reduced_scores_reference(q, keys_t, dims), **SCORE_TOL
+    )
+    assert launch_reduced_scores(q, keys_t[..., :0], dims).shape == (2, 4, 0)
+
+
+def test_reduced_scores_reference_is_a_masked_dot_product():
+    gen = torch.Generator().manual_seed(14)
+    heads, group, dim, n, r = 2, 4, 16, 30, 5
+    q, keys = torch.randn(heads, group, dim, generator=gen), torch.randn(heads, n, dim, generator=gen)
+    dims = torch.stack([torch.randperm(dim, generator=gen)[:r] for _ in range(heads)])
+    mask = torch.zeros(heads, 1, dim).scatter_(2, dims[:, None, :], 1.0)
+    exact = torch.einsum("hgd,hnd->hgn", (q * mask).double(), keys.double()).float()
+    torch.testing.assert_close(reduced_scores_reference(q, keys.transpose(1, 2), dims), exact, **SCORE_TOL)
+    # with every dimension, the scores are the full logits
+    all_dims = torch.arange(dim).expand(heads, dim)
+    full = torch.einsum("hgd,hnd->hgn", q.double(), keys.double()).float()
+    torch.testing.assert_close(reduced_scores_reference(q, keys.transpose(1, 2), all_dims), full, **SCORE_TOL)
+
+
 # -- dispatch -------------------------------------------------------------------------------------------
 
 
@@ -261,6 +525,18 @@ def test_dispatchers_pick_the_reference_on_cpu(monkeypatch):
         ragged_decode_attention(q, keys[0], values[0], offsets, lens, 0.5),
         ragged_decode_attention_reference(q, keys[0], values[0], offsets, lens, 0.5),
     )
+    out, lse = topk_attention(q, keys, values, idx, 0.5, return_lse=True)
+    ref, ref_lse = topk_attention_reference(q, keys, values, idx, 0.5, return_lse=True)
+    assert torch.equal(out, ref) and torch.equal(lse, ref_lse)
+    kmin, kmax = page_minmax(keys, 4)
+    assert all(torch.equal(a, b) for a, b in zip((kmin, kmax), page_minmax_reference(keys, 4)))
+    dims = torch.randint(0, 16, (2, 3), generator=gen)
+    positive = torch.rand(2, 4, 3, generator=gen) > 0.5
+    assert torch.equal(
+        page_scores(q, kmin, kmax, dims, positive), page_scores_reference(q, kmin, kmax, dims, positive)
+    )
+    keys_t = keys.transpose(1, 2)
+    assert torch.equal(reduced_scores(q, keys_t, dims), reduced_scores_reference(q, keys_t, dims))
     monkeypatch.setenv(ENV_VAR, "torch")
     assert not use_triton(q)
     monkeypatch.setenv(ENV_VAR, "trition")

@@ -14,10 +14,20 @@ Hooks (all optional; the engine, the cache and the attention function call them,
 - `observe(layer, queries)`: after every attention call while eviction can still happen, for methods whose
   state accumulates over every query (H2O). Set `observes = True`. State lives in `layer.token_tensor(name)`
   and is replaced, never modified in place.
-- `select(layer, q, view, budget, scaling)`: at every decode step for selection methods (`selects = True`).
-  Returns `[H_kv, G, k]` indices of the cached tokens each query head attends to, or None for all of them.
+- `plan(budget, sequence_length=, new_tokens=, head_dim=)`: once per sample, before the prefill: what the eviction stage keeps, the
+  per-step selection budget and any parameters derived from them (RocketKV's decomposition, Quest's page
+  size); recorded with the sample.
+- `select(layer, q, view, plan, scaling)`: at every decode step for selection methods (`selects = True`).
+  Returns `[H_kv, G, k]` indices of the cached tokens each query head attends to (or a `Selection`, which
+  may blend in a fallback output, SparQ's mean value), or None for all of them.
+- `build_aux(layer)`: derived per-layer state a selection reads (page summaries, a transposed key copy),
+  built when the compressed segment ends and after an eviction; each state object's `append` / `truncate`
+  keep it current as tokens are appended or rolled back, and the cache counts its bytes.
+- `step_traffic(layer, selection)`: elements of K/V and auxiliary state one decode step reads in this
+  layer, by the method's own cost model (dense attention reads every stored key and value).
 
-Budgets are tokens per KV head (the RocketKV / Ada-KV unit). A budget at or above the number of stored
+Budgets are tokens per KV head (the RocketKV / Ada-KV unit); for selection methods the per-step, per-KV-group
+token budget, which counts the traffic of the estimate (RocketKV). A budget at or above the number of stored
 tokens means nothing to evict; `keep` returns None then, and the record says `compressed: false`.
 """
 
@@ -46,11 +56,32 @@ class Schedule:
 
     block_size: int | None  # None: the segment is one dense forward, evicted at its end
     decode_every: int  # evict after every N-th decode step; 0: the cache grows while decoding
+    every_turn: bool = False  # also at the end of each later turn's input (RocketKV re-compresses per turn)
 
     @property
     def events(self) -> tuple[str, ...]:
         prefill = ("segment_end",) if self.block_size is None else ("prefill_block",)
-        return prefill + (("decode_step",) if self.decode_every else ())
+        return prefill + (("turn_end",) if self.every_turn else ()) + (("decode_step",) if self.decode_every else ())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A point's budget resolved for one sample."""
+
+    evict: int | None  # tokens per KV head the eviction hook keeps (None: nothing is ever evicted)
+    select: int | None  # per-step selection budget (None: every decode step attends to everything)
+    derived: dict[str, Any] = dataclasses.field(default_factory=dict)  # parameters derived from the budget
+
+
+@dataclass
+class Selection:
+    """What a decode step attends to: `idx` [H_kv, G, k] per query head; optionally the attention output
+    over them is blended with a fallback, `weight * out + (1 - weight) * fallback` (SparQ's mean value),
+    weight [H_kv, G, 1], fallback [H_kv, G or 1, D]."""
+
+    idx: torch.Tensor
+    weight: torch.Tensor | None = None
+    fallback: torch.Tensor | None = None
 
 
 @dataclass
@@ -59,6 +90,7 @@ class Method:
     family: ClassVar[str] = "none"  # eviction | selection | two-stage | none
     selects: ClassVar[bool] = False
     observes: ClassVar[bool] = False
+    last_prompt_token_via_decode: ClassVar[bool] = False  # the prompt's last token goes through decode (RocketKV)
     uses_budget: ClassVar[bool] = True  # False: the budget cannot change a result (full), so sweeps share one point
 
     @property
@@ -69,8 +101,25 @@ class Method:
     def schedule(self) -> Schedule | None:
         return None
 
+    def plan(self, budget: int, *, sequence_length: int, new_tokens: int, head_dim: int) -> Plan:
+        """This sample's budgets. `sequence_length`: its prompt plus the tokens it may generate, capped at the
+        model's limit (RocketKV's S); `new_tokens`: the first turn's generation budget."""
+        return Plan(evict=budget, select=budget if self.selects else None)
+
     def layer_budget(self, layer: "KVLayer", budget: int) -> int:
         return budget
+
+    def build_aux(self, layer: "KVLayer") -> dict[str, Any]:
+        return {}
+
+    def step_traffic(self, layer: "KVLayer", selection: "Selection | None") -> int:
+        """Elements one decode step reads in this layer: every stored key and value for dense attention, the
+        distinct selected tokens of each KV group otherwise (the oracle's view: finding them is free)."""
+        if selection is None:
+            return 2 * layer.head_dim * sum(layer.lengths())
+        idx = selection.idx
+        distinct = sum(int(torch.unique(idx[h]).numel()) for h in range(idx.shape[0]))
+        return 2 * layer.head_dim * distinct
 
     def observe(self, layer: "KVLayer", queries: torch.Tensor) -> None:
         return None
@@ -79,8 +128,8 @@ class Method:
         return None
 
     def select(
-        self, layer: "KVLayer", q: torch.Tensor, view: "HeadView", budget: int, scaling: float
-    ) -> torch.Tensor | None:
+        self, layer: "KVLayer", q: torch.Tensor, view: "HeadView", plan: Plan, scaling: float
+    ) -> "torch.Tensor | Selection | None":
         return None
 
     def params(self) -> dict[str, Any]:
@@ -100,6 +149,7 @@ class EvictionMethod(Method):
     """
 
     family: ClassVar[str] = "eviction"
+    evicts_every_turn: ClassVar[bool] = False  # True: later turns' inputs are compressed too (RocketKV)
     block_size: int | None = None
     decode_every: int | None = None
 
@@ -111,7 +161,7 @@ class EvictionMethod(Method):
 
     def schedule(self) -> Schedule:
         every = self.decode_every if self.decode_every is not None else int(self.block_size is not None)
-        return Schedule(self.block_size, every)
+        return Schedule(self.block_size, every, self.evicts_every_turn)
 
 
 def _is_int(value: Any) -> bool:

@@ -24,13 +24,18 @@ class ExactTopK(Method):
     selects = True
     granularity: str = "head"
 
-    def select(self, layer, q, view, budget, scaling):
+    def __post_init__(self) -> None:
+        if self.granularity not in ("head", "group"):
+            raise ValueError(f"granularity must be head or group, not {self.granularity!r}")
+
+    def select(self, layer, q, view, plan, scaling):
+        budget = plan.select
+        if budget >= view.keys.shape[1]:
+            return None  # every token is in the top k: exactly full attention
         logits = torch.einsum("hgd,hld->hgl", q.float(), view.keys.float()) * scaling
         if view.valid is not None:
             logits.masked_fill_(~view.valid[:, None, :], float("-inf"))
         if self.granularity == "head":
             return logits.topk(budget, dim=-1).indices
-        if self.granularity == "group":
-            shared = torch.softmax(logits, dim=-1).sum(dim=1).topk(budget, dim=-1).indices
-            return shared[:, None, :].expand(-1, q.shape[1], -1)
-        raise ValueError(f"granularity must be head or group, not {self.granularity!r}")
+        shared = torch.softmax(logits, dim=-1).sum(dim=1).topk(budget, dim=-1).indices
+        return shared[:, None, :].expand(-1, q.shape[1], -1)

@@ -1,0 +1,83 @@
+"""Page summaries and page-level score bounds (Quest, and RocketKV's hybrid sparse attention).
+
+Pages are consecutive runs of `page_size` stored tokens of one KV head, starting at row 0; the last page may
+be partial. A page's summary is the element-wise min and max of its keys. `page_scores` bounds each page's
+attention logit from a query without reading its keys: per chosen head dimension, the query times the page
+max where the sign says positive, times the page min otherwise (Quest with all dimensions and each query
+head's own signs; HSA with the k1 dimensions of largest group |q| and the group's signs).
+
+Each function dispatches between its Triton kernel (CUDA) and its PyTorch reference, which documents the
+semantics; both compute the same function.
+"""
+
+from __future__ import annotations
+
+import torch
+from kvbench.kernels._dispatch import use_triton
+
+
+def page_minmax(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`page_minmax_reference`'s result, computed by the Triton kernel when `use_triton` allows it."""
+    impl = page_minmax_triton if use_triton(keys) else page_minmax_reference
+    return impl(keys, page_size)
+
+
+def page_minmax_reference(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Element-wise min and max of every page of keys (PyTorch).
+
+    keys: [H, N, D]. Returns (kmin, kmax), each [H, P, D] in keys' dtype with P = ceil(N / page_size);
+    page j covers rows j*page_size .. min(N, (j+1)*page_size) - 1 (a partial last page summarises only its
+    real rows). N = 0 gives P = 0.
+    """
+    heads, n, dim = keys.shape
+    pages = -(-n // page_size)
+    pad = pages * page_size - n
+    if pad:  # pad with the page's own last row: min/max unchanged
+        keys = torch.cat([keys, keys[:, -1:].expand(heads, pad, dim)], dim=1)
+    paged = keys.view(heads, pages, page_size, dim)
+    return paged.amin(dim=2), paged.amax(dim=2)
+
+
+def page_minmax_triton(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`page_minmax_reference` as a Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    from kvbench.kernels._triton_kernels import launch_page_minmax
+
+    return launch_page_minmax(keys, page_size)
+
+
+def page_scores(
+    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, dims: torch.Tensor, positive: torch.Tensor
+) -> torch.Tensor:
+    """`page_scores_reference`'s result, computed by the Triton kernel when `use_triton` allows it."""
+    impl = page_scores_triton if use_triton(q, kmin, kmax, dims, positive) else page_scores_reference
+    return impl(q, kmin, kmax, dims, positive)
+
+
+def page_scores_reference(
+    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, dims: torch.Tensor, positive: torch.Tensor
+) -> torch.Tensor:
+    """Sign-aware page score bounds over chosen head dimensions (PyTorch).
+
+    q: [H, G, D] (query head h*G + g uses KV head h); kmin/kmax: [H, P, D]; dims: [H, k1] int64 head
+    dimensions (shared by the group); positive: [H, G, k1] bool (or [H, 1, k1], broadcast over the group),
+    which bound each dimension reads. Returns [H, G, P] fp32:
+    out[h, g, p] = sum_j q[h, g, dims[h, j]] * (kmax if positive[h, g, j] else kmin)[h, p, dims[h, j]].
+    With all dimensions and positive = q > 0 this is Quest's bound, >= q . k for every key k of the page.
+    """
+    heads, group, _ = q.shape
+    k1 = dims.shape[1]
+    q_sel = q.float().gather(2, dims[:, None, :].expand(heads, group, k1))  # [H, G, k1]
+    lo = kmin.gather(2, dims[:, None, :].expand(heads, kmin.shape[1], k1)).float()  # [H, P, k1]
+    hi = kmax.gather(2, dims[:, None, :].expand(heads, kmax.shape[1], k1)).float()
+    pos = positive.expand(heads, group, k1)
+    # split by bound so that no [H, G, P, k1] tensor is built
+    return torch.einsum("hgk,hpk->hgp", q_sel * pos, hi) + torch.einsum("hgk,hpk->hgp", q_sel * ~pos, lo)
+
+
+def page_scores_triton(
+    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, dims: torch.Tensor, positive: torch.Tensor
+) -> torch.Tensor:
+    """`page_scores_reference` as a Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    from kvbench.kernels._triton_kernels import launch_page_scores
+
+    return launch_page_scores(q, kmin, kmax, dims, positive)

@@ -1,0 +1,89 @@
+"""HSA: RocketKV's hybrid sparse attention (seed paper 000, §3.5; specs/rocketkv.md §2.3), alone over the
+full cache (the paper's ablation; `rocketkv` runs it after a SnapKV stage).
+
+Every decode step, per KV group, with the layer's page summaries (element-wise key min/max of pages of `p`
+stored tokens):
+
+1. the `k1` head dimensions with the largest |q| summed over the group, and the group's sign of q on them;
+2. each page's score bound from those dimensions (the page max where the sign is positive, the min where it
+   is not; zero counts as negative, as the code), per query head;
+3. the scores broadcast to the page's tokens, a softmax per query head with SparQ's temperature
+   sqrt(D * sum_{k1}|q| / sum|q|), averaged over the group; the top `k2` tokens (ties to the lowest index);
+4. exact attention of every query head over those `k2` tokens (no mean-value term).
+
+Budget: `budget` is the per-step token budget t of one KV group, traffic of the estimate included. The
+estimate reads P * k1 elements, the attention 2 * D * k2: with c2 = S / t, p = ceil(sqrt(c2)) (1 when
+larger than c2), k1 = int(D * p / c2) and k2 = t // 2 the two halves are t/2 token-equivalents each.
+A budget at or above S means full attention (the default short-circuit; RocketKV's code would still select
+t/2 tokens there, spec §2.8).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.kernels.page_summary import page_scores
+from kvbench.methods.base import Method, Plan, Selection, register_method
+from kvbench.methods.pages import PageSummary, layer_pages, page_tokens, top_tokens
+
+
+def hsa_parameters(compression: float, head_dim: int) -> dict[str, int]:
+    """Page size p and estimate dimensions k1 for a stage-2 compression c2 (RocketKV `infllm_utils.compress`)."""
+    c2 = max(1.0, compression)
+    p = math.ceil(math.sqrt(c2))
+    p = p if p <= c2 else 1
+    return {"page_size": p, "k1": max(1, min(head_dim, int(head_dim * p / c2)))}
+
+
+def hsa_select(q: torch.Tensor, pages: PageSummary, k1: int, k2: int, length: int) -> torch.Tensor:
+    """The `[H, G, k]` token indices HSA attends to (k = min(k2, length)), shared by each group."""
+    heads, group, dim = q.shape
+    absq = q.float().abs()
+    dims = absq.sum(dim=1).topk(k1, dim=-1).indices  # [H, k1]
+    positive = q.float().sum(dim=1).gather(-1, dims) > 0  # [H, k1]
+    estimate = page_scores(q, pages.kmin, pages.kmax, dims, positive[:, None, :])  # [H, G, P]
+    chosen = absq.gather(-1, dims[:, None, :].expand(heads, group, k1)).sum(-1)
+    temperature = torch.sqrt(dim * chosen / absq.sum(-1))[..., None]  # [H, G, 1]
+    score = torch.softmax(page_tokens(estimate / temperature, pages.page_size, length), dim=-1).mean(dim=1)
+    idx = top_tokens(score, k2)
+    return idx[:, None, :].expand(heads, group, idx.shape[1])
+
+
+def hsa_traffic(layer, pages: PageSummary, k1: int, selection: Selection) -> int:
+    """Elements read: one bound per chosen dimension of every page, plus K and V of the selected tokens."""
+    heads = selection.idx.shape[0]
+    return heads * (pages.pages * k1 + 2 * layer.head_dim * selection.idx.shape[-1])
+
+
+@register_method
+@dataclass
+class HSA(Method):
+    name = "hsa"
+    family = "selection"
+    selects = True
+
+    def plan(self, budget, *, sequence_length, new_tokens, head_dim):
+        if budget >= sequence_length:
+            return Plan(evict=None, select=None, derived={"full_attention": True})
+        return Plan(evict=None, select=budget, derived={"c2": sequence_length / budget, "k2": budget // 2,
+                                                        **hsa_parameters(sequence_length / budget, head_dim)})
+
+    def build_aux(self, layer):
+        page_size = layer.cache.plan.derived.get("page_size") if layer.cache.plan else None
+        return {"pages": PageSummary.of(layer.head_view().keys, page_size)} if page_size else {}
+
+    def select(self, layer, q, view, plan, scaling):
+        d = plan.derived
+        length = layer.physical_length()
+        if d["k2"] >= length:
+            return None
+        return hsa_select(q, layer_pages(layer, d["page_size"]), d["k1"], d["k2"], length)
+
+    def step_traffic(self, layer, selection):
+        if selection is None:
+            return super().step_traffic(layer, None)
+        d = layer.cache.plan.derived
+        return hsa_traffic(layer, layer_pages(layer, d["page_size"]), d["k1"], Selection(selection.idx))

@@ -1,0 +1,64 @@
+"""Quest (Tang et al. 2024): query-aware page selection from per-page key bounds (RocketKV's baseline, spec §4).
+
+Pages of `page_size` stored tokens keep the element-wise min and max of their keys. At each decode step each
+query head bounds every page's logit by sum_d max(q_d * max_d, q_d * min_d) (>= q.k for every key of the
+page); the bounds are summed over the query heads of each KV group, broadcast to the page's tokens, and the
+group attends exactly to the top `k2` tokens (whole pages, the boundary page cut at its first tokens).
+
+Budget (per KV group and step, estimate included, as RocketKV evaluates it; the paper's pages are not
+released, specs/rocketkv.md §8.8): fetching a page's min and max costs one token-equivalent, so with
+page_size = max(1, round(2 S / t)) the S / page_size page bounds cost t/2 and the exact attention k2 = t/2
+tokens. `page_size` fixes the page instead. A budget at or above S is full attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.kernels.page_summary import page_scores
+from kvbench.methods.base import Method, Plan, register_method
+from kvbench.methods.pages import PageSummary, layer_pages, page_tokens, top_tokens
+
+
+@register_method
+@dataclass
+class Quest(Method):
+    name = "quest"
+    family = "selection"
+    selects = True
+    page_size: int | None = None  # null: the traffic-equivalent page max(1, round(2 S / t))
+
+    def __post_init__(self) -> None:
+        if self.page_size is not None and (isinstance(self.page_size, bool) or not isinstance(self.page_size, int)
+                                           or self.page_size < 1):
+            raise ValueError(f"page_size must be a positive number of tokens or null, got {self.page_size!r}")
+
+    def plan(self, budget, *, sequence_length, new_tokens, head_dim):
+        if budget >= sequence_length:
+            return Plan(evict=None, select=None, derived={"full_attention": True})
+        page = self.page_size or max(1, round(2 * sequence_length / budget))
+        return Plan(evict=None, select=budget, derived={"page_size": page, "k2": budget // 2})
+
+    def build_aux(self, layer):
+        plan = layer.cache.plan
+        return {"pages": PageSummary.of(layer.head_view().keys, plan.derived["page_size"])} if plan.select else {}
+
+    def select(self, layer, q, view, plan, scaling):
+        page, k2 = plan.derived["page_size"], plan.derived["k2"]
+        length = layer.physical_length()
+        if k2 >= length:
+            return None
+        pages = layer_pages(layer, page)
+        heads, group, dim = q.shape
+        every_dim = torch.arange(dim, device=q.device).expand(heads, dim)
+        bound = page_scores(q, pages.kmin, pages.kmax, every_dim, q > 0).sum(dim=1)  # [H, P], summed over the group
+        idx = top_tokens(page_tokens(bound, page, length), k2)
+        return idx[:, None, :].expand(heads, group, idx.shape[1])
+
+    def step_traffic(self, layer, selection):
+        if selection is None:
+            return super().step_traffic(layer, None)
+        pages = layer_pages(layer, layer.cache.plan.derived["page_size"])
+        return selection.idx.shape[0] * 2 * layer.head_dim * (pages.pages + selection.idx.shape[-1])

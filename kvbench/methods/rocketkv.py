@@ -1,0 +1,98 @@
+"""RocketKV (Behnam et al., ICML 2025; seed paper 000): SnapKV eviction at the end of prefill, then hybrid
+sparse attention (HSA) at every decode step (specs/rocketkv.md §2).
+
+The budget t is per KV group and per decode step, traffic of the HSA estimate included. With S = prompt +
+tokens to generate (capped at the model's limit) and c = S / t, the adaptive decomposition gives stage 1
+compression c^r and stage 2 the rest, r = min(0.2 + 0.06 log2 c, 0.8) (`split` fixes r for the paper's
+ablation). The arithmetic is the authors' accuracy path (`infllm_utils.compress`), which reproduces the
+spec's worked table:
+
+    cap = max(int(S / c^r), min(2 * new_tokens, S));  prompt_budget = cap - new_tokens
+    k2 = t // 2;  c2 = max(1, cap / t);  p = ceil(sqrt(c2)) (1 if > c2);  k1 = int(D * p / c2)
+
+Stage 1: GQA-aware SnapKV keeps `prompt_budget` tokens per KV head, window included (window 32, max-pool
+kernel 63 over window-mean, group-mean scores; the code's sums rank identically; 128-token window for SCBench).
+Stage 2: HSA (`kvbench.methods.hsa`) over the survivors and the generated tokens, pages built over the
+compressed cache and updated as tokens are appended.
+
+As in the released code, the prompt's last token is not prefilled: it goes through the decode path, so the
+observation window is the end of prompt[:-1] and the first answer token already comes from HSA
+(`last_prompt_token_via_decode`, spec §8.7). `skip_layers` keeps the first layers dense (LongChat: 2).
+Multi-turn: every later turn's input attends to the compressed past and SnapKV re-compresses past + input
+to `prompt_budget` (the `turn_end` event); `rocketkv_mt` keeps the full history instead. A budget at or
+above S is full attention (the default short-circuit, spec §2.8).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+from kvbench.methods.base import Plan, Selection, register_method
+from kvbench.methods.hsa import hsa_select, hsa_traffic
+from kvbench.methods.pages import PageSummary, layer_pages
+from kvbench.methods.snapkv import SnapKV
+
+
+def rocket_plan(sequence_length: int, budget: int, head_dim: int, new_tokens: int, split: float | None = None) -> dict:
+    """RocketKV's per-sample parameters (the accuracy path's arithmetic, `infllm_utils.compress`)."""
+    c = max(1.0, sequence_length / budget)
+    r = min(0.2 + 0.06 * math.log2(c), 0.8) if split is None else split
+    cap = int(sequence_length / c**r)
+    cap = max(cap, min(2 * new_tokens, sequence_length))
+    c2 = max(1.0, cap / budget)
+    page = math.ceil(math.sqrt(c2))
+    page = page if page <= c2 else 1
+    return {"c": c, "r": r, "capacity": cap, "prompt_budget": cap - new_tokens, "c2": c2, "page_size": page,
+            "k1": max(1, min(head_dim, int(head_dim * page / c2))), "k2": budget // 2}
+
+
+@register_method
+@dataclass
+class RocketKV(SnapKV):
+    name = "rocketkv"
+    family = "two-stage"
+    selects = True
+    evicts_every_turn: ClassVar[bool] = True
+    kernel: int = 63
+    split: float | None = None  # null: the adaptive r; 0.3 / 0.5 / 0.7 for the static-r ablation
+    skip_layers: int = 0
+    last_prompt_token_via_decode: bool = True
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.split is not None and (isinstance(self.split, bool) or not 0 < self.split < 1):
+            raise ValueError(f"split (the static r) must be in (0, 1) or null for the adaptive one, got {self.split!r}")
+        if isinstance(self.skip_layers, bool) or not isinstance(self.skip_layers, int) or self.skip_layers < 0:
+            raise ValueError(f"skip_layers must be a number of layers >= 0, got {self.skip_layers!r}")
+        if self.granularity != "group":
+            raise ValueError("rocketkv's stage 1 is GQA-aware: granularity must be group")
+
+    def plan(self, budget, *, sequence_length, new_tokens, head_dim):
+        if budget >= sequence_length:
+            return Plan(evict=None, select=None, derived={"full_attention": True})
+        derived = rocket_plan(sequence_length, budget, head_dim, new_tokens, self.split)
+        return Plan(evict=derived["prompt_budget"], select=budget, derived=derived)
+
+    def keep(self, layer, budget):
+        return None if layer.layer_idx < self.skip_layers else super().keep(layer, budget)
+
+    def build_aux(self, layer):
+        plan = layer.cache.plan
+        if not plan.select or layer.layer_idx < self.skip_layers:
+            return {}
+        return {"pages": PageSummary.of(layer.head_view().keys, plan.derived["page_size"])}
+
+    def select(self, layer, q, view, plan, scaling):
+        d = plan.derived
+        length = layer.physical_length()
+        if layer.layer_idx < self.skip_layers or d["k2"] >= length:
+            return None
+        return hsa_select(q, layer_pages(layer, d["page_size"]), d["k1"], d["k2"], length)
+
+    def step_traffic(self, layer, selection):
+        if selection is None:
+            return super().step_traffic(layer, None)
+        d = layer.cache.plan.derived
+        return hsa_traffic(layer, layer_pages(layer, d["page_size"]), d["k1"], Selection(selection.idx))

@@ -1,0 +1,127 @@
+"""SparQ attention (Ribar et al. 2024): estimate the scores from the r largest-|q| head dimensions, attend
+exactly to the top-k tokens, blend with the mean value (RocketKV's baseline, specs/rocketkv.md §4).
+
+Per decode step: the r dimensions of largest |q|; approximate logits q[r] . K[:, r] read from a second,
+transposed copy of the keys (`[H, D, N]`, kept current as tokens are appended: SparQ stores K twice); a
+softmax with SparQ's temperature sqrt(D * sum_r |q| / sum |q|) instead of sqrt(D); exact attention over the
+top-k tokens; with `reallocation` (on, as the SparQ code) the output is
+    w * attention(top-k) + (1 - w) * mean(V),  w = the estimated attention mass of the top-k,
+with mean(V) over every stored token (a running sum kept with the transposed keys).
+
+GQA (the SparQ code repeats K over the group and selects per query head): `granularity=group` (default)
+chooses the dimensions from |q| summed over the group and one top-k from the group-mean estimate, so a
+group reads the budget t, the unit RocketKV compares at; `granularity=head` is the code's per-query-head
+selection, which reads up to G times more (the record's traffic says so).
+
+Budget (per KV group and step, estimate included; the SparQ code's `get_r_k_for_compression_ratio`): with
+c = S / t, r = round(D / c) (at least 1) and k = round(t / 2). A budget at or above S is full attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvbench.kernels.reduced_scores import reduced_scores, reduced_scores_reference
+from kvbench.methods.base import Method, Plan, Selection, register_method
+from kvbench.methods.pages import top_tokens
+
+
+@dataclass(frozen=True)
+class TransposedKeys:
+    """SparQ's second copy of the keys, `[H, D, N]`, and the running sum of the values (fp32)."""
+
+    keys_t: torch.Tensor
+    value_sum: torch.Tensor  # [H, D]
+    length: int
+
+    @classmethod
+    def of(cls, layer) -> "TransposedKeys":
+        view = layer.head_view()
+        return cls(view.keys.transpose(1, 2).contiguous(), view.values.float().sum(dim=1), view.keys.shape[1])
+
+    def append(self, layer, n: int) -> "TransposedKeys":
+        view = layer.head_view()
+        new_keys, new_values = view.keys[:, -n:], view.values[:, -n:]
+        return TransposedKeys(torch.cat([self.keys_t, new_keys.transpose(1, 2)], dim=2),
+                              self.value_sum + new_values.float().sum(dim=1), self.length + n)
+
+    def truncate(self, layer) -> "TransposedKeys":
+        return TransposedKeys.of(layer)
+
+    def nbytes(self) -> int:
+        return self.keys_t.numel() * self.keys_t.element_size() + self.value_sum.numel() * 4
+
+    @property
+    def paper_elements(self) -> int:  # RocketKV Table 1: SparQ's storage is 2x (K stored twice)
+        return self.keys_t.numel()
+
+
+@register_method
+@dataclass
+class SparQ(Method):
+    name = "sparq"
+    family = "selection"
+    selects = True
+    reallocation: bool = True
+    granularity: str = "group"
+
+    def __post_init__(self) -> None:
+        if self.granularity not in ("group", "head"):
+            raise ValueError(f"granularity must be group or head, not {self.granularity!r}")
+        if not isinstance(self.reallocation, bool):
+            raise ValueError(f"reallocation must be true or false, got {self.reallocation!r}")
+
+    def plan(self, budget, *, sequence_length, new_tokens, head_dim):
+        if budget >= sequence_length:
+            return Plan(evict=None, select=None, derived={"full_attention": True})
+        compression = sequence_length / budget
+        r = max(1, min(head_dim, round(head_dim / compression)))
+        return Plan(evict=None, select=budget, derived={"r": r, "k2": max(1, round(budget / 2))})
+
+    def build_aux(self, layer):
+        return {"keys_t": TransposedKeys.of(layer)} if layer.cache.plan.select else {}
+
+    def _state(self, layer) -> TransposedKeys:
+        if "keys_t" not in layer.aux:
+            layer.aux["keys_t"] = TransposedKeys.of(layer)
+        return layer.aux["keys_t"]
+
+    def select(self, layer, q, view, plan, scaling):
+        r, k = plan.derived["r"], plan.derived["k2"]
+        state = self._state(layer)
+        length = state.length
+        if k >= length:
+            return None
+        heads, group, dim = q.shape
+        absq = q.float().abs()
+        if self.granularity == "group":
+            dims = absq.sum(dim=1).topk(r, dim=-1).indices  # [H, r]
+            estimate = reduced_scores(q, state.keys_t, dims)  # [H, G, N]
+            chosen = absq.gather(-1, dims[:, None, :].expand(heads, group, r)).sum(-1)
+        else:  # per query head: each head is its own group of one over a shared copy of its KV head's keys
+            dims = absq.topk(r, dim=-1).indices  # [H, G, r]
+            flat = dims.reshape(heads * group, r)
+            keys_t = state.keys_t.repeat_interleave(group, dim=0)
+            estimate = reduced_scores_reference(q.reshape(heads * group, 1, dim), keys_t, flat).view(heads, group, -1)
+            chosen = absq.gather(-1, dims).sum(-1)
+        temperature = torch.sqrt(dim * chosen / absq.sum(-1))[..., None]
+        s_hat = torch.softmax(estimate / temperature, dim=-1)  # [H, G, N]
+        if self.granularity == "group":
+            idx = top_tokens(s_hat.mean(dim=1), k)[:, None, :].expand(heads, group, -1)
+        else:
+            idx = top_tokens(s_hat.reshape(heads * group, -1), k).view(heads, group, -1)
+        if not self.reallocation:
+            return idx
+        mass = s_hat.gather(-1, idx).sum(-1, keepdim=True)  # [H, G, 1]
+        return Selection(idx, weight=mass, fallback=(state.value_sum / length)[:, None, :])
+
+    def step_traffic(self, layer, selection):
+        if selection is None:
+            return super().step_traffic(layer, None)
+        state, r = self._state(layer), layer.cache.plan.derived["r"]
+        heads, group = selection.idx.shape[:2]
+        estimate = heads * (group if self.granularity == "head" else 1) * r * state.length
+        mean_value = heads * layer.head_dim if self.reallocation else 0
+        return estimate + super().step_traffic(layer, selection) + mean_value
