@@ -1,0 +1,87 @@
+"""Per-token decode time of each method relative to `full`, on the engine's own decode path.
+
+    python scripts/bench_decode_latency.py                          # embedded SmolLM2, 8K context, t = 256
+    python scripts/bench_decode_latency.py --length 4096 --budget 128 --methods full,rocketkv,quest
+
+One dense prefill of a synthetic prompt is shared by every method (the sweep's snapshot path: selection
+methods keep it whole, RocketKV's stage 1 evicts from it), then each method decodes `--steps` greedy tokens
+after `--warmup` untimed ones through `Session.step`, exactly as an accuracy run does (top-k recall, a
+fidelity metric, is off here so that it does not inflate the timings). Reported: median and p90 ms per token
+and the median's ratio to `full`, the K/V bytes each method holds and the token-equivalents it reads per KV
+group and step by its own cost model (its traffic: the budget axis the methods are compared on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+from kvbench.engine import EngineConfig, _prefill_segment, _sync
+from kvbench.methods import build_method
+from kvbench.models import load_model
+
+CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+DEFAULT_METHODS = "full,exact_topk,quest,sparq,hsa,rocketkv,snapkv,streamingllm"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2_135m", help="a conf/model name")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--length", type=int, default=8192 - 160, help="prompt tokens")
+    parser.add_argument("--budget", type=int, default=256, help="tokens per KV group (per step, for selection)")
+    parser.add_argument("--steps", type=int, default=32, help="timed decode steps per method")
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--methods", default=DEFAULT_METHODS)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    cfg = OmegaConf.load(CONF / f"{args.model}.yaml")
+    cfg.device = args.device
+    lm = load_model(cfg)
+    new_tokens = args.warmup + args.steps + 1
+    if args.length + new_tokens > lm.max_positions:
+        sys.exit(f"--length {args.length} + {new_tokens} decoded tokens exceed {lm.name}'s {lm.max_positions} positions")
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(100, lm.model.config.vocab_size - 100, (args.length,), generator=gen).tolist()
+    config = lm.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    engine = EngineConfig(reuse_prefill=True, snapshot_cache_mb=1 << 16)
+    print(f"{lm.name} on {lm.device} ({torch.get_num_threads()} threads), {lm.dtype}, {args.length} prompt tokens, "
+          f"budget t = {args.budget}, {args.steps} timed steps after {args.warmup} warm-up")
+    print(f"{'method':<14} {'ms/token':>9} {'p90':>7} {'vs full':>8} {'KV MiB':>8} {'read tok/group/step':>20}")
+    baseline = None
+    for name in args.methods.split(","):
+        method = build_method(name)
+        plan = method.plan(args.budget, sequence_length=args.length + new_tokens, new_tokens=new_tokens,
+                           head_dim=head_dim)
+        start = time.perf_counter()
+        session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine)
+        prefill_s = time.perf_counter() - start
+        times = []
+        token = int(logits.argmax())
+        for step in range(args.warmup + args.steps):
+            _sync(lm.device)
+            t0 = time.perf_counter()
+            logits = session.step(token)
+            _sync(lm.device)
+            if step >= args.warmup:
+                times.append(1e3 * (time.perf_counter() - t0))
+            token = int(logits.argmax())
+        median = statistics.median(times)
+        p90 = sorted(times)[int(0.9 * (len(times) - 1))]
+        baseline = baseline or median
+        stats = session.cache.stats
+        read = stats.read_token_equivalents / stats.layer_steps if stats.layer_steps else float("nan")
+        print(f"{name:<14} {median:9.1f} {p90:7.1f} {median / baseline:8.2f} {session.cache.kv_bytes() / 2**20:8.1f} "
+              f"{read:20.0f}   (prefill {prefill_s:.1f} s{', shared' if prefill_s < 1 else ''})")
+
+
+if __name__ == "__main__":
+    main()
