@@ -152,10 +152,6 @@ class KVLayer(CacheLayerMixin):
     def is_ragged(self) -> bool:
         return self.head_lens is not None
 
-    @property
-    def evicted(self) -> bool:
-        return self.evictions > 0
-
     def lengths(self) -> list[int]:
         if self.keys is None:
             return []

@@ -377,7 +377,7 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
     """Run every turn of a sample and return its record (metrics, timings, memory, predictions).
 
     Multi-turn samples (golden context) roll back to the end of each turn's prompt and append the next
-    turn uncompressed. Multi-request samples (`meta["mode"] == "multi_request"`) compress the context
+    turn, uncompressed unless the method evicts every turn (RocketKV). Multi-request samples (`meta["mode"] == "multi_request"`) compress the context
     alone and run every turn, the first included, as an independent request on it.
     """
     started = time.perf_counter()
@@ -412,8 +412,10 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
         logits, rest_s = session.prefill(rest, compress=False)
         prefill_s += rest_s
     if held_back:
+        _sync(lm.device)
         start = time.perf_counter()
         logits = session.forward(held_back)[-1]
+        _sync(lm.device)
         prefill_s += time.perf_counter() - start
     kv_after_prefill = cache.kv_bytes()
 

@@ -22,6 +22,20 @@ def niah_samples(smollm2):
     return task.samples(PromptBuilder(smollm2.tokenizer).measure, seed=42)
 
 
+def scbench_kv_sample(lm, tmp_path, pairs: int):
+    """A two-turn SCBench kv sample in the real data format, through the real loader."""
+    from kvbench.tasks.scbench import SCBench
+
+    table = {f"{i:04x}-key": f"{i * 7919 % 10**6:06d}-val" for i in range(pairs)}
+    row = {"id": 0, "context": json.dumps(table), "multi_turns": [
+        {"input": f'Key: "{k}"\nThe value associated with the specified key is: ', "answer": table[k]}
+        for k in ("0003-key", "0011-key")]}
+    (tmp_path / "scbench_kv.jsonl").write_text(json.dumps(row) + "\n")
+    task = SCBench(name="scbench_kv", tasks=["scbench_kv"], data_dir=str(tmp_path), num_samples=1, max_turns=2)
+    (sample,) = task.samples(PromptBuilder(lm.tokenizer).measure, seed=0)
+    return sample
+
+
 def test_generated_samples_fit_the_requested_length(smollm2, niah_samples):
     meter = PromptBuilder(smollm2.tokenizer).measure
     for s in niah_samples:
@@ -88,15 +102,7 @@ def test_cli_end_to_end_writes_records_manifest_and_summary(tmp_path):
 def test_scbench_kv_two_turns_through_one_compressed_cache(smollm2, tmp_path):
     """The SCBench loader's multi-turn sample on the real model: turn 2 is appended to the cache that turn 1
     compressed (exactness of that attention is checked against a dense reference in test_engine.py)."""
-    from kvbench.tasks.scbench import SCBench
-
-    pairs = {f"{i:04x}-key": f"{i * 7919 % 10**6:06d}-val" for i in range(30)}
-    row = {"id": 0, "context": json.dumps(pairs), "multi_turns": [
-        {"input": f'Key: "{k}"\nThe value associated with the specified key is: ', "answer": pairs[k]}
-        for k in ("0003-key", "0011-key")]}
-    (tmp_path / "scbench_kv.jsonl").write_text(json.dumps(row) + "\n")
-    task = SCBench(name="scbench_kv", tasks=["scbench_kv"], data_dir=str(tmp_path), num_samples=1, max_turns=2)
-    (sample,) = task.samples(PromptBuilder(smollm2.tokenizer).measure, seed=0)
+    sample = scbench_kv_sample(smollm2, tmp_path, pairs=30)
     record = run_sample(smollm2, build_method("snapkv"), 96, sample, EngineConfig())
     assert len(record["turns"]) == 2 and record["compressed"]
     assert all(t["new_tokens"] > 0 and 0.0 <= t["score"] <= 1.0 for t in record["turns"])
@@ -155,15 +161,7 @@ def test_every_sparse_attention_method_runs_on_the_embedded_model(smollm2, niah_
 
 @pytest.mark.parametrize("name", ["quest", "sparq", "hsa", "rocketkv", "rocketkv_mt"])
 def test_sparse_methods_on_a_two_turn_scbench_sample(smollm2, tmp_path, name):
-    from kvbench.tasks.scbench import SCBench
-
-    pairs = {f"{i:04x}-key": f"{i * 7919 % 10**6:06d}-val" for i in range(40)}
-    row = {"id": 0, "context": json.dumps(pairs), "multi_turns": [
-        {"input": f'Key: "{k}"\nThe value associated with the specified key is: ', "answer": pairs[k]}
-        for k in ("0003-key", "0011-key")]}
-    (tmp_path / "scbench_kv.jsonl").write_text(json.dumps(row) + "\n")
-    task = SCBench(name="scbench_kv", tasks=["scbench_kv"], data_dir=str(tmp_path), num_samples=1, max_turns=2)
-    (sample,) = task.samples(PromptBuilder(smollm2.tokenizer).measure, seed=0)
+    sample = scbench_kv_sample(smollm2, tmp_path, pairs=40)
     record = run_sample(smollm2, build_method(name), 128, sample, EngineConfig())
     assert len(record["turns"]) == 2 and all(t["new_tokens"] > 0 for t in record["turns"])
     assert record["topk_recall"] is not None

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvbench.methods.adakv import AdaKV
 from kvbench.methods.base import register_method
-from kvbench.methods.pyramidkv import pyramid_layer_budget
+from kvbench.methods.pyramidkv import check_beta, pyramid_layer_budget
 
 
 @register_method
@@ -18,8 +18,7 @@ class AdaPyramid(AdaKV):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.beta, bool) or not isinstance(self.beta, int) or self.beta < 1:
-            raise ValueError(f"beta (the shallowest/deepest budget ratio) must be a positive integer, got {self.beta!r}")
+        check_beta(self.beta)
 
     def layer_budget(self, layer, budget):
         return pyramid_layer_budget(layer, budget, self.window, self.beta)

@@ -58,27 +58,26 @@ def hsa_traffic(layer, pages: PageSummary, k1: int, selection: Selection) -> int
     return heads * (pages.pages * k1 + 2 * layer.head_dim * selection.idx.shape[-1])
 
 
-@register_method
-@dataclass
-class HSA(Method):
-    name = "hsa"
-    family = "selection"
+class HSAStage:
+    """HSA as a method's decode stage: pages built when the segment ends and kept current, a selection of
+    `k2` tokens per step, the estimate's traffic counted. The method's plan derives page_size, k1 and k2."""
+
     selects = True
 
-    def plan(self, budget, *, sequence_length, new_tokens, head_dim):
-        if budget >= sequence_length:
-            return Plan(evict=None, select=None, derived={"full_attention": True})
-        return Plan(evict=None, select=budget, derived={"c2": sequence_length / budget, "k2": budget // 2,
-                                                        **hsa_parameters(sequence_length / budget, head_dim)})
+    def hsa_skips(self, layer) -> bool:
+        """Layers that keep dense attention (RocketKV's `skip_layers`)."""
+        return False
 
     def build_aux(self, layer):
-        page_size = layer.cache.plan.derived.get("page_size") if layer.cache.plan else None
-        return {"pages": PageSummary.of(layer.head_view().keys, page_size)} if page_size else {}
+        plan = layer.cache.plan
+        if not plan.select or self.hsa_skips(layer):
+            return {}
+        return {"pages": PageSummary.of(layer.head_view().keys, plan.derived["page_size"])}
 
     def select(self, layer, q, view, plan, scaling):
         d = plan.derived
         length = layer.physical_length()
-        if d["k2"] >= length:
+        if self.hsa_skips(layer) or d["k2"] >= length:
             return None
         return hsa_select(q, layer_pages(layer, d["page_size"]), d["k1"], d["k2"], length)
 
@@ -86,4 +85,17 @@ class HSA(Method):
         if selection is None:
             return super().step_traffic(layer, None)
         d = layer.cache.plan.derived
-        return hsa_traffic(layer, layer_pages(layer, d["page_size"]), d["k1"], Selection(selection.idx))
+        return hsa_traffic(layer, layer_pages(layer, d["page_size"]), d["k1"], selection)
+
+
+@register_method
+@dataclass
+class HSA(HSAStage, Method):
+    name = "hsa"
+    family = "selection"
+
+    def plan(self, budget, *, sequence_length, new_tokens, head_dim):
+        if budget >= sequence_length:
+            return Plan(evict=None, select=None, derived={"full_attention": True})
+        return Plan(evict=None, select=budget, derived={"c2": sequence_length / budget, "k2": budget // 2,
+                                                        **hsa_parameters(sequence_length / budget, head_dim)})

@@ -42,6 +42,11 @@ def pyramid_budgets(num_layers: int, b: int, candidates: int, beta: int = 20) ->
     return budgets
 
 
+def check_beta(beta: object) -> None:
+    if isinstance(beta, bool) or not isinstance(beta, int) or beta < 1:
+        raise ValueError(f"beta (the shallowest/deepest budget ratio) must be a positive integer, got {beta!r}")
+
+
 def pyramid_layer_budget(layer, budget: int, window: int, beta: int) -> int:
     """One layer's budget (window included) under the pyramid schedule of a uniform `budget`."""
     window = min(window, budget)
@@ -57,8 +62,7 @@ class PyramidKV(SnapKV):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.beta, bool) or not isinstance(self.beta, int) or self.beta < 1:
-            raise ValueError(f"beta (the shallowest/deepest budget ratio) must be a positive integer, got {self.beta!r}")
+        check_beta(self.beta)
 
     def layer_budget(self, layer, budget):
         return pyramid_layer_budget(layer, budget, self.window, self.beta)

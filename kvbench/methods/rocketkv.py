@@ -29,9 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvbench.methods.base import Plan, Selection, register_method
-from kvbench.methods.hsa import hsa_select, hsa_traffic
-from kvbench.methods.pages import PageSummary, layer_pages
+from kvbench.methods.base import Plan, register_method
+from kvbench.methods.hsa import HSAStage
 from kvbench.methods.snapkv import SnapKV
 
 
@@ -50,10 +49,9 @@ def rocket_plan(sequence_length: int, budget: int, head_dim: int, new_tokens: in
 
 @register_method
 @dataclass
-class RocketKV(SnapKV):
+class RocketKV(HSAStage, SnapKV):
     name = "rocketkv"
     family = "two-stage"
-    selects = True
     evicts_every_turn: ClassVar[bool] = True
     kernel: int = 63
     split: float | None = None  # null: the adaptive r; 0.3 / 0.5 / 0.7 for the static-r ablation
@@ -78,21 +76,5 @@ class RocketKV(SnapKV):
     def keep(self, layer, budget):
         return None if layer.layer_idx < self.skip_layers else super().keep(layer, budget)
 
-    def build_aux(self, layer):
-        plan = layer.cache.plan
-        if not plan.select or layer.layer_idx < self.skip_layers:
-            return {}
-        return {"pages": PageSummary.of(layer.head_view().keys, plan.derived["page_size"])}
-
-    def select(self, layer, q, view, plan, scaling):
-        d = plan.derived
-        length = layer.physical_length()
-        if layer.layer_idx < self.skip_layers or d["k2"] >= length:
-            return None
-        return hsa_select(q, layer_pages(layer, d["page_size"]), d["k1"], d["k2"], length)
-
-    def step_traffic(self, layer, selection):
-        if selection is None:
-            return super().step_traffic(layer, None)
-        d = layer.cache.plan.derived
-        return hsa_traffic(layer, layer_pages(layer, d["page_size"]), d["k1"], Selection(selection.idx))
+    def hsa_skips(self, layer):
+        return layer.layer_idx < self.skip_layers
