@@ -35,6 +35,8 @@ TABLE_METRICS = ("nll", "decode_ms_per_token", "kv_bytes_after_prefill")
 TASK_MEAN_LABEL = "[task mean]"
 # Record fields that are not table columns: structure, or renamed (a record's `task` is its subtask).
 _NESTED_RECORD_FIELDS = ("point", "turns", "task")
+# Dict fields that are not flattened into columns: per-sample task data (needle offsets, ...).
+_UNFLATTENED_RECORD_FIELDS = ("point", "meta")
 
 
 def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
@@ -62,6 +64,9 @@ def collect(results_root: Path) -> pd.DataFrame:
         for rec in load_records(run_dir):
             row = {k: v for k, v in rec.items()
                    if k not in _NESTED_RECORD_FIELDS and not isinstance(v, (dict, list))}
+            for key, value in rec.items():  # e.g. budget_plan.k1, eviction_schedule.block_size
+                if isinstance(value, dict) and key not in _UNFLATTENED_RECORD_FIELDS:
+                    _flatten(key, value, row)
             row["subtask"] = rec.get("task")
             row["n_turns"] = len(rec.get("turns") or [])
             point: dict[str, Any] = {}
