@@ -41,7 +41,7 @@ log = logging.getLogger("kvbench")
 CONF_DIR = str(Path(kvbench.conf.__file__).parent)
 POINT_KEYS = ("model", "task", "method", "budget", "compress_question", "engine", "seed")
 # Engine settings that change speed or memory bookkeeping but never a prediction.
-NON_IDENTITY_ENGINE_KEYS = ("reuse_prefill", "snapshot_window", "snapshot_cache_mb")
+NON_IDENTITY_ENGINE_KEYS = ("reuse_prefill", "snapshot_window", "snapshot_cache_mb", "topk_recall")
 
 
 def point_identity(cfg: DictConfig) -> dict[str, Any]:
@@ -51,8 +51,12 @@ def point_identity(cfg: DictConfig) -> dict[str, Any]:
     # a null method parameter means "the method's default behaviour": a point from before the parameter
     # existed is the same point
     point["method"] = {k: v for k, v in point["method"].items() if v is not None}
+    ratio = cfg.get("compression_ratio")
+    if ratio is not None:  # kvpress's convention replaces the budget (a new key only when used: old hashes hold)
+        point["compression_ratio"], point["budget"] = ratio, None
     if not budget_matters(cfg):
         point["budget"] = None
+        point.pop("compression_ratio", None)
     data_file = cfg.task.get("path")
     if data_file and Path(data_file).is_file():  # an edited file is a new point, not a resume
         point["task_file_sha256"] = file_digest(Path(data_file).resolve())
@@ -83,6 +87,8 @@ def budget_matters(cfg: DictConfig) -> bool:
 def _point_dir(*, _root_: DictConfig) -> str:
     point = point_identity(_root_)
     budget = str(_root_.budget).replace(".", "p") if point["budget"] is not None else "-"
+    if point.get("compression_ratio") is not None:
+        budget = "cr" + str(point["compression_ratio"]).replace(".", "p")
     mode = "qa" if _root_.compress_question else "qagn"
     return f"{_root_.task.name}/{_root_.model.name}/{_root_.method.name}/b{budget}-{mode}-{point_hash(point)}"
 
@@ -156,17 +162,60 @@ def release_host_memory() -> None:
         _MALLOC_TRIM(0)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def validate(cfg: DictConfig) -> None:
-    budget = cfg.budget
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+    """Every top-level, engine and generic task setting, before anything runs: one line naming the setting and
+    what it accepts. (Method parameters are checked where the method is built; model ones where it loads.)"""
+    budget, ratio = cfg.budget, cfg.get("compression_ratio")
+    if ratio is not None:
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
+            raise KVBenchError(f"compression_ratio must be a fraction of the tokens removed in [0, 1) (kvpress's "
+                               f"convention), got {ratio!r}")
+    elif isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
         raise KVBenchError(f"budget must be a positive number of tokens per KV head (or a ratio in (0, 1)), got {budget!r}")
-    if isinstance(budget, float) and budget >= 1 and not budget.is_integer():
+    elif isinstance(budget, float) and budget >= 1 and not budget.is_integer():
         raise KVBenchError(f"budget {budget} is neither a token count nor a ratio in (0, 1)")
+    if not _is_int(cfg.seed):
+        raise KVBenchError(f"seed must be an integer, got {cfg.seed!r}")
+    for key in ("compress_question", "show_progress"):
+        if not isinstance(cfg[key], bool):
+            raise KVBenchError(f"{key} must be true or false, got {cfg[key]!r}")
+    engine = cfg.engine
+    for key in ("reuse_prefill", "nll", "chat_template", "topk_recall"):
+        if key in engine and not isinstance(engine[key], bool):
+            raise KVBenchError(f"engine.{key} must be true or false, got {engine[key]!r}")
+    for key, low in (("snapshot_window", 1), ("snapshot_cache_mb", 0)):
+        if key in engine and (not _is_int(engine[key]) or engine[key] < low):
+            raise KVBenchError(f"engine.{key} must be an integer >= {low}, got {engine[key]!r}")
+    if engine.get("system_prompt") is not None and not isinstance(engine.system_prompt, str):
+        raise KVBenchError(f"engine.system_prompt must be text or null, got {engine.system_prompt!r}")
+    num_samples = cfg.task.get("num_samples")
+    if num_samples is not None and (not _is_int(num_samples) or num_samples < 1):
+        raise KVBenchError(f"task.num_samples must be a positive integer (or null for every sample where the task "
+                           f"allows it), got {num_samples!r}")
+    seq_len = cfg.task.get("seq_len")
+    if seq_len is not None and (not _is_int(seq_len) or seq_len < 1):
+        raise KVBenchError(f"task.seq_len must be a positive number of tokens, got {seq_len!r}")
+
+
+def check_length(cfg: DictConfig, lm: "LoadedModel") -> None:
+    """A task longer than the model allows: say how long this model goes and the ways out."""
+    seq_len = cfg.task.get("seq_len")
+    if seq_len and seq_len > lm.max_positions:
+        raise KVBenchError(
+            f"task {cfg.task.name} asks for {seq_len} tokens (task.seq_len) but {lm.name} allows at most "
+            f"{lm.max_positions} positions: run it with task.seq_len={lm.max_positions} or less (e.g. "
+            f"task=ruler_4k / ruler_8k, or task.seq_len=4096), or on a long-context model "
+            f"(model=llama3.1_8b_instruct, 128K)"
+        )
 
 
 def run_point(cfg: DictConfig) -> dict[str, Any]:
     """Run (or resume) one experiment point and return its summary."""
-    from kvbench.engine import EngineConfig, PromptBuilder, run_sample
+    from kvbench.engine import CompressionRatio, EngineConfig, PromptBuilder, run_sample
     from kvbench.methods import build_method
     from kvbench.results import RecordStore, build_manifest, summarize, write_manifest, write_summary
 
@@ -179,11 +228,8 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
     method_params = {k: v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items() if k != "name"}
     method = build_method(cfg.method.name, **method_params)
     lm = cached_model(cfg.model)
+    check_length(cfg, lm)
     seq_len = cfg.task.get("seq_len")
-    if seq_len and seq_len > lm.max_positions:
-        raise KVBenchError(
-            f"task.seq_len={seq_len} exceeds {lm.name}'s limit of {lm.max_positions} positions"
-        )
     engine_cfg = EngineConfig(compress_question=cfg.compress_question, **OmegaConf.to_container(cfg.engine))
     samples = cached_samples(cfg, lm, PromptBuilder(lm.tokenizer, engine_cfg.chat_template, engine_cfg.system_prompt))
 
@@ -199,15 +245,17 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
         "task": cfg.task.name,
         "method": cfg.method.name,
         "budget": point["budget"],
+        "compression_ratio": point.get("compression_ratio"),
         "seq_len": seq_len,
         "compress_question": cfg.compress_question,
         "dtype": str(lm.dtype).replace("torch.", ""),
         "seed": cfg.seed,
     }
-    bar = tqdm(todo, desc=f"{cfg.method.name} b={cfg.budget} {cfg.task.name}", unit="sample",
+    budget = CompressionRatio(point["compression_ratio"]) if point.get("compression_ratio") is not None else cfg.budget
+    bar = tqdm(todo, desc=f"{cfg.method.name} b={budget} {cfg.task.name}", unit="sample",
                disable=not cfg.show_progress or not todo)
     for sample in bar:
-        record = run_sample(lm, method, cfg.budget, sample, engine_cfg)
+        record = run_sample(lm, method, budget, sample, engine_cfg)
         record.update(point=point_fields, point_hash=phash, method_params=method.params())
         store.append(record)
         bar.set_postfix(score=f"{record['score']:.2f}")
@@ -269,9 +317,50 @@ def check_group_overrides(argv: list[str]) -> None:
                 raise KVBenchError(f"unknown {key} {v!r}; available: {', '.join(known)}")
 
 
+def _method_parameters(name: str) -> list[str]:
+    return [k for k in OmegaConf.load(Path(CONF_DIR) / "method" / f"{name}.yaml") if k != "name"]
+
+
+def _default_choice(group: str) -> str:
+    for entry in OmegaConf.load(Path(CONF_DIR) / "config.yaml").defaults:
+        if isinstance(entry, DictConfig) and group in entry:
+            return entry[group]
+    raise KeyError(group)
+
+
+def shared_method_parameters(argv: list[str]) -> list[str]:
+    """Let `method.KEY=VALUE` set a parameter that several swept methods share.
+
+    Hydra composes a sweep's base config with the default method (`full`), so a parameter it lacks
+    (`-m method=snapkv,adakv method.pooling=avg`) is refused before any job runs. `++method.KEY=VALUE` sets it
+    in each job's method instead; a method that lacks it is named here, before anything runs (when the
+    methods come from a preset, when its job builds the method).
+    """
+    methods: list[str] | None = None
+    for arg in argv:
+        key, sep, value = arg.lstrip("+").partition("=")
+        if key == "method" and sep:
+            methods = value.split(",") if "," in value and not value.startswith(("[", "choice(")) else [value]
+    if methods is None and not any(arg.lstrip("+").startswith("experiment=") for arg in argv):
+        methods = [_default_choice("method")]
+    out = []
+    for arg in argv:
+        if arg.startswith("method.") and "=" in arg:
+            key = arg.split("=", 1)[0][len("method."):]
+            for name in methods or []:
+                params = _method_parameters(name)
+                if key not in params:
+                    raise KVBenchError(f"method.{key} is not a parameter of {name} (its parameters: "
+                                       f"{', '.join(params) or 'none'}); set it only for methods that have it")
+            arg = "++" + arg
+        out.append(arg)
+    return out
+
+
 def main() -> None:
     try:
         check_group_overrides(sys.argv[1:])
+        sys.argv[1:] = shared_method_parameters(sys.argv[1:])
     except KVBenchError as exc:
         print(f"kvbench: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

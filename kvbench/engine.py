@@ -52,8 +52,21 @@ class EngineConfig:
     topk_recall: bool = True  # selection methods: measure top-k attention-mass recall at every decode step
 
 
-def resolve_budget(budget: float | int, length: int) -> int:
-    """Tokens per KV head. An integer is taken as is; a float in (0, 1) is a fraction of `length`."""
+@dataclass(frozen=True)
+class CompressionRatio:
+    """kvpress's budget convention: the fraction of the compressed segment's tokens removed."""
+
+    value: float
+
+    def __str__(self) -> str:
+        return f"cr={self.value}"
+
+
+def resolve_budget(budget: "float | int | CompressionRatio", length: int) -> int:
+    """Tokens per KV head. An integer is taken as is; a float in (0, 1) is a fraction of `length` kept;
+    a `CompressionRatio` keeps int(length * (1 - ratio)) tokens, kvpress's rounding (at least 1)."""
+    if isinstance(budget, CompressionRatio):
+        return max(1, int(length * (1 - budget.value)))
     if budget is None or budget <= 0:
         raise KVBenchError(f"budget must be positive (tokens per KV head, or a ratio in (0, 1)); got {budget}")
     if isinstance(budget, float) and budget < 1:
@@ -373,7 +386,9 @@ def _score_turn(turn: Any, prediction: str, extra: list[str]) -> dict[str, Any]:
     return scores
 
 
-def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample: Sample, cfg: EngineConfig) -> dict[str, Any]:
+def run_sample(
+    lm: LoadedModel, method: Method, budget_cfg: "float | int | CompressionRatio", sample: Sample, cfg: EngineConfig
+) -> dict[str, Any]:
     """Run every turn of a sample and return its record (metrics, timings, memory, predictions).
 
     Multi-turn samples (golden context) roll back to the end of each turn's prompt and append the next
@@ -468,6 +483,7 @@ def run_sample(lm: LoadedModel, method: Method, budget_cfg: float | int, sample:
         "context_tokens": len(ctx_ids),
         "compressed_segment_tokens": len(segment),
         "budget_tokens": budget,
+        "compression_ratio": budget_cfg.value if isinstance(budget_cfg, CompressionRatio) else None,
         "budget_plan": {"evict": plan.evict, "select": plan.select, "sequence_length": sequence_length,
                         **plan.derived},
         # selection methods compress the attention of every step; eviction may first fire while decoding

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbench.attention import ATTENTION_NAME, register_attention
@@ -47,10 +48,29 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench"))
 
 
+def present_devices() -> list[str]:
+    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        devices.append("mps")
+    return devices
+
+
 def _device(name: str) -> torch.device:
+    """`auto` (CUDA when present, else CPU) or a device that exists on this machine; anything else is an error
+    naming the devices present, rather than a failure deep inside the first forward pass."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise KVBenchError(f"model.device={name!r} is not a device name; devices here: "
+                           f"{', '.join(present_devices())} (or auto)") from None
+    present = present_devices()
+    wanted = f"{device.type}:{device.index or 0}" if device.type == "cuda" else device.type
+    if wanted not in present:
+        raise KVBenchError(f"model.device={name!r} is not present on this machine; devices here: "
+                           f"{', '.join(present)} (or auto)")
+    return device
 
 
 def _dtype(name: str) -> torch.dtype:
@@ -68,6 +88,8 @@ def load_model(cfg: Any) -> LoadedModel:
     """
     register_attention()
     dtype, device = _dtype(cfg.dtype), _device(cfg.device)
+    if cfg.get("path") and cfg.source in ("tiny", "package_gguf"):
+        cfg = _with_local_path(cfg)  # never silently ignore a path the user gave
     if cfg.source == "tiny":
         loaded = _load_tiny(cfg, dtype)
     elif cfg.source == "package_gguf":
@@ -84,6 +106,22 @@ def load_model(cfg: Any) -> LoadedModel:
     loaded.model.to(device).eval()
     check_supported(loaded.model)
     return loaded
+
+
+def _with_local_path(cfg: Any) -> Any:
+    """A model config with `path` set on a model that does not load from a path (the embedded SmolLM2, a tiny
+    random model): the path replaces the model's own source if it is a GGUF file or a model directory, and is
+    an error otherwise."""
+    path = Path(cfg.path).expanduser()
+    if cfg.source == "tiny":
+        raise KVBenchError(f"model.path={cfg.path!r}: {cfg.name} is a random test model built in code; it loads "
+                           "from no path (use an hf model config, e.g. model=llama3.1_8b_instruct model.path=DIR)")
+    if not path.exists():
+        raise KVBenchError(f"model.path={cfg.path!r} does not exist (a .gguf file or a local model directory)")
+    source = "gguf" if path.is_file() and path.suffix == ".gguf" else "hf" if path.is_dir() else None
+    if source is None:
+        raise KVBenchError(f"model.path={cfg.path!r} is neither a .gguf file nor a model directory")
+    return OmegaConf.merge(cfg, {"source": source})
 
 
 def check_supported(model: PreTrainedModel) -> None:

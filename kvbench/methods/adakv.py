@@ -5,13 +5,19 @@ Per layer, with b = budget - window outside-window slots per KV head and h KV he
 1. SnapKV's pooled window scores `a` ([h, n], n = L - window; GQA group mean, max-pool kernel 7).
 2. Algorithm 1: the global top-(h*b) entries of `a` over all heads of the layer; head i wins f_i of them.
 3. Safeguard: B_i = (1 - alpha) * f_i + alpha * b, so each head keeps at least alpha*b slots. This is the
-   authors' code (and kvpress) semantics; the paper's Algorithm 2 prints the opposite weighting, which is
-   `alpha=0.8` here. The real-valued B_i are rounded by largest remainder so that sum(B_i) = h*b exactly
+   authors' code semantics; the paper's Algorithm 2 prints the opposite weighting, which is `alpha=0.8`
+   here. The real-valued B_i are rounded by largest remainder so that sum(B_i) = h*b exactly
    (the code's plain `round` can miss by a few tokens; specs/adakv.md §8.4).
 4. Head i keeps its own top-B_i tokens plus the window. Heads then hold different numbers of tokens and the
    cache stores them ragged (flattened per layer), so the memory is really freed.
 
 `alpha=0` gives plain Algorithm 1 (the retained attention mass is then the global optimum, Thm 3.3).
+
+`allocation=kvpress` is NVIDIA kvpress's `AdaKVPress` rule instead, to reproduce its published numbers: each
+head's top int(alpha * budget) tokens by score (the window, scored above everything, included) are
+protected, then the layer keeps its global top H * budget scores. Its floor is weaker than the authors'
+(alpha of the whole budget, window included, rather than alpha of the budget outside the window on top of
+the window), and the adaptive part is chosen after the protected tokens.
 
 Block-wise or decode-time eviction (`block_size`, `decode_every`, not in the paper) re-runs the allocation on
 the ragged layer: the layer's total stays H * budget, each head's window is its own last `window` tokens.
@@ -55,16 +61,40 @@ def allocate(scores: torch.Tensor, total: int, alpha: float, capacity: list[int]
     return result
 
 
+def with_window_scores(scores: torch.Tensor, lens: list[int], window: int) -> torch.Tensor:
+    """Candidate scores [h, n] extended to every stored token [h, max len]: each head's window +inf."""
+    out = torch.full((len(lens), max(lens)), float("-inf"), device=scores.device)
+    for h, n in enumerate(lens):
+        out[h, : n - window] = scores[h, : n - window]
+        out[h, n - window: n] = float("inf")
+    return out
+
+
+def allocate_kvpress(scores: torch.Tensor, budget: int, alpha: float) -> list[torch.Tensor]:
+    """kvpress's AdaKVPress: per head, the sorted indices it keeps out of `scores` [h, L] (the window scored
+    +inf, missing entries of a ragged layer -inf): protect each head's top int(alpha * budget), then keep the
+    layer's global top h * budget."""
+    heads, length = scores.shape
+    protected = scores.topk(min(int(alpha * budget), length), dim=-1).indices
+    scores = scores.scatter(-1, protected, float("inf"))
+    kept = scores.reshape(-1).topk(heads * budget).indices.sort().values
+    return [kept[kept // length == h] % length for h in range(heads)]  # sorted flat rows: sorted per head
+
+
 @register_method
 @dataclass
 class AdaKV(SnapKV):
     name = "adakv"
     alpha: float = 0.2
+    allocation: str | None = None  # authors (null): (1 - alpha) f_i + alpha b, the Ada-KV code; kvpress: AdaKVPress
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.granularity != "group":
             raise ValueError("adakv allocates per KV head: granularity must be group")
+        self.allocation = self.allocation or "authors"
+        if self.allocation not in ("authors", "kvpress"):
+            raise ValueError(f"allocation must be authors or kvpress, not {self.allocation!r}")
         if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
             raise ValueError(f"alpha (the per-head floor, a fraction of the uniform budget) must be in [0, 1], "
                              f"got {self.alpha!r}")
@@ -77,6 +107,8 @@ class AdaKV(SnapKV):
         if window == budget:
             return [torch.arange(n - window, n, device=layer.keys.device) for n in lens]
         scores = self.pooled_scores(layer, window)
+        if self.allocation == "kvpress":
+            return allocate_kvpress(with_window_scores(scores, lens, window), budget, self.alpha)
         capacity = [n - window for n in lens] if layer.is_ragged else None
         per_head = allocate(scores, (budget - window) * scores.shape[0], self.alpha, capacity)
         return [with_window(s.topk(b).indices, n, window) for s, b, n in zip(scores, per_head, lens)]
