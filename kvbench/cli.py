@@ -317,8 +317,8 @@ def check_group_overrides(argv: list[str]) -> None:
                 raise KVBenchError(f"unknown {key} {v!r}; available: {', '.join(known)}")
 
 
-def _method_parameters(name: str) -> list[str]:
-    return [k for k in OmegaConf.load(Path(CONF_DIR) / "method" / f"{name}.yaml") if k != "name"]
+def _settings(group: str, name: str) -> list[str]:
+    return [k for k in OmegaConf.load(Path(CONF_DIR) / group / f"{name}.yaml") if k not in ("name", "defaults")]
 
 
 def _default_choice(group: str) -> str:
@@ -328,39 +328,40 @@ def _default_choice(group: str) -> str:
     raise KeyError(group)
 
 
-def shared_method_parameters(argv: list[str]) -> list[str]:
-    """Let `method.KEY=VALUE` set a parameter that several swept methods share.
+def check_settings(argv: list[str]) -> list[str]:
+    """Name a `model.`, `method.` or `task.` setting that the chosen config lacks, in one line, and let
+    `method.KEY=VALUE` set a parameter that several swept methods share.
 
     Hydra composes a sweep's base config with the default method (`full`), so a parameter it lacks
-    (`-m method=snapkv,adakv method.pooling=avg`) is refused before any job runs. `++method.KEY=VALUE` sets it
-    in each job's method instead; a method that lacks it is named here, before anything runs (when the
-    methods come from a preset, when its job builds the method).
+    (`-m method=snapkv,adakv method.pooling=avg`) would be refused before any job runs; `++method.KEY=VALUE`
+    sets it in each job's method instead. With an experiment preset the chosen configs come from the preset,
+    so the check is left to the jobs (a method then names an unknown parameter when it is built).
     """
-    methods: list[str] | None = None
+    chosen: dict[str, list[str]] = {}
     for arg in argv:
         key, sep, value = arg.lstrip("+").partition("=")
-        if key == "method" and sep:
-            methods = value.split(",") if "," in value and not value.startswith(("[", "choice(")) else [value]
-    if methods is None and not any(arg.lstrip("+").startswith("experiment=") for arg in argv):
-        methods = [_default_choice("method")]
+        if key in ("model", "method", "task") and sep:
+            chosen[key] = value.split(",") if "," in value and not value.startswith(("[", "choice(")) else [value]
+    preset = any(arg.lstrip("+").startswith("experiment=") for arg in argv)
     out = []
     for arg in argv:
-        if arg.startswith("method.") and "=" in arg:
-            key = arg.split("=", 1)[0][len("method."):]
-            for name in methods or []:
-                params = _method_parameters(name)
-                if key not in params:
-                    raise KVBenchError(f"method.{key} is not a parameter of {name} (its parameters: "
-                                       f"{', '.join(params) or 'none'}); set it only for methods that have it")
-            arg = "++" + arg
-        out.append(arg)
+        key = arg.split("=", 1)[0]
+        group, _, setting = key.partition(".")
+        if "=" in arg and group in ("model", "method", "task") and setting and not preset:
+            for name in chosen.get(group, [_default_choice(group)]):
+                settings = _settings(group, name)
+                if setting.split(".")[0] not in settings:
+                    raise KVBenchError(f"{key} is not a setting of {group} {name} (its settings: "
+                                       f"{', '.join(settings) or 'none'}); set it only where it exists")
+        out.append("++" + arg if group == "method" and setting and "=" in arg and not arg.startswith(("+", "~"))
+                   else arg)
     return out
 
 
 def main() -> None:
     try:
         check_group_overrides(sys.argv[1:])
-        sys.argv[1:] = shared_method_parameters(sys.argv[1:])
+        sys.argv[1:] = check_settings(sys.argv[1:])
     except KVBenchError as exc:
         print(f"kvbench: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -265,3 +265,31 @@ def test_snapkv_scores_equal_the_models_own_attention_weights(tiny):
         n_kv = layer.num_heads
         theirs = att[0, :, -window:, : len(ids) - window].float().mean(1).view(n_kv, -1, len(ids) - window).mean(1)
         torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+
+
+def test_kvpress_allocation_protects_each_heads_top_then_prunes_globally():
+    from kvbench.methods.adakv import allocate_kvpress
+
+    inf = float("inf")
+    # 3 heads x 8 tokens, the last 2 the window; budget 4 per head, alpha 0.5 -> 2 protected per head
+    scores = torch.tensor([[0.9, 0.8, 0.7, 0.6, 0.5, 0.4, inf, inf],
+                           [0.05, 0.04, 0.03, 0.02, 0.01, 0.0, inf, inf],
+                           [0.3, 0.2, 0.1, 0.85, 0.75, 0.65, inf, inf]])
+    kept = allocate_kvpress(scores, budget=4, alpha=0.5)
+    # protected: each head's top 2 = its window. Global top 12: 6 window tokens + the 6 best of the rest:
+    # 0.9, 0.85, 0.8, 0.75, 0.7, 0.65 -> head 0 keeps 3, head 1 none, head 2 three
+    assert [k.tolist() for k in kept] == [[0, 1, 2, 6, 7], [6, 7], [3, 4, 5, 6, 7]]
+    assert sum(len(k) for k in kept) == 12
+    # with alpha = 1 every head keeps exactly its own top 4 (the floor is the whole budget)
+    assert [len(k) for k in allocate_kvpress(scores, budget=4, alpha=1.0)] == [4, 4, 4]
+
+
+def test_kvpress_allocation_on_a_model_keeps_the_layer_total_and_the_floor(tiny):
+    ids = random_ids(PROMPT, seed=12)
+    session = Session(tiny, build_method("adakv", window=8, allocation="kvpress"), 40)
+    session.prefill(ids, compress=True)
+    for layer in session.cache.layers:
+        lens = layer.lengths()
+        assert sum(lens) == 40 * layer.num_heads and min(lens) >= max(8, int(0.2 * 40))
+        for positions in layer.head_view().positions:
+            assert set(range(PROMPT - 8, PROMPT)) <= set(positions[positions >= 0].tolist())

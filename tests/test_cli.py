@@ -37,15 +37,35 @@ def records(root: Path) -> dict[str, list[dict]]:
         (["-m", "method=full,nope"], "unknown method 'nope'"),
         (["model=tiny_llama", "budget=0"], "budget must be a positive number"),
         (["model=tiny_llama", "budget=-5"], "budget must be a positive number"),
-        (["model=tiny_llama", "task=ruler_niah_single_1", "task.seq_len=100000"], "exceeds tiny_llama's limit of 8192"),
+        (["model=tiny_llama", "task=ruler_niah_single_1", "task.seq_len=100000"], "tiny_llama allows at most 8192 positions"),
         (["model=tiny_llama", "task=ruler_niah_single_1", "task.seq_len=300"], "sequence length is too small"),
         (["model=tiny_llama", "task=niah", "task.haystack=foo"], "unknown haystack 'foo'"),
         (["model=tiny_llama", "task=longbench", "task.data_dir=/nonexistent"], "LongBench data (THUDM/LongBench) not found"),
         (["model=tiny_llama", "method=keydiff", "method.block_size=0"], "method keydiff: block_size must be a positive"),
         (["model=tiny_llama", "method=adakv", "method.alpha=2"], "method adakv: alpha (the per-head floor"),
+        # issue 13: every setting is checked before anything runs, and the message names it
+        (["model=tiny_llama", "task.num_samples=0"], "task.num_samples must be a positive integer"),
+        (["model=tiny_llama", "task.num_samples=-1"], "task.num_samples must be a positive integer"),
+        (["model=tiny_llama", "seed=abc"], "seed must be an integer, got 'abc'"),
+        (["model=tiny_llama", "compress_question=maybe"], "compress_question must be true or false, got 'maybe'"),
+        (["model=tiny_llama", "engine.nll=maybe"], "engine.nll must be true or false"),
+        (["model=tiny_llama", "compression_ratio=1.5"], "compression_ratio must be a fraction of the tokens removed in [0, 1)"),
+        (["model.path=/nonexistent"], "model.path='/nonexistent' does not exist"),
+        (["model=tiny_llama", "model.path=/tmp"], "model.path is not a setting of model tiny_llama (its settings: source"),
+        (["model=tiny_llama", "task.sizes=[40]"], "task.sizes is not a setting of task ruler_niah_single_1"),
+        (["model=tiny_llama", "method=snapkv", "method.window=-3"], "method snapkv: window must be a positive number"),
+        (["model=tiny_llama", "method=snapkv", "method.window=0"], "method snapkv: window must be a positive number"),
+        (["model=tiny_llama", "method=streamingllm", "method.n_sink=-1"], "method streamingllm: n_sink must be a number"),
+        (["model=tiny_llama", "method=snapkv", "method.windw=3"], "method.windw is not a setting of method snapkv"),
+        (["-m", "model=tiny_llama", "method=snapkv,streamingllm", "method.pooling=avg"],
+         "method.pooling is not a setting of method streamingllm"),
+        (["model=tiny_llama", "method=adakv", "budget=1024", "task=ruler_16k"],
+         "task ruler_16k asks for 16384 tokens (task.seq_len) but tiny_llama allows at most 8192 positions: run it with "
+         "task.seq_len=8192 or less"),
     ],
 )
 def test_bad_input_gives_one_clear_error_line(tmp_path, args, message):
+    """Exit 2, one `kvbench: error:` line naming the setting, no traceback, no records."""
     result = kvbench(*args, f"results_dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
@@ -97,6 +117,35 @@ def test_interrupted_multirun_resumes_without_loss_or_duplicates(tmp_path):
     assert sorted(s["n_samples"] for s in summaries) == [4, 4, 4]
     manifest = json.loads(next(tmp_path.rglob("manifest.json")).read_text())
     assert "git" in json.dumps(manifest) and manifest["seed"] == 42
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_absent_device_names_the_devices_present(tmp_path):
+    result = kvbench("model=tiny_llama", "model.device=cuda", f"results_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "kvbench: error: model.device='cuda' is not present on this machine; devices here: cpu" in result.stderr
+    assert not list(tmp_path.rglob("records.jsonl"))
+
+
+def test_a_parameter_shared_by_swept_methods_applies_to_each(tmp_path):
+    result = kvbench("-m", *TINY, "task.num_samples=1", "method=snapkv,adakv", "method.pooling=avg", "budget=48",
+                     f"results_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    points = records(tmp_path)
+    assert sorted(p.split("/")[2] for p in points) == ["adakv", "snapkv"]
+    assert all(recs[0]["method_params"]["pooling"] == "avg" for recs in points.values())
+
+
+def test_compression_ratio_follows_kvpress_rounding(tmp_path):
+    result = kvbench(*TINY, "task.num_samples=2", "method=snapkv", "compression_ratio=0.3", f"results_dir={tmp_path}",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    ((point, recs),) = records(tmp_path).items()
+    assert "/bcr0p3-" in point
+    for rec in recs:
+        length = rec["compressed_segment_tokens"]
+        assert rec["budget_tokens"] == int(length * (1 - 0.3)) == rec["kept_tokens_mean"]
+        assert rec["compression_ratio"] == 0.3 and rec["point"]["budget"] is None
 
 
 def test_help_lists_methods_tasks_models_experiments(tmp_path):
