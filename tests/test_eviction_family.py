@@ -404,3 +404,22 @@ def test_methods_that_are_not_one_dense_pass_do_not_use_the_shared_prefill(tiny_
 def test_method_parameters_out_of_range_are_one_clear_error(name, params, message):
     with pytest.raises(KVBenchError, match=re.escape(f"method {name}: ") + ".*" + re.escape(message)):
         build_method(name, **params)
+
+
+def test_every_method_parameter_refuses_a_value_of_the_wrong_kind():
+    """Each parameter of each method, given something it cannot mean, is one clear error naming it."""
+    import dataclasses
+
+    from kvbench.methods import METHODS
+
+    wrong_by_type = {"int": ["nonsense", 2.5, True, -1], "float": ["nonsense", True, -0.5], "str": [12345, "nonsense"],
+                     "bool": ["maybe", 12345]}
+    checked = 0
+    for name, cls in sorted(METHODS.items()):
+        for field in dataclasses.fields(cls):
+            kind = next(k for k in ("bool", "int", "float", "str") if k in str(field.type))
+            for wrong in wrong_by_type[kind]:
+                with pytest.raises(KVBenchError, match=re.escape(f"method {name}: ") + f".*{field.name}"):
+                    build_method(name, **{field.name: wrong})
+                checked += 1
+    assert checked > 100

@@ -165,6 +165,7 @@ class EvictionMethod(Method):
 
 
 def _is_int(value: Any) -> bool:
+    """An integer, and not a bool (True is an int to Python, not a token count to a user)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 

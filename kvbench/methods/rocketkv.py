@@ -60,12 +60,15 @@ class RocketKV(HSAStage, SnapKV):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.split is not None and (isinstance(self.split, bool) or not 0 < self.split < 1):
+        if self.split is not None and (isinstance(self.split, bool) or not isinstance(self.split, (int, float))
+                                       or not 0 < self.split < 1):
             raise ValueError(f"split (the static r) must be in (0, 1) or null for the adaptive one, got {self.split!r}")
         if isinstance(self.skip_layers, bool) or not isinstance(self.skip_layers, int) or self.skip_layers < 0:
             raise ValueError(f"skip_layers must be a number of layers >= 0, got {self.skip_layers!r}")
         if self.granularity != "group":
             raise ValueError("rocketkv's stage 1 is GQA-aware: granularity must be group")
+        if not isinstance(self.last_prompt_token_via_decode, bool):
+            raise ValueError(f"last_prompt_token_via_decode must be true or false, got {self.last_prompt_token_via_decode!r}")
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim):
         if budget >= sequence_length:

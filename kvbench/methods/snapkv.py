@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvbench.methods.base import EvictionMethod, register_method
+from kvbench.methods.base import EvictionMethod, _is_int, register_method
 
 
 def window_scores(
@@ -96,9 +96,9 @@ class SnapKV(EvictionMethod):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.granularity = self.granularity or "group"
-        if not isinstance(self.window, int) or self.window < 1:
+        if not _is_int(self.window) or self.window < 1:
             raise ValueError(f"window must be a positive number of observation queries, got {self.window!r}")
-        if not isinstance(self.kernel, int) or self.kernel < 1 or self.kernel % 2 == 0:
+        if not _is_int(self.kernel) or self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be a positive odd pooling width (1: no pooling), got {self.kernel!r}")
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"pooling must be max or avg, not {self.pooling!r}")
