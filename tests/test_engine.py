@@ -108,3 +108,17 @@ def test_min_new_tokens_blocks_immediate_stop(tiny_llama):
     eos = int(logits.argmax())  # pretend the most likely token is EOS
     tokens, _, reason = session.decode(logits.clone(), 3, {eos}, [], min_new_tokens=1)
     assert tokens[0] != eos
+
+
+def test_compression_ratio_keeps_kvpress_count_on_an_odd_prompt(tiny_llama):
+    from kvbench.engine import CompressionRatio
+
+    assert resolve_budget(CompressionRatio(0.5), 301) == 150  # int(301 * 0.5), kvpress's rounding
+    assert resolve_budget(CompressionRatio(0.25), 301) == 225 and resolve_budget(CompressionRatio(0.0), 301) == 301
+    sample = kv_sample(1)
+    sample.context += "!"  # 849 byte tokens: an odd prompt
+    ctx, question = PromptBuilder(tiny_llama.tokenizer).first_turn(sample)
+    length = len(ctx) + len(question)
+    assert length % 2 == 1, "the sample should have an odd prompt length"
+    record = run_sample(tiny_llama, build_method("streamingllm"), CompressionRatio(0.5), sample, EngineConfig())
+    assert record["kept_tokens_mean"] == record["budget_tokens"] == length // 2 and record["compression_ratio"] == 0.5
