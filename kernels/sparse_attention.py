@@ -86,3 +86,19 @@ def topk_attention_triton(
 
     out, lse = launch_topk_attention(q, keys, values, idx, scaling, valid, block_k)
     return (out, lse) if return_lse else out
+
+
+def merge_attention(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention over the union of two disjoint token sets from each set's attention and log-sum-exp.
+
+    out_*: [H_kv, G, D]; lse_*: [H_kv, G] (natural log). Returns (out, lse) with lse = logaddexp(lse_a, lse_b)
+    and out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b, in fp32 then out_a's dtype. A side over no
+    token (lse -inf) contributes nothing.
+    """
+    lse = torch.logaddexp(lse_a, lse_b)
+    wa = torch.exp(lse_a - lse).nan_to_num(0.0)[..., None]
+    wb = torch.exp(lse_b - lse).nan_to_num(0.0)[..., None]
+    out = wa * out_a.float().nan_to_num(0.0) + wb * out_b.float().nan_to_num(0.0)
+    return out.to(out_a.dtype), lse

@@ -18,7 +18,7 @@ from transformers import AttentionInterface
 
 from kvbench.cache import HeadView, KVLayer, active_layer, evict_layer
 from kvbench.kernels.ragged_attention import ragged_decode_attention
-from kvbench.kernels.sparse_attention import topk_attention
+from kvbench.kernels.sparse_attention import merge_attention, topk_attention
 from kvbench.methods.base import Selection
 
 ATTENTION_NAME = "kvbench"
@@ -83,11 +83,17 @@ def _decode(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor
         if selection is not None:
             if not isinstance(selection, Selection):
                 selection = Selection(selection)
-            out = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid)  # [H_kv, G, D]
+            if selection.external is None:
+                out = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid)  # [H_kv, G, D]
+            else:
+                out, lse = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid, return_lse=True)
+                out, _ = merge_attention(out, lse, *_external_attention(q, selection.external, scaling))
             if selection.weight is not None:
                 out = (selection.weight * out.float() + (1 - selection.weight) * selection.fallback.float()).to(q.dtype)
-            recall = attention_recall(q, view, selection.idx, scaling) if cache.measure_recall else None
-            cache.stats.add(layer, method.step_traffic(layer, selection), recall)
+            recall = None
+            if cache.measure_recall:
+                recall = selection.recall if selection.recall is not None else attention_recall(q, view, selection.idx, scaling)
+            cache.stats.add(layer, method.step_traffic(layer, selection), recall, selection.moved_bytes, selection.extra)
             return out.reshape(1, -1, 1, out.shape[-1])
     if method is not None:
         cache.stats.add(layer, method.step_traffic(layer, None), None)
@@ -96,6 +102,17 @@ def _decode(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor
     q = query[0, :, 0, :].view(layer.num_heads, -1, query.shape[-1])  # packed GQA: [H_kv, G, D]
     out = ragged_decode_attention(q, layer.keys, layer.values, layer._offsets(), layer.head_lens, scaling)
     return out.reshape(1, -1, 1, out.shape[-1])
+
+
+def _external_attention(
+    q: torch.Tensor, external: tuple, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over rows outside the layer's storage, computed where they live (CTKVR's host rows on the
+    CPU; rows a method moved to the device there), with its log-sum-exp, returned on q's device."""
+    keys, values, valid = external if len(external) == 3 else (*external, None)
+    every = torch.arange(keys.shape[1], device=keys.device).expand(q.shape[0], q.shape[1], -1)
+    out, lse = topk_attention(q.to(keys.device), keys, values, every, scaling, valid, return_lse=True)
+    return out.to(q.device), lse.to(q.device)
 
 
 def attention_recall(q: torch.Tensor, view: HeadView, idx: torch.Tensor, scaling: float) -> float:

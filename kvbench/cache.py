@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -89,6 +89,7 @@ class KVLayer(CacheLayerMixin):
         self.aux: dict[str, Any] = {}  # method-owned derived state (page summaries, ...), immutable objects
         self.head_lens: list[int] | None = None  # None: uniform layout
         self.seen = 0
+        self.prefilled = 0  # logical length after the last multi-token chunk: what decode steps follow
         self.queries: torch.Tensor | None = None  # [H_q, w, D]: the last queries attended with
         self.query_positions: torch.Tensor | None = None  # [w] their logical positions
         # weak, so that the tensor handed to the model never keeps evicted storage alive
@@ -131,6 +132,8 @@ class KVLayer(CacheLayerMixin):
         else:
             self._append_ragged(key_states[0], value_states[0], new_pos)
         self.seen += q
+        if q > 1:
+            self.prefilled = self.seen
         self.aux = {name: state.append(self, q) for name, state in self.aux.items()}
         self.peak_len = max(self.peak_len, self.physical_length())
         self.cache._account(self.kv_nbytes() - before)
@@ -252,7 +255,9 @@ class KVLayer(CacheLayerMixin):
         before = self.kv_nbytes()
         self._set_per_token({name: t.index_select(0, rows) for name, t in self._per_token().items()},
                             [int(ix.numel()) for ix in indices])
-        self.aux = {}  # derived from rows that changed: the method rebuilds it
+        # derived from rows that changed: dropped (the method rebuilds it) unless the state says it still holds
+        self.aux = {name: kept for name, state in self.aux.items()
+                    if (kept := getattr(state, "kept", lambda layer: None)(self)) is not None}
         self.evictions += 1
         self.cache._account(self.kv_nbytes() - before)
 
@@ -263,13 +268,13 @@ class KVLayer(CacheLayerMixin):
         if any(int(ix.numel()) != n for ix, n in zip(keep, self.lengths())):
             evictions, aux = self.evictions, self.aux
             self.keep(keep)
-            self.evictions = evictions  # a rollback is not an eviction
-            self.aux = {name: state.truncate(self) for name, state in aux.items()}
-            self.aux = {name: state for name, state in self.aux.items() if state is not None}
+            self.evictions, self.aux = evictions, aux  # a rollback is not an eviction: the state truncates
+        self.seen = logical_length  # before the derived state truncates: it reads what is left
+        self.aux = {name: cut for name, state in self.aux.items() if (cut := state.truncate(self)) is not None}
+        self.prefilled = min(self.prefilled, logical_length)
         if self.queries is not None:
             old = self.query_positions < logical_length
             self.queries, self.query_positions = self.queries[:, old].clone(), self.query_positions[old].clone()
-        self.seen = logical_length
 
     def remember_queries(self, queries: torch.Tensor, window: int) -> None:
         """Keep the last `window` queries `[H_q, q, D]` of the chunk just attended (new tensors, no views)."""
@@ -295,7 +300,8 @@ class KVLayer(CacheLayerMixin):
         twin.cache = cache
         twin.head_lens = list(self.head_lens) if self.head_lens is not None else None
         twin.token_state = dict(self.token_state)
-        twin.aux = dict(self.aux)
+        # immutable derived state is shared; state that updates in place (CTKVR's index) is forked
+        twin.aux = {name: state.fork() if hasattr(state, "fork") else state for name, state in self.aux.items()}
         return twin
 
 
@@ -318,6 +324,7 @@ class KVBenchCache(Cache):
         self.evict_now = False
         self.query_window = 0
         self.observing = False
+        self.shared: dict[str, Any] = {}  # method-owned state shared by the layers of one step (OmniKV)
         self.measure_recall = False  # selection methods: top-k attention-mass recall of every decode step
         self.stats = DecodeStats()
         self._kv_bytes = 0
@@ -411,6 +418,7 @@ class KVBenchCache(Cache):
         twin.layers = [layer.clone_into(twin) for layer in self.layers]
         for key in ("evict_now", "query_window", "observing", "measure_recall", "_kv_bytes", "kv_peak_bytes"):
             setattr(twin, key, getattr(self, key))
+        twin.shared = dict(self.shared)
         return twin
 
 
@@ -421,13 +429,22 @@ class DecodeStats:
 
     layer_steps: int = 0
     read_elements: int = 0  # K/V and auxiliary elements read, all heads
+    moved_bytes: int = 0  # between host and device
+    extra_sums: dict[str, float] = field(default_factory=dict)  # a method's own per-step numbers
+    extra_steps: int = 0
     read_token_equivalents: float = 0.0  # read_elements / (2 D) per KV group: comparable to a token budget
     recall_sum: float = 0.0
     recall_steps: int = 0
 
-    def add(self, layer: "KVLayer", elements: int, recall: float | None) -> None:
+    def add(self, layer: "KVLayer", elements: int, recall: float | None, moved_bytes: int = 0,
+            extra: dict[str, float] | None = None) -> None:
         self.layer_steps += 1
         self.read_elements += elements
+        self.moved_bytes += moved_bytes
+        if extra:
+            self.extra_steps += 1
+            for key, value in extra.items():
+                self.extra_sums[key] = self.extra_sums.get(key, 0.0) + value
         self.read_token_equivalents += elements / (2 * layer.head_dim * layer.model_kv_heads)
         if recall is not None:
             self.recall_sum += recall

@@ -268,13 +268,19 @@ class Session:
 
     def prefill(self, ids: list[int], compress: bool) -> tuple[torch.Tensor, float]:
         """Prefill a chunk. With `compress` it is the segment to compress: one forward evicted at its end, or
-        the method's blocks, each evicted after its forward (the cache never holds more than budget + block)."""
+        the method's blocks, each evicted after its forward (the cache never holds more than budget + block).
+        A chunk appended later (the question, a turn) goes token by token through the decode path when the
+        method retrieves at every step (`steps_through_chunks`)."""
         block = self.schedule.block_size if compress and self.schedule is not None else None
+        stepwise = self.method is not None and self.method.steps_through_chunks and self.position > 0
+        if stepwise:  # an appended chunk goes token by token through the method's decode path (CTKVR)
+            block = 1
         chunks = [ids[i:i + block] for i in range(0, len(ids), block)] if block else [ids]
         _sync(self.lm.device)
         start = time.perf_counter()
-        for chunk in chunks:
-            logits = self.forward(chunk, evict=compress)[-1]
+        for i, chunk in enumerate(chunks):
+            # block-wise: an eviction event after every block; stepwise: one at the end of the chunk
+            logits = self.forward(chunk, evict=compress and (not stepwise or i == len(chunks) - 1))[-1]
         _sync(self.lm.device)
         if compress:
             self.cache.end_segment()
@@ -524,15 +530,24 @@ def _decode_accounting(cache: KVBenchCache, lm: LoadedModel, sequence_length: in
     steps = stats.layer_steps / config.num_hidden_layers
     kv_heads = config.num_key_value_heads
     head_dim = cache.layers[0].head_dim
-    retained = sum(sum(layer.lengths()) * kv_heads / layer.num_heads for layer in cache.layers)  # per KV group
-    aux = sum(state.paper_elements for layer in cache.layers for state in layer.aux.values())
+    states = [(layer, state) for layer in cache.layers for state in layer.aux.values()]
+    # K/V tokens per KV group, wherever they live (a host segment's rows count as retained)
+    retained = sum(sum(layer.lengths()) * kv_heads / layer.num_heads for layer in cache.layers)
+    retained += sum(getattr(state, "kv_tokens", 0) * kv_heads / layer.num_heads for layer, state in states)
+    aux = sum(state.paper_elements for _, state in states)
     full = config.num_hidden_layers * kv_heads * sequence_length
+    host = sum(state.nbytes() for _, state in states if getattr(state, "on_host", False))
     return {
         "decode_read_bytes_per_step": stats.read_elements * elem / steps if steps else None,
         "decode_read_tokens_per_group": stats.read_token_equivalents / stats.layer_steps if stats.layer_steps else None,
+        "decode_moved_bytes_per_step": stats.moved_bytes / steps if steps else None,
+        "decode_method_stats": {k: v / stats.extra_steps for k, v in stats.extra_sums.items()} or None,
         "topk_recall": stats.recall_sum / stats.recall_steps if stats.recall_steps else None,
         "storage_ratio_table1": (retained + aux / head_dim) / full,
         "storage_ratio_bytes": (cache.kv_bytes() + cache.method_state_bytes()) / (2 * full * head_dim * elem),
+        # placement: what stays on the model's device and what a method moved to host memory
+        "device_bytes_end": cache.kv_bytes() + cache.method_state_bytes() - host,
+        "host_bytes_end": host,
     }
 
 

@@ -169,3 +169,23 @@ def test_sparse_methods_on_a_two_turn_scbench_sample(smollm2, tmp_path, name):
         assert record["eviction_events"] == 2 and record["kept_tokens_end_max"] <= record["budget_plan"]["capacity"]
     if name == "rocketkv_mt":  # the full history kept
         assert record["eviction_events"] == 0 and record["kv_bytes_end"] > record["kv_bytes_full_prompt"]
+
+
+@pytest.fixture(scope="module")
+def retrieval_samples(smollm2):
+    from kvbench.tasks.twostage_retr import TwoStageRetr
+
+    meter = PromptBuilder(smollm2.tokenizer).measure
+    niah = Ruler(name="ruler_niah_single_2", seq_len=2048, num_samples=1, subtask="niah_single_2").samples(meter, seed=42)
+    twostage = TwoStageRetr(name="twostage_retr", num_samples=1, max_new_tokens=24).samples(meter, seed=42)
+    return niah + twostage
+
+
+@pytest.mark.parametrize("name", ["ctkvr", "omnikv"])
+def test_retrieval_methods_run_on_the_embedded_model(smollm2, retrieval_samples, name):
+    for sample in retrieval_samples:
+        record = run_sample(smollm2, build_method(name), 128, sample, EngineConfig())
+        assert record["compressed"] and record["nll"] is not None and record["new_tokens"] > 0
+        assert 0 < record["topk_recall"] <= 1 + 1e-6
+        if name == "ctkvr":
+            assert record["host_bytes_end"] > 0 and record["decode_method_stats"]["recall_size"] > 0

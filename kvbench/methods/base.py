@@ -75,13 +75,25 @@ class Plan:
 
 @dataclass
 class Selection:
-    """What a decode step attends to: `idx` [H_kv, G, k] per query head; optionally the attention output
-    over them is blended with a fallback, `weight * out + (1 - weight) * fallback` (SparQ's mean value),
-    weight [H_kv, G, 1], fallback [H_kv, G or 1, D]."""
+    """What a decode step attends to: `idx` [H_kv, G, k], per query head, the rows of the layer's storage.
+
+    - `external`: (keys, values[, valid]) [H_kv, m, D] ([H_kv, m] bool) from outside the layer's storage
+      (CTKVR's host segment, OmniKV's context bank), attended by every query head of the group where the
+      rows live; the two attentions merge exactly by log-sum-exp (the token sets must be disjoint).
+    - `weight`, `fallback`: the output is blended, `weight * out + (1 - weight) * fallback` (SparQ's mean
+      value); weight [H_kv, G, 1], fallback [H_kv, G or 1, D].
+    - `recall`: the step's top-k attention recall when only the method sees every row (else measured by the
+      dispatcher over the storage); `moved_bytes`: bytes this step moved between host and device; `extra`:
+      the method's own per-step numbers (CTKVR's recall size), averaged over steps and layers in the record.
+    """
 
     idx: torch.Tensor
     weight: torch.Tensor | None = None
     fallback: torch.Tensor | None = None
+    external: tuple[torch.Tensor, torch.Tensor] | None = None
+    recall: float | None = None
+    moved_bytes: int = 0
+    extra: dict[str, float] = dataclasses.field(default_factory=dict)  # method numbers, averaged in the record
 
 
 @dataclass
@@ -91,6 +103,7 @@ class Method:
     selects: ClassVar[bool] = False
     observes: ClassVar[bool] = False
     last_prompt_token_via_decode: ClassVar[bool] = False  # the prompt's last token goes through decode (RocketKV)
+    steps_through_chunks: ClassVar[bool] = False  # later chunks (question, turns) go token by token (CTKVR)
     uses_budget: ClassVar[bool] = True  # False: the budget cannot change a result (full), so sweeps share one point
 
     @property

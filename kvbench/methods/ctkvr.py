@@ -1,0 +1,262 @@
+"""CTKVR (Lu et al.; seed paper 002): centroid-then-token KV retrieval over a query-centric inverted file.
+
+Nothing is dropped. When the prompt's prefill ends, per layer (Algorithm 1, specs/ctkvr.md §2.2):
+
+- the last C post-RoPE queries become centroids, C = min(`max_centroids`, s // 16);
+- each centroid's top-rho keys (rho = 2.5 rho') by the max over its GQA group of each query head's own softmax
+  probability (fp32, causal: a centroid never indexes its future), initial and local tokens excluded, form
+  its inverted list (the qcIVF); built in chunks of `build_chunk` centroids so memory stays bounded;
+- the middle of the prompt, [n_init, s - n_local), moves off the accelerator (host memory, pinned when CUDA
+  is present); the initial and local tokens stay resident, and every generated token is appended there.
+
+Every decode step, per layer (Algorithm 2, §2.3):
+
+1. recall: cosine of the query with every centroid (per query head, max over the group), the top C'
+   centroids, the union of their lists without duplicates (its size is the paper's alpha * C' * rho);
+2. rerank: softmax of the query over the recalled keys only, max over the group, the top rho' (= budget);
+3. attention over those rho' host rows, merged exactly by log-sum-exp with attention over the resident set
+   (initial + local + generated): the two sets are disjoint;
+4. DCU: the query and its top-rho reranked keys replace the oldest centroid (a FIFO of capacity C).
+
+Placement: the host segment lives on the CPU; with CUDA the resident attention is launched on the GPU first,
+so the host rerank and attention overlap it (the paper's co-execution; only the query, the partial output and
+its log-sum-exp cross). On a CPU-only machine both sides are the same device and no second copy exists: the
+record's bytes say which. Later chunks (the question, a new turn) go token by token through this decode path
+(`turn_index=dcu`, spec §8.8: each token also enters the index), or are attended the same way and the index
+is rebuilt from the turn's last C queries when it ends (`turn_index=rebuild`).
+
+Choices where the paper is silent (spec §8): n_init 64; n_local null = 5% of the prompt, at least C (the
+paper's only hint is "about 5% of the KV stays on the GPU" at 128K, which this reproduces at every length;
+the spec's fixed 1024 would keep a 2K prompt nearly dense), a number fixes it; the records' read traffic
+counts the resident tokens next to rho'. Indices only point into the host segment, so the sets merge
+disjointly; all layers use CTKVR (`dense_layers` keeps some dense).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from kvbench.methods.base import Method, Plan, Schedule, Selection, _is_int, register_method
+from kvbench.methods.placement import HostSegment, recall_of
+
+
+@dataclass
+class QueryIndex:
+    """The qcIVF: centroid queries [H_q, C, D] (post-RoPE), each KV head's inverted lists [H, C, rho] of host
+    rows (-1: empty), and the FIFO slot the next decode query overwrites. DCU updates it in place, so a
+    copy of the cache forks it (`fork`)."""
+
+    centroids: torch.Tensor
+    lists: torch.Tensor
+    pointer: int = 0
+    on_host = False
+
+    def kept(self, layer) -> "QueryIndex":
+        return self
+
+    def append(self, layer, n: int) -> "QueryIndex":
+        return self
+
+    def truncate(self, layer) -> "QueryIndex":
+        return self  # centroids are queries, not tokens: a rollback does not remove them
+
+    def fork(self) -> "QueryIndex":
+        return QueryIndex(self.centroids.clone(), self.lists.clone(), self.pointer)
+
+    def push(self, query: torch.Tensor, rows: torch.Tensor) -> None:
+        """DCU: the query [H_q, D] and its lists [H, rho] replace the oldest centroid."""
+        self.centroids[:, self.pointer] = query
+        self.lists[:, self.pointer] = rows
+        self.pointer = (self.pointer + 1) % self.centroids.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.centroids, self.lists))
+
+    @property
+    def paper_elements(self) -> int:
+        return 0
+
+
+def build_index(
+    centroids: torch.Tensor,
+    centroid_positions: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    host: torch.Tensor,
+    rho: int,
+    scaling: float,
+    chunk: int,
+) -> torch.Tensor:
+    """Algorithm 1: each centroid's top-`rho` host rows, [H, C, rho] (ascending score order not kept).
+
+    centroids [H_q, C, D]; keys [H, n, D] with positions [H, n]; host [H, n] bool marks the candidate rows,
+    numbered 0.. in storage order among the host rows. Scores are each query head's own softmax over every
+    key it may see (causal), the max over its group; processed `chunk` centroids at a time.
+    """
+    heads, n, dim = keys.shape
+    group = centroids.shape[0] // heads
+    host_row = torch.cumsum(host.long(), dim=1) - 1  # storage index -> host row
+    rho = min(rho, int(host.sum(dim=1).min()))
+    lists = []
+    for start in range(0, centroids.shape[1], chunk):
+        q = centroids[:, start:start + chunk].float()
+        c = q.shape[1]
+        logits = torch.einsum("hgcd,hnd->hgcn", q.view(heads, group, c, dim), keys.float()) * scaling
+        future = key_positions[:, None, None, :] > centroid_positions[start:start + c][None, None, :, None]
+        probs = torch.softmax(logits.masked_fill_(future, float("-inf")), dim=-1).amax(dim=1)  # [H, c, n]
+        top = probs.masked_fill_(~host[:, None, :], float("-inf")).topk(rho, dim=-1).indices
+        lists.append(host_row.gather(1, top.reshape(heads, -1)).view(heads, c, rho))
+    return torch.cat(lists, dim=1)
+
+
+@register_method
+@dataclass
+class CTKVR(Method):
+    name = "ctkvr"
+    family = "selection"
+    selects = True
+    steps_through_chunks: ClassVar[bool] = True
+    max_centroids: int = 2048  # C = min(max_centroids, s // 16)
+    retrieved_centroids: int = 4  # C'
+    list_ratio: float = 2.5  # rho = list_ratio * rho'
+    n_init: int = 64
+    n_local: int | None = None  # null: 5% of the prompt, at least C
+    turn_index: str = "dcu"  # dcu: turn tokens enter the index through DCU; rebuild: Algorithm 1 at each turn end
+    dense_layers: list[int] = field(default_factory=list)
+    build_chunk: int = 256  # centroids scored at once while building the qcIVF
+
+    def __post_init__(self) -> None:
+        for name in ("max_centroids", "retrieved_centroids", "build_chunk"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("n_init", "n_local"):
+            value = getattr(self, name)
+            if (value is not None or name == "n_init") and (not _is_int(value) or value < 0):
+                raise ValueError(f"{name} must be a number of tokens >= 0{' or null' if name == 'n_local' else ''}, "
+                                 f"got {value!r}")
+        if isinstance(self.list_ratio, bool) or not isinstance(self.list_ratio, (int, float)) or self.list_ratio < 1:
+            raise ValueError(f"list_ratio (rho / rho') must be a number >= 1, got {self.list_ratio!r}")
+        if self.turn_index not in ("dcu", "rebuild"):
+            raise ValueError(f"turn_index must be dcu or rebuild, not {self.turn_index!r}")
+        if not isinstance(self.dense_layers, (list, tuple)) or not all(_is_int(x) and x >= 0 for x in self.dense_layers):
+            raise ValueError(f"dense_layers must be a list of layer indices, got {self.dense_layers!r}")
+
+    @property
+    def obs_window(self) -> int:
+        return self.max_centroids
+
+    def schedule(self) -> Schedule:
+        # the "eviction" events move the prompt's middle to host memory (nothing is dropped) and build the index
+        return Schedule(block_size=None, decode_every=0, every_turn=self.turn_index == "rebuild")
+
+    def plan(self, budget, *, sequence_length, new_tokens, head_dim):
+        if budget >= sequence_length:
+            return Plan(evict=None, select=None, derived={"full_attention": True})
+        prompt = sequence_length - new_tokens
+        centroids = min(self.max_centroids, max(1, prompt // 16))
+        local = self.n_local if self.n_local is not None else max(centroids, round(0.05 * prompt))
+        return Plan(evict=budget, select=budget, derived={
+            "rho_prime": budget, "rho": int(self.list_ratio * budget), "retrieved_centroids": self.retrieved_centroids,
+            "centroids": centroids, "n_init": self.n_init, "n_local": local})
+
+    # -- prefill end (and turn ends with turn_index=rebuild): offload the middle, build the qcIVF -------------
+    def keep(self, layer, budget):
+        if layer.layer_idx in self.dense_layers:
+            return None
+        view = layer.head_view()
+        positions = view.positions
+        first_local = layer.seen - layer.cache.plan.derived["n_local"]
+        old = layer.aux.get("host")
+        moving = (positions >= self.n_init) & (positions < first_local)
+        if (old is None or old.positions.shape[1] == 0) and not bool(moving.any()):
+            return None  # the prompt is all initial and local tokens: nothing to retrieve
+        centroids = min(self.max_centroids, max(1, layer.seen // 16), layer.queries.shape[1])
+        queries, query_positions = layer.queries[:, -centroids:], layer.query_positions[-centroids:]
+        keys, values = view.keys, view.values
+        all_keys, all_positions = keys, positions
+        if old is not None:  # a rebuild indexes every key: the earlier host rows come first in position order
+            all_keys = torch.cat([old.keys.to(keys.device), keys], dim=1)
+            all_positions = torch.cat([old.positions.to(positions.device), positions], dim=1)
+        host = (all_positions >= self.n_init) & (all_positions < first_local)
+        lists = build_index(queries, query_positions, all_keys, all_positions, host,
+                            int(self.list_ratio * budget), layer.scaling, self.build_chunk)
+        moving_rows = torch.nonzero(moving[0]).flatten()
+        layer.aux["host"] = HostSegment.of(keys, values, positions, moving_rows, old)
+        layer.aux["index"] = QueryIndex(queries.clone(), lists)
+        resident = torch.nonzero(~moving[0]).flatten()
+        return [resident] * layer.num_heads
+
+    # -- decode ---------------------------------------------------------------------------------------------
+    def select(self, layer, q, view, plan, scaling):
+        host, index = layer.aux.get("host"), layer.aux.get("index")
+        if host is None or index is None:
+            return None
+        heads, group, dim = q.shape
+        n_res = view.keys.shape[1]
+        resident = torch.arange(n_res, device=q.device).expand(heads, group, n_res)
+        # resident attention is launched first (on the accelerator) so the host work below overlaps it
+        top_lists = min(plan.derived["retrieved_centroids"], index.centroids.shape[1])
+        rows, valid = self._recall(q, index, top_lists)
+        host_q = q.to(host.keys.device)
+        recalled = host.keys.gather(1, rows.clamp(min=0).to(host.keys.device)[..., None].expand(-1, -1, dim))
+        logits = torch.einsum("hgd,hrd->hgr", host_q.float(), recalled.float()) * scaling
+        logits.masked_fill_(~valid.to(logits.device)[:, None, :], float("-inf"))
+        score = torch.softmax(logits, dim=-1).amax(dim=1)  # [H, R]: softmax over the recalled set, max over group
+        rho_prime, rho = plan.derived["rho_prime"], index.lists.shape[2]
+        order = score.sort(dim=-1, descending=True, stable=True).indices
+        ranked_rows, ranked_valid = rows.gather(1, order.to(rows.device)), valid.gather(1, order.to(valid.device))
+        chosen, chosen_valid = ranked_rows[:, :rho_prime], ranked_valid[:, :rho_prime]
+        gather = chosen.clamp(min=0).to(host.keys.device)[..., None].expand(-1, -1, dim)
+        external = (host.keys.gather(1, gather), host.values.gather(1, gather), chosen_valid.to(host.keys.device))
+        # DCU: this query and its top-rho reranked rows replace the oldest centroid
+        dcu = torch.where(ranked_valid[:, :rho], ranked_rows[:, :rho], -1)
+        if dcu.shape[1] < rho:
+            dcu = F.pad(dcu, (0, rho - dcu.shape[1]), value=-1)
+        index.push(q.reshape(heads * group, dim).to(index.centroids.dtype), dcu)  # in place: clones fork it
+        recall = None
+        if layer.cache.measure_recall:  # over every token: resident and host
+            everything = torch.cat([view.keys, host.keys.to(q.device)], dim=1)
+            rows = torch.cat([resident[:, 0], n_res + chosen.to(q.device)], dim=1)
+            valid_rows = torch.cat([torch.ones_like(resident[:, 0], dtype=torch.bool), chosen_valid.to(q.device)], dim=1)
+            recall = recall_of(q, everything, rows, valid_rows, scaling)
+        moved = 0 if host.keys.device == q.device else (2 * q.numel() + heads * group) * 4  # q out, output + lse back
+        recall_size = float(valid.sum(dim=1).float().mean())
+        return Selection(resident, external=external, recall=recall, moved_bytes=moved,
+                         extra={"recall_size": recall_size, "alpha": recall_size / (index.lists.shape[2] * top_lists)})
+
+    @staticmethod
+    def _recall(q: torch.Tensor, index: QueryIndex, retrieved: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Q2Q recall: the union of the top-C' centroids' lists per KV head, deduplicated and padded, with a
+        validity mask ([H, R] each)."""
+        heads, group, dim = q.shape
+        centroids = index.centroids.view(heads, group, -1, dim)
+        cosine = F.cosine_similarity(q[:, :, None, :].float(), centroids.float(), dim=-1).amax(dim=1)  # [H, C]
+        top = cosine.topk(min(retrieved, cosine.shape[1]), dim=-1).indices
+        candidates = index.lists.gather(1, top[..., None].expand(-1, -1, index.lists.shape[2])).reshape(heads, -1)
+        ordered = candidates.sort(dim=-1).values
+        fresh = torch.ones_like(ordered, dtype=torch.bool)
+        fresh[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
+        valid = fresh & (ordered >= 0)
+        width = int(valid.sum(dim=1).max())
+        # pack each head's unique rows to the front (stable), then cut to the widest head
+        packed = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices[:, :width]
+        return ordered.gather(1, packed), valid.gather(1, packed)
+
+    def step_traffic(self, layer, selection):
+        """The paper's work per step: centroid cosines, the recalled keys (rerank), the retrieved and resident
+        K/V (attention). Section 3.1.2's rerank model: L_recall*d + 2*rho'*d instead of 2*L_recall*d."""
+        if selection is None or selection.external is None:
+            return super().step_traffic(layer, None)
+        centroids = layer.aux["index"].centroids
+        heads, dim = selection.idx.shape[0], layer.head_dim
+        retrieved = selection.external[0].shape[1]
+        return int(centroids.numel() + heads * dim * (selection.extra["recall_size"] + 2 * retrieved)
+                   + 2 * dim * sum(layer.lengths()))
+
+    def build_aux(self, layer):
+        return {}

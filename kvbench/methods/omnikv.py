@@ -1,0 +1,118 @@
+"""OmniKV (Hao et al., ICLR 2025; seed paper 004): dynamic context selection shared across layers, no token
+dropped (specs/omnikv.md).
+
+At every decode step, each filter layer (0-based, `filter_layers`, ≤ 3) scores the prompt tokens with its
+own current query before its own (dense) attention: the max over all query heads of the scaled logits (the
+released code's `last` selector; `score_space=softmax` is the paper's Eq. 3), and keeps the top `budget`
+(k) as one sorted index set shared by every KV head. Every later layer up to the next filter layer attends
+to those prompt tokens plus every token generated since (never dropped); the `wait_layers` (1) right after
+a filter layer and the layers before the first one attend densely.
+
+`offload=true` is the Context Bank: the prompt KV of the sparse layers moves to host memory when the prompt
+ends and only the selected rows come back each step (bytes moved are recorded); results equal
+`offload=false` bit for bit, since both attend to the same rows through the same path (the selected prompt
+rows and the generated tail, merged by log-sum-exp). The prompt is every token stored when the prompt (or a
+later turn's input) ends; a question appended after the compressed segment counts as prompt too. The
+paper's optional chunked "OmniKV-prefill" (App. D.10) is not implemented; its prefill is the dense one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvbench.methods.base import Method, Plan, Schedule, Selection, _is_int, register_method
+from kvbench.methods.placement import HostSegment, recall_of
+
+
+@register_method
+@dataclass
+class OmniKV(Method):
+    name = "omnikv"
+    family = "selection"
+    selects = True
+    filter_layers: list[int] = field(default_factory=lambda: [2, 8, 18])  # Llama-3-8B's {2, 8, 18}
+    wait_layers: int = 1
+    score_space: str = "logits"
+    offload: bool = False
+
+    def __post_init__(self) -> None:
+        layers = self.filter_layers
+        if not isinstance(layers, (list, tuple)) or not layers or not all(_is_int(x) and x >= 0 for x in layers) \
+                or list(layers) != sorted(set(layers)):
+            raise ValueError(f"filter_layers must be increasing layer indices (0-based), got {layers!r}")
+        if not _is_int(self.wait_layers) or self.wait_layers < 0:
+            raise ValueError(f"wait_layers must be a number of layers >= 0, got {self.wait_layers!r}")
+        if self.score_space not in ("logits", "softmax"):
+            raise ValueError(f"score_space must be logits or softmax, not {self.score_space!r}")
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"offload must be true or false, got {self.offload!r}")
+
+    def schedule(self) -> Schedule:
+        # the events only mark where the prompt ends (and move the sparse layers' prompt KV to the bank)
+        return Schedule(block_size=None, decode_every=0, every_turn=True)
+
+    def plan(self, budget, *, sequence_length, new_tokens, head_dim):
+        if budget >= sequence_length:
+            return Plan(evict=None, select=None, derived={"full_attention": True})
+        return Plan(evict=budget, select=budget, derived={"k": budget, "filter_layers": list(self.filter_layers)})
+
+    def role(self, layer_idx: int) -> str:
+        if layer_idx < self.filter_layers[0]:
+            return "dense"
+        if layer_idx in self.filter_layers:
+            return "filter"
+        if any(0 < layer_idx - f <= self.wait_layers for f in self.filter_layers):
+            return "wait"
+        return "sparse"
+
+    def keep(self, layer, budget):
+        layer.cache.shared["omnikv_prompt"] = layer.seen
+        if not self.offload or self.role(layer.layer_idx) != "sparse":
+            return None
+        view = layer.head_view()
+        layer.aux["bank"] = HostSegment.of(view.keys, view.values, view.positions,
+                                           torch.arange(view.keys.shape[1]), layer.aux.get("bank"))
+        return [torch.zeros(0, dtype=torch.long, device=view.keys.device)] * layer.num_heads
+
+    def select(self, layer, q, view, plan, scaling):
+        shared = layer.cache.shared
+        prompt = shared.get("omnikv_prompt")
+        role = self.role(layer.layer_idx)
+        if prompt is None or role in ("dense", "wait"):
+            return None
+        if role == "filter":
+            logits = torch.einsum("hgd,hnd->hgn", q.float(), view.keys[:, :prompt].float()) * scaling
+            if self.score_space == "softmax":
+                logits = torch.softmax(logits, dim=-1)
+            score = logits.flatten(0, 1).amax(dim=0)  # max over every query head: one set for the layer
+            shared["omnikv_selected"] = score.topk(min(plan.derived["k"], prompt)).indices.sort().values
+            return None
+        chosen = shared["omnikv_selected"]
+        heads, group, _ = q.shape
+        bank = layer.aux.get("bank")
+        if bank is not None:  # the Context Bank: the selected rows come back from host memory
+            keys, values = (t.index_select(1, chosen.to(t.device)).to(q.device) for t in (bank.keys, bank.values))
+            tail = torch.arange(view.keys.shape[1], device=q.device)
+            moved = 2 * keys.numel() * keys.element_size() if bank.keys.device != q.device else 0
+            host = bank
+        else:
+            keys, values = view.keys.index_select(1, chosen), view.values.index_select(1, chosen)
+            tail = torch.arange(prompt, view.keys.shape[1], device=q.device)
+            moved, host = 0, None
+        recall = None
+        if layer.cache.measure_recall:  # over every token the layer holds: storage (+ the bank)
+            if host is None:
+                everything, rows = view.keys, torch.cat([chosen, tail])
+            else:
+                everything = torch.cat([view.keys, host.keys.to(q.device)], dim=1)
+                rows = torch.cat([tail, view.keys.shape[1] + chosen])
+            recall = recall_of(q, everything, rows[None].expand(heads, -1), None, scaling)
+        return Selection(tail.expand(heads, group, -1), external=(keys, values), recall=recall, moved_bytes=moved)
+
+    def step_traffic(self, layer, selection):
+        if selection is None or selection.external is None:
+            return super().step_traffic(layer, None)
+        heads = selection.idx.shape[0]
+        return 2 * layer.head_dim * heads * (selection.idx.shape[-1] + selection.external[0].shape[1])

@@ -1,0 +1,71 @@
+"""KV rows a method moves off the accelerator (CTKVR's prompt middle, OmniKV's context bank), and the top-k
+recall of a step that attends to rows on both sides.
+
+A `HostSegment` lives in host memory (pinned when the model runs on CUDA, so copies back are asynchronous);
+on a CPU-only machine host and device are the same memory and the move is one gather into new tensors, so
+no second copy exists. It is derived state in the cache (`layer.aux`): it survives the eviction that moved
+its rows out of the layer's storage (`kept`), drops rows on a rollback past them, and its bytes are reported
+as host bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class HostSegment:
+    """Rows of one layer in host memory: keys/values [H, M, D] and their logical positions [H, M]."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    on_host = True
+    paper_elements = 0  # K/V, not auxiliary storage (RocketKV Table 1's convention)
+
+    @classmethod
+    def of(cls, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+           before: "HostSegment | None" = None) -> "HostSegment":
+        """`rows` of [H, n, ...] storage views moved to host memory, after the rows already there."""
+        moved = [t.index_select(1, rows.to(t.device)).to("cpu") for t in (keys, values, positions)]
+        if keys.device.type == "cuda":
+            moved = [t.pin_memory() for t in moved]
+        if before is not None:
+            moved = [torch.cat([old, new], dim=1) for old, new in zip((before.keys, before.values, before.positions), moved)]
+        return cls(*moved)
+
+    def kept(self, layer) -> "HostSegment":  # the eviction that moved the rows here does not touch them
+        return self
+
+    def append(self, layer, n: int) -> "HostSegment":  # new tokens stay on the device
+        return self
+
+    def truncate(self, layer) -> "HostSegment":
+        keep = self.positions[0] < layer.seen
+        if bool(keep.all()):
+            return self
+        return HostSegment(self.keys[:, keep].clone(), self.values[:, keep].clone(), self.positions[:, keep].clone())
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions))
+
+    @property
+    def kv_tokens(self) -> int:  # all heads
+        return self.positions.numel()
+
+
+def recall_of(q: torch.Tensor, keys: torch.Tensor, chosen: torch.Tensor, valid: torch.Tensor | None,
+              scaling: float) -> float:
+    """Top-k attention recall of a step that attends to rows `chosen` [H, k] (`valid` [H, k] marks padding)
+    of `keys` [H, N, D], every token the layer holds wherever it lives: the exact attention mass on the
+    chosen rows over the mass of the exact top as many tokens, averaged over query heads."""
+    group = q.shape[1]
+    probs = torch.softmax(torch.einsum("hgd,hnd->hgn", q.float(), keys.float()) * scaling, dim=-1)
+    mass = probs.gather(-1, chosen.clamp(min=0)[:, None, :].expand(-1, group, -1))
+    if valid is not None:
+        mass = mass * valid[:, None, :]
+    count = chosen.shape[1] if valid is None else int(valid.sum(dim=1).min())
+    best = probs.topk(min(count, probs.shape[-1]), dim=-1).values.sum(-1)
+    return float((mass.sum(-1) / best).mean())

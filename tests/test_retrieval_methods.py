@@ -1,0 +1,249 @@
+"""CTKVR and OmniKV: retrieval over an index, cross-layer selection, host placement (tiny random models)."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from conftest import model_cfg, random_ids
+from kvbench.tasks.base import Sample, Turn
+from omegaconf import OmegaConf
+from reference import reference_chunks
+
+from kvbench.engine import EngineConfig, Session, run_sample
+from kvbench.kernels.sparse_attention import merge_attention, topk_attention
+from kvbench.methods import build_method
+from kvbench.methods.ctkvr import build_index
+from kvbench.models import load_model
+
+PROMPT = 400
+SMALL_CTKVR = {"n_init": 8, "n_local": 48, "max_centroids": 64}
+
+
+@pytest.fixture(scope="module")
+def deep_llama():
+    """A random 6-layer GQA Llama: OmniKV needs layers before, between and after its filter layers."""
+    cfg = model_cfg("tiny_llama")
+    OmegaConf.update(cfg, "config.num_hidden_layers", 6)
+    return load_model(cfg)
+
+
+def decode(session: Session, logits: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    outs = [logits]
+    for _ in range(steps):
+        outs.append(session.step(int(outs[-1].argmax())))
+    return outs
+
+
+def dense(lm, ids, steps):
+    session = Session(lm, build_method("full"), None)
+    return decode(session, session.prefill(ids, compress=True)[0], steps)
+
+
+@pytest.mark.parametrize("name,params", [("ctkvr", SMALL_CTKVR), ("omnikv", {"filter_layers": [1]})])
+def test_budget_at_or_above_the_sequence_is_bitwise_full(tiny, name, params):
+    ids = random_ids(PROMPT, seed=60)
+    session = Session(tiny, build_method(name, **params), PROMPT + 10, sequence_length=PROMPT + 10)
+    outs = decode(session, session.prefill(ids, compress=True)[0], 6)
+    assert all(torch.equal(a, b) for a, b in zip(outs, dense(tiny, ids, 6)))
+
+
+def test_ctkvr_retrieving_everything_equals_full_attention(tiny):
+    """C' = C and rho' covering every host row: the LSE merge of resident and host attention is attention over
+    their union, i.e. full attention (up to summation order)."""
+    ids = random_ids(PROMPT, seed=61)
+    method = build_method("ctkvr", **SMALL_CTKVR, retrieved_centroids=64, list_ratio=1.0)
+    session = Session(tiny, method, PROMPT - 8 - 48, sequence_length=PROMPT + 50)  # rho' = every host row
+    outs = decode(session, session.prefill(ids, compress=True)[0], 6)
+    assert session.cache.layers[0].aux["host"].keys.shape[1] == PROMPT - 8 - 48
+    for ours, theirs in zip(outs, dense(tiny, ids, 6)):
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-5)
+
+
+def test_ctkvr_rerank_is_a_subset_of_the_recall_of_size_rho_prime_and_dcu_replaces_the_oldest(tiny_llama):
+    method = build_method("ctkvr", **SMALL_CTKVR)
+    seen = []
+    recall = method._recall
+
+    def spy(q, index, retrieved):
+        rows, valid = recall(q, index, retrieved)
+        seen.append((rows.clone(), valid.clone()))
+        return rows, valid
+
+    method._recall = spy
+    select = method.select
+    chosen = []
+
+    def spy_select(layer, q, view, plan, scaling):
+        sel = select(layer, q, view, plan, scaling)
+        ext_k, _, ext_valid = sel.external
+        host = layer.aux["host"]
+        rows = [int((host.keys[h] == ext_k[h, j]).all(-1).nonzero()[0]) for h in range(ext_k.shape[0])
+                for j in range(ext_k.shape[1]) if ext_valid[h, j]]
+        chosen.append((layer.layer_idx, q.clone(), rows, ext_k.shape[1]))
+        return sel
+
+    method.select = spy_select
+    budget = 16
+    session = Session(tiny_llama, method, budget, sequence_length=PROMPT + 20)
+    logits, _ = session.prefill(random_ids(PROMPT, seed=62), compress=True)
+    index0 = session.cache.layers[0].aux["index"]
+    before = index0.centroids.clone()
+    outs = decode(session, logits, 3)
+    for (rows, valid), (_, _, picked, width) in zip(seen, chosen):
+        recalled = {int(r) for h in range(rows.shape[0]) for r in rows[h][valid[h]]}
+        assert set(picked) <= recalled  # rerank picks only recalled rows
+        assert width == min(budget, int(valid.sum(dim=1).max()))  # rho' (or the recall size when smaller)
+    # DCU: decode query i sits in slot i (the oldest centroids go first); the others are untouched
+    index = session.cache.layers[0].aux["index"]
+    layer0_queries = [q for idx, q, _, _ in chosen if idx == 0]
+    for i, q in enumerate(layer0_queries):
+        assert torch.equal(index.centroids[:, i], q.reshape(-1, q.shape[-1]))
+    assert torch.equal(index.centroids[:, 3:], before[:, 3:]) and index.pointer == 3
+    assert torch.isfinite(outs[-1]).all()
+
+
+def test_ctkvr_index_built_in_chunks_equals_one_shot_and_points_only_at_host_rows():
+    gen = torch.Generator().manual_seed(0)
+    heads, group, n, dim, c = 2, 3, 90, 8, 17
+    keys = torch.randn(heads, n, dim, generator=gen)
+    positions = torch.arange(n).expand(heads, n)
+    centroids = torch.randn(heads * group, c, dim, generator=gen)
+    centroid_positions = torch.arange(n - c, n)
+    host = (positions >= 5) & (positions < n - 20)
+    one_shot = build_index(centroids, centroid_positions, keys, positions, host, 12, 0.3, chunk=c)
+    chunked = build_index(centroids, centroid_positions, keys, positions, host, 12, 0.3, chunk=4)
+    assert torch.equal(one_shot.sort(-1).values, chunked.sort(-1).values)
+    assert int(one_shot.min()) >= 0 and int(one_shot.max()) < int(host[0].sum())  # host rows only
+    # the score: each head's own causal softmax, then the max over the group (not the max of raw logits)
+    logits = torch.einsum("hgcd,hnd->hgcn", centroids.view(heads, group, c, dim), keys) * 0.3
+    logits = logits.masked_fill(positions[:, None, None, :] > centroid_positions[None, None, :, None], float("-inf"))
+    probs = torch.softmax(logits, -1).amax(1).masked_fill(~host[:, None, :], float("-inf"))
+    expected = probs.topk(12, -1).indices - 5
+    assert torch.equal(one_shot.sort(-1).values, expected.sort(-1).values)
+
+
+def test_lse_merge_of_disjoint_partial_attentions_equals_attention_over_their_union():
+    gen = torch.Generator().manual_seed(1)
+    q, keys, values = torch.randn(2, 4, 16, generator=gen), torch.randn(2, 50, 16, generator=gen), torch.randn(2, 50, 16, generator=gen)
+    first, second = torch.arange(0, 20).expand(2, 4, 20), torch.arange(20, 50).expand(2, 4, 30)
+    out_a, lse_a = topk_attention(q, keys, values, first, 0.25, return_lse=True)
+    out_b, lse_b = topk_attention(q, keys, values, second, 0.25, return_lse=True)
+    merged, lse = merge_attention(out_a, lse_a, out_b, lse_b)
+    whole, whole_lse = topk_attention(q, keys, values, torch.arange(50).expand(2, 4, 50), 0.25, return_lse=True)
+    torch.testing.assert_close(merged, whole, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, whole_lse, atol=1e-6, rtol=1e-5)
+
+
+def test_ctkvr_moves_the_middle_off_the_device_storage_without_a_second_copy(tiny_llama):
+    session = Session(tiny_llama, build_method("ctkvr", **SMALL_CTKVR), 16, sequence_length=PROMPT + 20)
+    session.cache.query_window = 64
+    session.prefill(random_ids(PROMPT, seed=63), compress=False)  # dense, then the event by hand
+    full_bytes = session.cache.kv_bytes()
+    dense_keys = [weakref.ref(layer.keys) for layer in session.cache.layers]
+    for layer in session.cache.layers:
+        session.cache.evict_now = True
+        from kvbench.cache import evict_layer
+
+        evict_layer(layer)
+    gc.collect()
+    assert all(ref() is None for ref in dense_keys), "the dense storage must be freed"
+    for layer in session.cache.layers:
+        host = layer.aux["host"]
+        assert layer.lengths() == [8 + 48] * layer.num_heads
+        assert host.keys.shape[1] == PROMPT - 8 - 48
+        positions = set(layer.positions[0].tolist())
+        assert positions == set(range(8)) | set(range(PROMPT - 48, PROMPT))
+        assert set(host.positions[0].tolist()).isdisjoint(positions)
+    host_kv = sum(2 * layer.aux["host"].keys.numel() * 4 for layer in session.cache.layers)
+    assert session.cache.kv_bytes() + host_kv == full_bytes  # one copy of every token, wherever it lives
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_ctkvr_host_rows_are_in_pinned_host_memory_on_cuda():
+    lm = load_model(model_cfg("tiny_llama", device="cuda"))
+    session = Session(lm, build_method("ctkvr", **SMALL_CTKVR), 16, sequence_length=PROMPT + 20)
+    session.prefill(random_ids(PROMPT, seed=64), compress=True)
+    for layer in session.cache.layers:
+        host = layer.aux["host"]
+        assert host.keys.device.type == "cpu" and host.keys.is_pinned() and layer.keys.device.type == "cuda"
+    assert torch.isfinite(session.step(5)).all()
+
+
+def test_omnikv_sparse_layers_attend_exactly_to_the_filter_layers_choice(deep_llama):
+    method = build_method("omnikv", filter_layers=[1, 3], wait_layers=1)
+    assert [method.role(i) for i in range(6)] == ["dense", "filter", "wait", "filter", "wait", "sparse"]
+    choices = []
+    select = method.select
+
+    def spy(layer, q, view, plan, scaling):
+        out = select(layer, q, view, plan, scaling)
+        if method.role(layer.layer_idx) == "filter":
+            choices[-1][layer.layer_idx] = layer.cache.shared["omnikv_selected"].clone()
+        return out
+
+    method.select = spy
+    ids = random_ids(PROMPT, seed=65)
+    session = Session(deep_llama, method, 24, sequence_length=PROMPT + 24)
+    logits, _ = session.prefill(ids, compress=True)
+    chunks, past, outs = [ids], [None], [logits]
+    for _ in range(4):
+        token = int(outs[-1].argmax())
+        choices.append({})
+        before = session.position
+        outs.append(session.step(token))
+        chunks.append([token])
+        # layer 5 (sparse) sees the tokens layer 3 (the last filter layer) chose, plus every generated token
+        mask = torch.zeros(2, before + 1, dtype=torch.bool)
+        mask[:, choices[-1][3]] = True
+        mask[:, PROMPT:] = True
+        past.append({5: mask})
+        assert len(choices[-1][1]) == 24 and not torch.equal(choices[-1][1], choices[-1][3])
+    for ours, theirs in zip(outs, reference_chunks(deep_llama.model, chunks, past)):
+        torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-5)
+
+
+def test_omnikv_offload_equals_no_offload_bit_for_bit_and_keeps_the_bank_on_the_host(deep_llama):
+    ids = random_ids(PROMPT, seed=66)
+    results = {}
+    for offload in (False, True):
+        session = Session(deep_llama, build_method("omnikv", filter_layers=[1, 3], offload=offload), 24,
+                          sequence_length=PROMPT + 30)
+        results[offload] = (session, decode(session, session.prefill(ids, compress=True)[0], 8))
+    (plain, outs_plain), (banked, outs_banked) = results[False], results[True]
+    assert all(torch.equal(a, b) for a, b in zip(outs_plain, outs_banked))
+    sparse = banked.cache.layers[5]
+    assert sparse.aux["bank"].keys.shape[1] == PROMPT and sparse.lengths() == [8, 8]  # the generated tail only
+    assert banked.cache.kv_bytes() < plain.cache.kv_bytes()
+
+
+def kv_turns(turns: int = 2) -> Sample:
+    pairs = {f"key-{i:03d}": f"value-{i * 7919 % 1000:03d}" for i in range(40)}
+    context = "Remember this table.\n" + "\n".join(f"{k} = {v}" for k, v in pairs.items()) + "\n"
+    keys = ["key-005", "key-031", "key-017"][:turns]
+    return Sample(id="kv-0", task="synthetic_kv", context=context,
+                  turns=[Turn(f"What is {k}?", [pairs[k]], max_new_tokens=6, metric="string_match_all",
+                              answer_prefix="Answer:") for k in keys], meta={"mode": "multi_turn"})
+
+
+@pytest.mark.parametrize("turn_index", ["dcu", "rebuild"])
+def test_ctkvr_multi_turn_sends_new_turns_through_the_index(tiny_llama, turn_index):
+    method = build_method("ctkvr", **SMALL_CTKVR, turn_index=turn_index)
+    record = run_sample(tiny_llama, method, 32, kv_turns(2), EngineConfig(nll=False))
+    assert len(record["turns"]) == 2 and record["topk_recall"] is not None
+    stats = record["decode_method_stats"]
+    assert stats["recall_size"] > 0 and 0 < stats["alpha"] <= 1
+    assert record["host_bytes_end"] > 0 and record["device_bytes_end"] > 0
+    # both keep every token somewhere: the Table 1 storage is the whole sequence (plus the index is not K/V)
+    assert record["storage_ratio_table1"] > 0.9
+
+
+def test_omnikv_runs_multi_turn_and_question_agnostic(deep_llama):
+    method = build_method("omnikv", filter_layers=[1, 3], offload=True)
+    record = run_sample(deep_llama, method, 32, kv_turns(2), EngineConfig(nll=False))
+    assert len(record["turns"]) == 2 and record["topk_recall"] is not None
+    agnostic = run_sample(deep_llama, build_method("omnikv", filter_layers=[1, 3]), 32, kv_turns(1),
+                          EngineConfig(compress_question=False))
+    assert agnostic["nll"] is not None and agnostic["decode_read_tokens_per_group"] > 0
