@@ -8,12 +8,12 @@ import weakref
 import pytest
 import torch
 from conftest import model_cfg, random_ids
+from kvbench.kernels.sparse_attention import merge_attention, topk_attention
 from kvbench.tasks.base import Sample, Turn
 from omegaconf import OmegaConf
 from reference import reference_chunks
 
 from kvbench.engine import EngineConfig, Session, run_sample
-from kvbench.kernels.sparse_attention import merge_attention, topk_attention
 from kvbench.methods import build_method
 from kvbench.methods.ctkvr import build_index
 from kvbench.models import load_model
