@@ -247,3 +247,25 @@ def test_omnikv_runs_multi_turn_and_question_agnostic(deep_llama):
     agnostic = run_sample(deep_llama, build_method("omnikv", filter_layers=[1, 3]), 32, kv_turns(1),
                           EngineConfig(compress_question=False))
     assert agnostic["nll"] is not None and agnostic["decode_read_tokens_per_group"] > 0
+
+
+def test_ctkvr_with_every_centroid_and_full_lists_chooses_what_flat_chooses_and_the_index_costs_4_bytes(tiny_llama):
+    """Spec M1/M6: recalling every centroid with lists over every host row, the rerank picks FLAT's exact
+    top-rho' (max over the group of each head's softmax over those rows); the qcIVF is b*g*C*rho*4 bytes."""
+    budget = 12
+    method = build_method("ctkvr", **SMALL_CTKVR, retrieved_centroids=64, list_ratio=100.0)
+    session = Session(tiny_llama, method, budget, sequence_length=PROMPT + 10)
+    session.prefill(random_ids(PROMPT, seed=67), compress=True)
+    layer = session.cache.layers[1]
+    index, host = layer.aux["index"], layer.aux["host"]
+    centroids, rho = index.centroids.shape[1], index.lists.shape[2]
+    assert rho == host.keys.shape[1] and index.lists.dtype == torch.int32
+    assert index.lists.numel() * index.lists.element_size() == layer.num_heads * centroids * rho * 4
+    q = torch.randn(layer.num_heads, 2, layer.head_dim)
+    with torch.inference_mode():  # as inside a forward pass: DCU updates the index in place
+        selection = method.select(layer, q, layer.head_view(), session.cache.plan, layer.scaling)
+    probs = torch.softmax(torch.einsum("hgd,hmd->hgm", q, host.keys) * layer.scaling, -1).amax(1)
+    flat = probs.topk(budget, -1).indices
+    chosen = selection.external[0]
+    expected = host.keys.gather(1, flat[..., None].expand(-1, -1, layer.head_dim))
+    assert torch.equal(chosen.sort(1).values, expected.sort(1).values)

@@ -70,7 +70,7 @@ class QueryIndex:
     def push(self, query: torch.Tensor, rows: torch.Tensor) -> None:
         """DCU: the query [H_q, D] and its lists [H, rho] replace the oldest centroid."""
         self.centroids[:, self.pointer] = query
-        self.lists[:, self.pointer] = rows
+        self.lists[:, self.pointer] = rows.to(self.lists.dtype)
         self.pointer = (self.pointer + 1) % self.centroids.shape[1]
 
     def nbytes(self) -> int:
@@ -91,7 +91,7 @@ def build_index(
     scaling: float,
     chunk: int,
 ) -> torch.Tensor:
-    """Algorithm 1: each centroid's top-`rho` host rows, [H, C, rho] (ascending score order not kept).
+    """Algorithm 1: each centroid's top-`rho` host rows, [H, C, rho] int32 (score order not kept).
 
     centroids [H_q, C, D]; keys [H, n, D] with positions [H, n]; host [H, n] bool marks the candidate rows,
     numbered 0.. in storage order among the host rows. Scores are each query head's own softmax over every
@@ -110,7 +110,7 @@ def build_index(
         probs = torch.softmax(logits.masked_fill_(future, float("-inf")), dim=-1).amax(dim=1)  # [H, c, n]
         top = probs.masked_fill_(~host[:, None, :], float("-inf")).topk(rho, dim=-1).indices
         lists.append(host_row.gather(1, top.reshape(heads, -1)).view(heads, c, rho))
-    return torch.cat(lists, dim=1)
+    return torch.cat(lists, dim=1).to(torch.int32)  # the paper's 4 bytes per entry
 
 
 @register_method
@@ -237,7 +237,7 @@ class CTKVR(Method):
         centroids = index.centroids.view(heads, group, -1, dim)
         cosine = F.cosine_similarity(q[:, :, None, :].float(), centroids.float(), dim=-1).amax(dim=1)  # [H, C]
         top = cosine.topk(min(retrieved, cosine.shape[1]), dim=-1).indices
-        candidates = index.lists.gather(1, top[..., None].expand(-1, -1, index.lists.shape[2])).reshape(heads, -1)
+        candidates = index.lists.gather(1, top[..., None].expand(-1, -1, index.lists.shape[2])).reshape(heads, -1).long()
         ordered = candidates.sort(dim=-1).values
         fresh = torch.ones_like(ordered, dtype=torch.bool)
         fresh[:, 1:] = ordered[:, 1:] != ordered[:, :-1]
