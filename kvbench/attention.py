@@ -75,25 +75,13 @@ def _after_attention(layer: KVLayer, query: torch.Tensor) -> None:
 def _decode(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
     cache = layer.cache
     method = cache.method
-    selection = None
     if method is not None and method.selects and cache.plan is not None and cache.plan.select is not None:
         view = layer.head_view()
         q = query[0, :, 0, :].view(view.keys.shape[0], -1, query.shape[-1])  # [H_kv, G, D]
         selection = method.select(layer, q, view, cache.plan, scaling)
         if selection is not None:
-            if not isinstance(selection, Selection):
-                selection = Selection(selection)
-            if selection.external is None:
-                out = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid)  # [H_kv, G, D]
-            else:
-                out, lse = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid, return_lse=True)
-                out, _ = merge_attention(out, lse, *_external_attention(q, selection.external, scaling))
-            if selection.weight is not None:
-                out = (selection.weight * out.float() + (1 - selection.weight) * selection.fallback.float()).to(q.dtype)
-            recall = None
-            if cache.measure_recall:
-                recall = selection.recall if selection.recall is not None else attention_recall(q, view, selection.idx, scaling)
-            cache.stats.add(layer, method.step_traffic(layer, selection), recall, selection.moved_bytes, selection.extra)
+            selection = selection if isinstance(selection, Selection) else Selection(selection)
+            out = _selected_attention(layer, q, view, selection, scaling)
             return out.reshape(1, -1, 1, out.shape[-1])
     if method is not None:
         cache.stats.add(layer, method.step_traffic(layer, None), None)
@@ -102,6 +90,24 @@ def _decode(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor
     q = query[0, :, 0, :].view(layer.num_heads, -1, query.shape[-1])  # packed GQA: [H_kv, G, D]
     out = ragged_decode_attention(q, layer.keys, layer.values, layer._offsets(), layer.head_lens, scaling)
     return out.reshape(1, -1, 1, out.shape[-1])
+
+
+def _selected_attention(layer: KVLayer, q: torch.Tensor, view: HeadView, selection: Selection, scaling: float) -> torch.Tensor:
+    """Attention of each query head over what the method selected (storage rows, rows from outside merged by
+    log-sum-exp, a blended fallback), and the step's accounting. Returns [H_kv, G, D]."""
+    cache = layer.cache
+    if selection.external is None:
+        out = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid)
+    else:
+        out, lse = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid, return_lse=True)
+        out, _ = merge_attention(out, lse, *_external_attention(q, selection.external, scaling))
+    if selection.weight is not None:
+        out = (selection.weight * out.float() + (1 - selection.weight) * selection.fallback.float()).to(q.dtype)
+    recall = None
+    if cache.measure_recall:
+        recall = selection.recall if selection.recall is not None else attention_recall(q, view, selection.idx, scaling)
+    cache.stats.add(layer, cache.method.step_traffic(layer, selection), recall, selection.moved_bytes, selection.extra)
+    return out
 
 
 def _external_attention(
@@ -136,8 +142,14 @@ def _continuation(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.
     """
     q_len = query.shape[2]
     view = layer.head_view()
-    n_kv, width = view.keys.shape[0], view.keys.shape[1]
+    keys, values = view.keys, view.values
     lens = torch.tensor(layer.lengths(), device=query.device)
+    outside = layer.cache.method.offloaded(layer) if layer.cache.method is not None else None
+    if outside is not None:  # rows a method moved off the device are in this chunk's past too (a dense chunk)
+        keys = torch.cat([outside.keys.to(keys.device), keys], dim=1)
+        values = torch.cat([outside.values.to(values.device), values], dim=1)
+        lens = lens + outside.keys.shape[1]
+    n_kv, width = keys.shape[0], keys.shape[1]
     slot = torch.arange(width, device=query.device)
     row = torch.arange(q_len, device=query.device)
     # key j visible to chunk row i of head h iff j < len_h - q_len + i + 1
@@ -145,5 +157,5 @@ def _continuation(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.
     group = query.shape[1] // n_kv
     mask = mask.repeat_interleave(group, dim=0)[None]
     return F.scaled_dot_product_attention(
-        query, view.keys[None], view.values[None], attn_mask=mask, scale=scaling, enable_gqa=True
+        query, keys[None], values[None], attn_mask=mask, scale=scaling, enable_gqa=True
     )

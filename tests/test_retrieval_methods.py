@@ -269,3 +269,14 @@ def test_ctkvr_with_every_centroid_and_full_lists_chooses_what_flat_chooses_and_
     chosen = selection.external[0]
     expected = host.keys.gather(1, flat[..., None].expand(-1, -1, layer.head_dim))
     assert torch.equal(chosen.sort(1).values, expected.sort(1).values)
+
+
+@pytest.mark.parametrize("compress_question,turns", [(False, 1), (True, 2)])
+def test_omnikv_offload_equals_no_offload_with_a_question_or_a_turn_appended(deep_llama, compress_question, turns):
+    """A chunk appended after the prompt attends densely to the whole prompt, the Context Bank's rows too."""
+    records = [run_sample(deep_llama, build_method("omnikv", filter_layers=[1, 3], offload=offload), 32,
+                          kv_turns(turns), EngineConfig(compress_question=compress_question))
+               for offload in (False, True)]
+    for a, b in zip(*(r["turns"] for r in records)):
+        assert a["prediction"] == b["prediction"] and a["nll"] == b["nll"]
+    assert records[1]["host_bytes_end"] > 0 and records[0]["host_bytes_end"] == 0

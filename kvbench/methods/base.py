@@ -125,6 +125,11 @@ class Method:
     def build_aux(self, layer: "KVLayer") -> dict[str, Any]:
         return {}
 
+    def offloaded(self, layer: "KVLayer") -> Any:
+        """The rows this method moved off the layer's device storage (a `HostSegment`), or None: a dense
+        chunk appended later (a question, a turn) attends to them too."""
+        return None
+
     def step_traffic(self, layer: "KVLayer", selection: "Selection | None") -> int:
         """Elements one decode step reads in this layer: every stored key and value for dense attention, the
         distinct selected tokens of each KV group otherwise (the oracle's view: finding them is free)."""

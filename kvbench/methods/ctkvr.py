@@ -247,6 +247,9 @@ class CTKVR(Method):
         packed = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices[:, :width]
         return ordered.gather(1, packed), valid.gather(1, packed)
 
+    def offloaded(self, layer):
+        return layer.aux.get("host")
+
     def step_traffic(self, layer, selection):
         """The paper's work per step: centroid cosines, the recalled keys (rerank), the retrieved and resident
         K/V (attention). Section 3.1.2's rerank model: L_recall*d + 2*rho'*d instead of 2*L_recall*d."""

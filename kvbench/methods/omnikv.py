@@ -111,6 +111,9 @@ class OmniKV(Method):
             recall = recall_of(q, everything, rows[None].expand(heads, -1), None, scaling)
         return Selection(tail.expand(heads, group, -1), external=(keys, values), recall=recall, moved_bytes=moved)
 
+    def offloaded(self, layer):
+        return layer.aux.get("bank")
+
     def step_traffic(self, layer, selection):
         if selection is None or selection.external is None:
             return super().step_traffic(layer, None)
