@@ -3,6 +3,7 @@ traffic columns.
 
     python scripts/budget_tables.py results/issue7                      # score (NLL) per method and budget
     python scripts/budget_tables.py results/issue8 --metrics score,nll,topk_recall --table1
+    python scripts/budget_tables.py results/issue9 --where task.max_new_tokens=50
 
 Rows are methods, split by eviction schedule (one-shot / block-wise M) when the sweep has both; columns are
 budgets; one table per task plus the mean over tasks. `--table1` adds, per method and budget, the measured
@@ -17,6 +18,7 @@ import math
 from pathlib import Path
 
 import pandas as pd
+from omegaconf import OmegaConf
 
 from kvbench.report import collect
 
@@ -35,6 +37,22 @@ def load(root: Path) -> pd.DataFrame:
         df.loc[evicting, "row"] = df.loc[evicting, "method"].astype(str) + " (" + df.loc[evicting, "schedule"] + ")"
     df["budget_label"] = df["budget"].map(lambda b: "-" if b is None or (isinstance(b, float) and math.isnan(b)) else int(b))
     return df
+
+
+def _config_value(run_dir: Path, field: str) -> object:
+    """A setting from a point's config.yaml (settings outside the point identity, e.g. task.max_new_tokens)."""
+    config = OmegaConf.load(run_dir / "config.yaml")
+    return OmegaConf.select(config, field, default=None)
+
+
+def _matches(recorded: object, wanted: str) -> bool:
+    """Points without the field are kept (e.g. a RULER point under `--where task.max_new_tokens=50`)."""
+    if recorded is None or (isinstance(recorded, float) and math.isnan(recorded)):
+        return True
+    try:
+        return float(recorded) == float(wanted)
+    except (TypeError, ValueError):
+        return str(recorded) == wanted
 
 
 def accuracy_tables(df: pd.DataFrame, metrics: list[str]) -> str:
@@ -105,8 +123,17 @@ def main() -> None:
     parser.add_argument("results", type=Path)
     parser.add_argument("--metrics", default="score,nll")
     parser.add_argument("--table1", action="store_true")
+    parser.add_argument("--where", action="append", default=[], metavar="FIELD=VALUE",
+                        help="keep points whose field (record or config.yaml) equals VALUE, or that lack the field; repeatable")
     args = parser.parse_args()
     df = load(args.results)
+    for condition in args.where:
+        field, _, value = condition.partition("=")
+        values = (df[field] if field in df else df["run_dir"].map(lambda d: _config_value(args.results / d, field))
+                  ).astype(object)
+        if values.isna().all():
+            parser.error(f"--where: no record or config.yaml of these points has a field {field!r}")
+        df = df[[_matches(v, value) for v in values]]
     print(accuracy_tables(df, args.metrics.split(",")))
     if args.table1:
         print(table1(df))
