@@ -82,11 +82,16 @@ def accuracy_tables(df: pd.DataFrame, metrics: list[str]) -> str:
 def _fmt(metric: str, value: float) -> str:
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return "-"
-    return f"{100 * value:.0f}" if metric == "score" else f"{value:.3f}" if metric == "topk_recall" else f"{value:.2f}"
+    if metric == "score":
+        return f"{100 * value:.0f}"
+    if metric == "topk_recall":
+        return f"{value:.3f}"
+    return f"{value:.0f}" if "tokens" in metric or "bytes" in metric else f"{value:.2f}"
 
 
-def paper_storage(method: str, c: float, r: float | None) -> str:
-    """RocketKV Table 1's storage relative to Full-KV at compression c (traffic is 1/c for every method)."""
+def paper_storage(method: str, c: float, r: float | None, page: float | None = None) -> str:
+    """RocketKV Table 1's storage relative to Full-KV at compression c (traffic is 1/c for every method).
+    HSA alone has no row in the paper: its page summaries over the whole cache cost 2/p by the same rule."""
     if method in ("snapkv", "streamingllm", "adakv", "pyramidkv", "ada_pyramid", "h2o", "tova", "keydiff"):
         return f"{1 / c:.3f}"
     if method == "quest":
@@ -96,24 +101,28 @@ def paper_storage(method: str, c: float, r: float | None) -> str:
     if method in ("rocketkv", "rocketkv_mt") and r is not None:
         aux = 2 / c ** ((1 + r) / 2)
         return f"{(1 / c**r if method == 'rocketkv' else 1) + aux:.3f}"
-    return "1" if method in ("full", "exact_topk", "hsa") else "-"
+    if method == "hsa" and page:
+        return f"{1 + 2 / page:.3f}"
+    return "1" if method in ("full", "exact_topk") else "-"
 
 
 def table1(df: pd.DataFrame) -> str:
     cols = ["storage_ratio_bytes", "storage_ratio_table1", "decode_read_tokens_per_group", "budget_plan.sequence_length"]
     df = df[df["budget_label"] != "-"].copy()
-    if "budget_plan.r" not in df:
-        df["budget_plan.r"] = float("nan")
-    grouped = df.groupby(["row", "budget_label"])[cols + ["budget_plan.r"]].mean()
+    for optional in ("budget_plan.r", "budget_plan.page_size"):
+        if optional not in df:
+            df[optional] = float("nan")
+    grouped = df.groupby(["row", "budget_label"])[cols + ["budget_plan.r", "budget_plan.page_size"]].mean()
     out = ["\n| method | t | c = S/t | storage, true bytes | storage, Table 1 convention | Table 1 formula | "
            "traffic, tokens/group/step | traffic / S | formula 1/c |", "|---" * 9 + "|"]
     for (row, budget), v in grouped.iterrows():
         seq = v["budget_plan.sequence_length"]
         c = seq / budget
         r = None if math.isnan(v["budget_plan.r"]) else v["budget_plan.r"]
+        page = None if math.isnan(v["budget_plan.page_size"]) else v["budget_plan.page_size"]
         method = row.split(" ")[0]
         out.append(f"| {row} | {budget} | {c:.1f} | {v['storage_ratio_bytes']:.3f} | {v['storage_ratio_table1']:.3f} | "
-                   f"{paper_storage(method, c, r)} | {v['decode_read_tokens_per_group']:.0f} | "
+                   f"{paper_storage(method, c, r, page)} | {v['decode_read_tokens_per_group']:.0f} | "
                    f"{v['decode_read_tokens_per_group'] / seq:.3f} | {1 / c:.3f} |")
     return "\n".join(out)
 
