@@ -1,10 +1,12 @@
 """Decode attention over the flattened ragged KV layout (Ada-KV style, see `kvbench.cache`).
 
-A ragged layer stores keys/values as `[sum_h len_h, D]`, KV head h's rows at `offsets[h] .. offsets[h] +
+A ragged layer stores keys/values as flat rows `[R, D]`, KV head h's rows at `offsets[h] .. offsets[h] +
 len_h`. One decode step attends each query head to its KV head's rows only, without padding the layer to
-`[H_kv, max_len, D]`. `ragged_decode_attention` dispatches between the Triton kernel
-(`ragged_decode_attention_triton`, CUDA) and the PyTorch reference (`ragged_decode_attention_reference`);
-both compute the same function, documented on the reference.
+`[H_kv, max_len, D]`. Rows between one head's segment and the next (append slack) are never read.
+`ragged_decode_attention` dispatches between the Triton kernel (`ragged_decode_attention_triton`, CUDA) and
+a loop of one SDPA call per KV head over its segment (`ragged_decode_attention_per_head`: views, no copy,
+the same SDPA kernel dense decode runs). All compute the function documented on the PyTorch reference
+(`ragged_decode_attention_reference`), which pads the heads and exists to test the others against.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
+
 from kvbench.kernels._dispatch import use_triton
 
 
@@ -23,9 +27,37 @@ def ragged_decode_attention(
     head_lens: torch.Tensor | Sequence[int],
     scaling: float,
 ) -> torch.Tensor:
-    """`ragged_decode_attention_reference`'s result, by the Triton kernel when `use_triton` allows it."""
-    impl = ragged_decode_attention_triton if use_triton(q, keys_flat, values_flat) else ragged_decode_attention_reference
-    return impl(q, keys_flat, values_flat, head_offsets, head_lens, scaling)
+    """`ragged_decode_attention_reference`'s result: by the Triton kernel when `use_triton` allows it, else
+    by one SDPA call per KV head (the padded reference copies the layer at every step; it is for tests)."""
+    if use_triton(q, keys_flat, values_flat):
+        return ragged_decode_attention_triton(q, keys_flat, values_flat, head_offsets, head_lens, scaling)
+    return ragged_decode_attention_per_head(q, keys_flat, values_flat, head_offsets, head_lens, scaling)
+
+
+def ragged_decode_attention_per_head(
+    q: torch.Tensor,
+    keys_flat: torch.Tensor,
+    values_flat: torch.Tensor,
+    head_offsets: torch.Tensor,
+    head_lens: torch.Tensor | Sequence[int],
+    scaling: float,
+) -> torch.Tensor:
+    """`ragged_decode_attention_reference`'s function as one SDPA call per KV head on its segment (a view).
+
+    Reads each head's rows once and copies nothing, so a ragged decode step costs what a dense one over the
+    same tokens costs, up to H_kv kernel launches; the SDPA call is the one dense decode makes, with its
+    numerics (fp32 accumulation). The CPU path; on CUDA the Triton kernel does it in one launch.
+    """
+    _check_shapes(q, keys_flat, values_flat, head_offsets, head_lens)
+    starts = head_offsets.tolist()
+    lens = head_lens.tolist() if isinstance(head_lens, torch.Tensor) else list(head_lens)
+    out = q.new_empty(q.shape)
+    for h, (start, n) in enumerate(zip(starts, lens)):
+        keys = keys_flat[start:start + n][None, None]  # [1, 1, n, D]
+        values = values_flat[start:start + n][None, None]
+        out[h] = F.scaled_dot_product_attention(q[h][None, :, None], keys, values, scale=scaling,
+                                                enable_gqa=True)[0, :, 0]
+    return out
 
 
 def ragged_decode_attention_reference(

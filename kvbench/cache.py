@@ -1,13 +1,22 @@
 """The KV cache: per-layer storage in which every KV head may hold a different set of tokens.
 
-Storage layout (batch size 1, as in the Ada-KV and RocketKV reference code):
+Storage (batch size 1, as in the Ada-KV and RocketKV reference code): every per-token field of a layer
+(keys, values, positions, a method's token state) is one flat row buffer `[R, ...]`; head h's tokens are
+rows `starts[h] .. starts[h] + len_h`, and the rows up to the next head's start are slack for appends.
 
-- *uniform*: every head holds the same number of tokens; `keys`/`values` are `[1, H, L, D]` and
-  `positions` is `[H, L]`. Full cache and uniform eviction (StreamingLLM, SnapKV, KeyDiff, ...) live here,
-  and the uncompressed attention path is exactly the stock SDPA call.
-- *ragged*: heads hold different numbers of tokens (Ada-KV). `keys`/`values` are flattened to
-  `[sum_h len_h, D]` with `head_lens` (the official Ada-KV layout, `cu_seqlens` style), so evicted
-  tokens are really freed rather than padded.
+- *uniform*: every head holds the same number of tokens and the heads are evenly strided, so `keys`/
+  `values` are `[1, H, L, D]` views and `positions` is `[H, L]`. Full cache and uniform eviction
+  (StreamingLLM, SnapKV, KeyDiff, ...) live here, and the uncompressed attention path is exactly the stock
+  SDPA call (on a strided view: bitwise the same as on a contiguous copy).
+- *ragged*: heads hold different numbers of tokens (Ada-KV). `keys`/`values` are the flat buffers with
+  `starts` and `head_lens` (the official Ada-KV layout, `cu_seqlens` style), so evicted tokens are really
+  freed rather than padded.
+
+Appending a token writes one row per head into the slack: amortised O(1), never a copy of the layer. When
+a head has no room, the layer is copied once into buffers with slack (a quarter of the longest head, or
+what `reserve` asked for: the engine reserves the tokens it is about to decode). Eviction and rollback
+gather the kept rows with `index_select` into new compact buffers, so the old storage is freed (a slice
+would keep it alive). `kv_bytes` counts the tokens held, `kv_capacity_bytes` the buffers with their slack.
 
 `H` is the model's KV heads, unless a method split every KV head into one copy per query head (SnapKV per
 query head, RocketKV's baseline): `keep` with G index lists per KV head does that, new tokens are then
@@ -15,7 +24,7 @@ appended to every copy, and the attention paths see a GQA group of 1. The storag
 
 Per-token state travels with the tokens. `positions` (each stored token's logical position; RoPE is
 already applied to the keys) and a method's `token_state` tensors (H2O's accumulated attention) share one
-layout, so eviction, appends and rollback gather all of them with one set of row indices and no method
+row layout, so eviction, appends and rollback move all of them with one set of row indices and no method
 keeps a side table that could drift from the cache. A layer also keeps the last `cache.query_window`
 queries it attended with (`queries`, `query_positions`): the observation window of SnapKV-like scores,
 whether eviction runs at the end of a segment, after a prefill block or during decoding.
@@ -28,15 +37,18 @@ changes the rows, after which the method rebuilds them.
 `seen` counts logical tokens and `get_seq_length()` reports it, so transformers' default positions stay
 right after eviction (the engine passes explicit `position_ids` anyway).
 
-Eviction always builds new tensors with `index_select`: a slice would keep the whole original storage
-alive. Nothing mutates a stored tensor in place (method state included), so a prefill snapshot and a
-teacher-forcing twin can share tensors with the cache they were cloned from.
+A prefill snapshot and a teacher-forcing twin share buffers with the cache they were cloned from. That is
+safe because no stored row is ever rewritten, and an append writes into slack only where no layer sharing
+the buffers has written past its own length (`claimed`); otherwise it copies (copy on write).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import threading
 import weakref
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -75,19 +87,61 @@ def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
 
 
+FIXED_FIELDS = ("keys", "values", "positions")
+GROWTH = 0.25  # slack added when an append finds no room: a quarter of the longest head (amortised O(1))
+MIN_SLACK = 16
+
+
+class TokenState(MutableMapping):
+    """A layer's method-owned per-token tensors by name: `[H, L]` on a uniform layer, flat `[sum_h len_h]`
+    (head after head) on a ragged one. Setting one installs a new buffer in the layer's row layout (clones
+    keep the old one); reading a ragged one gathers its rows."""
+
+    def __init__(self, layer: "KVLayer"):
+        self.layer = layer
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in FIXED_FIELDS or name not in self.layer.buffers:
+            raise KeyError(name)
+        return self.layer.field(name)
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        if name in FIXED_FIELDS:
+            raise KeyError(f"{name} is not method state")
+        self.layer.set_field(name, value)
+
+    def __delitem__(self, name: str) -> None:
+        if name in FIXED_FIELDS or name not in self.layer.buffers:
+            raise KeyError(name)
+        del self.layer.buffers[name]
+
+    def __iter__(self):
+        return (name for name in list(self.layer.buffers) if name not in FIXED_FIELDS)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
 class KVLayer(CacheLayerMixin):
     is_compileable = False  # a True value makes generate() build 4D masks and auto-compile
     is_sliding = False
     is_croppable = False
 
     def __init__(self, layer_idx: int, cache: "KVBenchCache"):
-        super().__init__()
+        # not CacheLayerMixin.__init__: it assigns `keys`/`values`, which are views of `buffers` here
+        self.is_initialized = False
         self.layer_idx = layer_idx
         self.cache = cache
-        self.positions: torch.Tensor | None = None
-        self.token_state: dict[str, torch.Tensor] = {}  # method-owned, same layout as positions
+        # flat row buffers `[R, ...]`, one per per-token field (keys, values, positions, method state); head h
+        # holds rows starts[h] .. starts[h] + head_lens[h], and rows up to the next head's start are slack
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.starts: list[int] = []
+        self.caps: list[int] = []
+        self.head_lens_: list[int] = []
+        # rows written per head into these buffers by any layer sharing them (clones): an append writes in
+        # place only where nobody wrote past this layer's own length, otherwise it copies (copy on write)
+        self.claimed: list[int] = []
         self.aux: dict[str, Any] = {}  # method-owned derived state (page summaries, ...), immutable objects
-        self.head_lens: list[int] | None = None  # None: uniform layout
         self.seen = 0
         self.prefilled = 0  # logical length after the last multi-token chunk: what decode steps follow
         self.queries: torch.Tensor | None = None  # [H_q, w, D]: the last queries attended with
@@ -98,6 +152,7 @@ class KVLayer(CacheLayerMixin):
         self.budget: int | None = None  # tokens per head this layer was last evicted to
         self.evictions = 0  # eviction events that removed tokens
         self.peak_len = 0  # most tokens any head held at any moment
+        self.relayouts = 0  # appends that found no room and copied the layer
 
     # -- transformers' layer protocol -------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -118,28 +173,21 @@ class KVLayer(CacheLayerMixin):
         q = key_states.shape[2]
         before = self.kv_nbytes()
         new_pos = torch.arange(self.seen, self.seen + q, dtype=torch.int32, device=key_states.device)
-        if self.keys is None:
-            self.keys, self.values = key_states.contiguous(), value_states.contiguous()
-            self.positions = new_pos.expand(self.num_heads, q).contiguous()
-        elif self.head_lens is None:
-            self.keys = torch.cat([self.keys, key_states], dim=2)
-            self.values = torch.cat([self.values, value_states], dim=2)
-            self.positions = torch.cat([self.positions, new_pos.expand(self.num_heads, q)], dim=1)
-            self.token_state = {
-                name: torch.cat([t, t.new_zeros(self.num_heads, q, *t.shape[2:])], dim=1)
-                for name, t in self.token_state.items()
-            }
+        incoming = {"keys": key_states[0], "values": value_states[0], "positions": new_pos.expand(self.num_heads, q)}
+        if not self.buffers:
+            self._install({name: t.reshape(-1, *t.shape[2:]) for name, t in incoming.items()}, [q] * self.num_heads)
         else:
-            self._append_ragged(key_states[0], value_states[0], new_pos)
+            self._append(incoming, q)
         self.seen += q
         if q > 1:
             self.prefilled = self.seen
         self.aux = {name: state.append(self, q) for name, state in self.aux.items()}
         self.peak_len = max(self.peak_len, self.physical_length())
         self.cache._account(self.kv_nbytes() - before)
-        self.returned_key = weakref.ref(self.keys)
+        keys = self.keys
+        self.returned_key = weakref.ref(keys)
         _active.layer = self
-        return self.keys, self.values
+        return keys, self.values
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -153,89 +201,149 @@ class KVLayer(CacheLayerMixin):
     # -- storage -----------------------------------------------------------------------------------------
     @property
     def is_ragged(self) -> bool:
-        return self.head_lens is not None
+        return len(set(self.head_lens_)) > 1
+
+    @property
+    def head_lens(self) -> list[int] | None:
+        """Tokens per head on a ragged layer; None on a uniform one."""
+        return list(self.head_lens_) if self.is_ragged else None
+
+    def field(self, name: str) -> torch.Tensor:
+        """A per-token field: a `[H, L, ...]` view on a uniform layer (`[1, H, L, D]` for keys and values,
+        as the model sees them), the flat buffer `[R, ...]` (slack included; see `starts`) of keys, values
+        and positions on a ragged one, and a compact copy of method state there."""
+        buf = self.buffers[name]
+        if not self.is_ragged:
+            heads = len(self.head_lens_)
+            view = buf.view(heads, buf.shape[0] // heads, *buf.shape[1:])[:, : self.head_lens_[0]]
+            return view[None] if name in ("keys", "values") else view
+        return buf if name in FIXED_FIELDS else buf.index_select(0, self.used_rows())
+
+    def set_field(self, name: str, value: torch.Tensor) -> None:
+        """Install a per-token field given in `field`'s compact shape, as a new buffer in the row layout."""
+        template = self.buffers["positions"]
+        buf = value.new_zeros(template.shape[0], *value.shape[1 + (not self.is_ragged):])
+        buf.index_copy_(0, self.used_rows(), value.reshape(-1, *buf.shape[1:]))
+        self.buffers[name] = buf
+
+    keys = property(lambda self: self.field("keys") if self.buffers else None)
+    values = property(lambda self: self.field("values") if self.buffers else None)
+    positions = property(lambda self: self.field("positions") if self.buffers else None)
+
+    @property
+    def token_state(self) -> TokenState:
+        return TokenState(self)
+
+    def drop_token_state(self) -> None:
+        for name in list(self.token_state):
+            del self.buffers[name]
+
+    def used_rows(self) -> torch.Tensor:
+        """The buffer rows holding tokens, head after head."""
+        device = self.buffers["positions"].device
+        return torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.head_lens_)])
 
     def lengths(self) -> list[int]:
-        if self.keys is None:
-            return []
-        return list(self.head_lens) if self.is_ragged else [self.keys.shape[2]] * self.num_heads
+        return list(self.head_lens_)
 
     def physical_length(self) -> int:
-        return max(self.lengths(), default=0)
+        return max(self.head_lens_, default=0)
 
     def kv_nbytes(self) -> int:
-        return _nbytes(self.keys) + _nbytes(self.values)
+        """Bytes of the keys and values of the tokens held."""
+        if not self.buffers:
+            return 0
+        return 2 * sum(self.head_lens_) * self.head_dim * self.buffers["keys"].element_size()
+
+    def kv_capacity_nbytes(self) -> int:
+        """Bytes of the key and value buffers, append slack included."""
+        return sum(_nbytes(self.buffers.get(name)) for name in ("keys", "values"))
 
     def _offsets(self) -> torch.Tensor:
-        """First flat row of each head (ragged layout)."""
-        lens = torch.tensor(self.head_lens, device=self.keys.device)
-        return torch.cumsum(lens, 0) - lens
+        """First buffer row of each head."""
+        return torch.tensor(self.starts, device=self.buffers["keys"].device)
 
-    def _per_token(self) -> dict[str, torch.Tensor]:
-        """Every per-token tensor as flat rows `[sum_h len_h, ...]`, head after head (views when uniform)."""
-        if self.is_ragged:
-            return {"keys": self.keys, "values": self.values, "positions": self.positions, **self.token_state}
-
-        def rows(t: torch.Tensor) -> torch.Tensor:  # [H, L, ...] -> [H * L, ...]
-            return t.reshape(-1, *t.shape[2:])
-
-        return {"keys": rows(self.keys[0]), "values": rows(self.values[0]), "positions": rows(self.positions),
-                **{name: rows(t) for name, t in self.token_state.items()}}
-
-    def _set_per_token(self, rows: dict[str, torch.Tensor], head_lens: list[int]) -> None:
-        """Install flat per-token tensors, uniform when every head has the same length."""
+    def _install(self, rows: dict[str, torch.Tensor], head_lens: list[int], slack: int = 0) -> None:
+        """Install per-token rows given head after head without gaps, with `slack` free rows after each head."""
         heads = len(head_lens)
-        if len(set(head_lens)) == 1:
-            n = head_lens[0]
-            self.keys = rows.pop("keys").view(1, heads, n, self.head_dim)
-            self.values = rows.pop("values").view(1, heads, n, self.head_dim)
-            self.positions = rows.pop("positions").view(heads, n)
-            self.token_state = {k: v.view(heads, n, *v.shape[1:]) for k, v in rows.items()}
-            self.head_lens = None
-        else:
-            self.keys, self.values, self.positions = rows.pop("keys"), rows.pop("values"), rows.pop("positions")
-            self.token_state = rows
-            self.head_lens = list(head_lens)
+        if slack:
+            dest = self._rows_of([n + slack for n in head_lens], head_lens, rows["positions"].device)
+            total = sum(head_lens) + heads * slack
+            spread = {}
+            for name, t in rows.items():
+                buf = t.new_full((total, *t.shape[1:]), -1) if name == "positions" else t.new_zeros(total, *t.shape[1:])
+                spread[name] = buf.index_copy_(0, dest, t)
+            rows = spread
+        self.buffers = rows
+        self.caps = [n + slack for n in head_lens]
+        self.starts = list(itertools.accumulate([0, *self.caps[:-1]]))
+        self.head_lens_ = list(head_lens)
+        self.claimed = list(head_lens)
         self.num_heads = heads
 
-    def _append_ragged(self, k: torch.Tensor, v: torch.Tensor, new_pos: torch.Tensor) -> None:
-        # One new flat tensor per per-token field: each head's old rows shift down by q rows per preceding head.
-        q, heads = k.shape[1], self.num_heads
-        lens = torch.tensor(self.head_lens, device=k.device)
-        head_of_row = torch.repeat_interleave(torch.arange(heads, device=k.device), lens)
-        old_dest = torch.arange(int(lens.sum()), device=k.device) + head_of_row * q
-        new_starts = torch.cumsum(lens + q, 0) - q
-        new_dest = (new_starts[:, None] + torch.arange(q, device=k.device)[None, :]).reshape(-1)
-        total = int(lens.sum()) + heads * q
-        incoming = {"keys": k.reshape(-1, self.head_dim), "values": v.reshape(-1, self.head_dim),
-                    "positions": new_pos.repeat(heads)}
-        rows = {}
-        for name, old in self._per_token().items():
-            new = old.new_empty(total, *old.shape[1:])
-            new[old_dest] = old
-            new[new_dest] = incoming[name] if name in incoming else 0
-            rows[name] = new
-        self._set_per_token(rows, [n + q for n in self.head_lens])
+    @staticmethod
+    def _rows_of(caps: list[int], lens: list[int], device: torch.device) -> torch.Tensor:
+        starts = itertools.accumulate([0, *caps[:-1]])
+        return torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(starts, lens)])
+
+    def _compact(self) -> dict[str, torch.Tensor]:
+        rows = self.used_rows()
+        return {name: t.index_select(0, rows) for name, t in self.buffers.items()}
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for `tokens` more tokens per head, so that appending them copies nothing."""
+        if self.buffers and not self._room_for(tokens):
+            self._install(self._compact(), self.head_lens_, slack=tokens)
+            self.relayouts += 1
+
+    def _room_for(self, q: int) -> bool:
+        return all(c == n and n + q <= cap for c, n, cap in zip(self.claimed, self.head_lens_, self.caps))
+
+    def _append(self, incoming: dict[str, torch.Tensor], q: int) -> None:
+        """Write `q` new tokens per head (`incoming[name]`: `[H, q, ...]`) after each head's rows: in place
+        when the buffers have room this layer may claim, else into new buffers with slack."""
+        if not self._room_for(q):
+            longest = max(self.head_lens_) + q
+            self._install(self._compact(), self.head_lens_, slack=max(q, MIN_SLACK, math.ceil(GROWTH * longest)))
+            self.relayouts += 1
+        heads = len(self.head_lens_)
+        if not self.is_ragged:  # a strided slice: same rows as the index list below, one copy kernel
+            length = self.head_lens_[0]
+            for name, buf in self.buffers.items():
+                view = buf.view(heads, buf.shape[0] // heads, *buf.shape[1:])[:, length:length + q]
+                view.copy_(incoming[name]) if name in incoming else view.zero_()
+        else:
+            dest = torch.tensor([s + n + i for s, n in zip(self.starts, self.head_lens_) for i in range(q)],
+                                device=self.buffers["keys"].device)
+            for name, buf in self.buffers.items():
+                if name in incoming:
+                    buf.index_copy_(0, dest, incoming[name].reshape(-1, *buf.shape[1:]))
+                else:
+                    buf.index_fill_(0, dest, 0)
+        self.head_lens_ = [n + q for n in self.head_lens_]
+        self.claimed[:] = self.head_lens_  # in place: every layer sharing these buffers sees the claim
 
     def head_view(self) -> HeadView:
         """Keys/values as `[H, L_max, D]`: a free view when uniform, a padded copy when ragged."""
         if not self.is_ragged:
             return HeadView(self.keys[0], self.values[0], self.positions, None)
         rows, valid = self._padded_rows()
-        positions = torch.where(valid, self.positions[rows], torch.full_like(self.positions[rows], -1))
-        return HeadView(self.keys[rows], self.values[rows], positions, valid)
+        positions = self.buffers["positions"][rows]
+        positions = torch.where(valid, positions, torch.full_like(positions, -1))
+        return HeadView(self.buffers["keys"][rows], self.buffers["values"][rows], positions, valid)
 
     def _padded_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        lens = torch.tensor(self.head_lens, device=self.keys.device)
+        lens = torch.tensor(self.head_lens_, device=self.buffers["keys"].device)
         slot = torch.arange(int(lens.max()), device=lens.device)[None, :]
         valid = slot < lens[:, None]
-        rows = (self._offsets()[:, None] + slot).clamp(max=self.keys.shape[0] - 1)
+        rows = (self._offsets()[:, None] + slot).clamp(max=self.buffers["keys"].shape[0] - 1)
         return rows, valid
 
     def token_tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The method's per-token tensor `name`, created as zeros for the tokens already stored."""
-        if name not in self.token_state:
-            self.token_state[name] = torch.zeros(self.positions.shape, dtype=dtype, device=self.positions.device)
+        if name not in self.buffers:
+            positions = self.buffers["positions"]
+            self.buffers[name] = torch.zeros(positions.shape[0], dtype=dtype, device=positions.device)
         return self.token_state[name]
 
     def keep(self, indices: list[torch.Tensor]) -> None:
@@ -243,18 +351,16 @@ class KVLayer(CacheLayerMixin):
 
         `G * H` index lists split every head into G copies, copy `i` reading head `i // G` (per-query-head
         eviction). Keys, values, positions and every token-state tensor are gathered with the same rows into
-        new tensors, so the old storage is freed.
+        new compact tensors, so the old storage is freed.
         """
         if len(indices) % self.num_heads:
             raise ValueError(f"{len(indices)} index lists for {self.num_heads} heads")
         copies = len(indices) // self.num_heads
-        device = self.keys.device
-        lens = self.lengths()
-        starts = self._offsets().tolist() if self.is_ragged else [h * lens[0] for h in range(self.num_heads)]
-        rows = torch.cat([ix.to(device) + starts[i // copies] for i, ix in enumerate(indices)])
+        device = self.buffers["keys"].device
+        rows = torch.cat([ix.to(device) + self.starts[i // copies] for i, ix in enumerate(indices)])
         before = self.kv_nbytes()
-        self._set_per_token({name: t.index_select(0, rows) for name, t in self._per_token().items()},
-                            [int(ix.numel()) for ix in indices])
+        self._install({name: t.index_select(0, rows) for name, t in self.buffers.items()},
+                      [int(ix.numel()) for ix in indices])
         # derived from rows that changed: dropped (the method rebuilds it) unless the state says it still holds
         self.aux = {name: kept for name, state in self.aux.items()
                     if (kept := getattr(state, "kept", lambda layer: None)(self)) is not None}
@@ -286,20 +392,26 @@ class KVLayer(CacheLayerMixin):
         self.queries, self.query_positions = queries[:, -window:].clone(), positions[-window:].clone()
 
     def method_state_nbytes(self) -> int:
-        tensors = (*self.token_state.values(), self.queries, self.query_positions)
-        return sum(_nbytes(t) for t in tensors) + sum(state.nbytes() for state in self.aux.values())
+        held = sum(self.head_lens_)
+        per_token = sum(t[0].numel() * t.element_size() * held for t in self.token_state_buffers())
+        queries = _nbytes(self.queries) + _nbytes(self.query_positions)
+        return per_token + queries + sum(state.nbytes() for state in self.aux.values())
+
+    def token_state_buffers(self) -> list[torch.Tensor]:
+        return [t for name, t in self.buffers.items() if name not in FIXED_FIELDS]
 
     def tensors(self) -> list[torch.Tensor]:
-        fixed = (self.keys, self.values, self.positions, self.queries, self.query_positions)
-        return [t for t in (*fixed, *self.token_state.values()) if t is not None]
+        queries = [t for t in (self.queries, self.query_positions) if t is not None]
+        return [*self.buffers.values(), *queries]
 
     def clone_into(self, cache: "KVBenchCache") -> "KVLayer":
-        """A layer for `cache` that shares this layer's tensors (never mutated in place)."""
+        """A layer for `cache` that shares this layer's buffers: rows are never rewritten, and an append
+        writes in place only into slack nobody else claimed (see `claimed`)."""
         twin = KVLayer(self.layer_idx, cache)
         twin.__dict__.update({k: v for k, v in self.__dict__.items() if k != "cache"})
         twin.cache = cache
-        twin.head_lens = list(self.head_lens) if self.head_lens is not None else None
-        twin.token_state = dict(self.token_state)
+        twin.buffers = dict(self.buffers)
+        twin.starts, twin.caps, twin.head_lens_ = list(self.starts), list(self.caps), list(self.head_lens_)
         # immutable derived state is shared; state that updates in place (CTKVR's index) is forked
         twin.aux = {name: state.fork() if hasattr(state, "fork") else state for name, state in self.aux.items()}
         return twin
@@ -346,7 +458,7 @@ class KVBenchCache(Cache):
         self.query_window = method.obs_window if method is not None else 0
         for layer in self.layers:
             if not live:
-                layer.token_state = {}
+                layer.drop_token_state()
             if layer.queries is not None and layer.queries.shape[1] > self.query_window:
                 keep = layer.queries.shape[1] - self.query_window
                 layer.queries = layer.queries[:, keep:].clone() if self.query_window else None
@@ -377,9 +489,17 @@ class KVBenchCache(Cache):
         return sum(seen.values())
 
     def kv_bytes(self) -> int:
-        """Bytes of keys and values alone (without positions or method state)."""
-        return sum(layer.keys.untyped_storage().nbytes() + layer.values.untyped_storage().nbytes()
-                   for layer in self.layers if layer.keys is not None)
+        """Bytes of the keys and values of the tokens held (without positions or method state)."""
+        return sum(layer.kv_nbytes() for layer in self.layers)
+
+    def kv_capacity_bytes(self) -> int:
+        """Bytes of the key and value buffers, the slack reserved for appends included."""
+        return sum(layer.kv_capacity_nbytes() for layer in self.layers)
+
+    def reserve(self, tokens: int) -> None:
+        """Room for `tokens` more tokens in every layer, so that decoding them copies no layer."""
+        for layer in self.layers:
+            layer.reserve(tokens)
 
     def method_state_bytes(self) -> int:
         """Bytes of the method's own state: per-token tensors and the kept observation queries."""

@@ -301,6 +301,7 @@ class Session:
         """
         tokens: list[int] = []
         step_times: list[float] = []
+        self.cache.reserve(max_new_tokens - 1)  # the steps below then append without copying a layer
         blocked = torch.tensor(sorted(stop_ids), device=logits.device, dtype=torch.long)
         for _ in range(max_new_tokens):
             if len(tokens) < min_new_tokens and len(blocked):
@@ -332,6 +333,7 @@ class Session:
             return float("nan")
         twin = Session(self.lm, self.method, self.cache.plan, self.cache.clone())
         twin.position, twin.decode_steps = self.position, self.decode_steps
+        twin.cache.reserve(len(target) - 1)
         total = 0.0
         for i, token in enumerate(target):
             total -= float(torch.log_softmax(logits, dim=-1)[token])
@@ -509,6 +511,7 @@ def run_sample(
         "kv_bytes_after_compress": kv_after_compress,
         "kv_bytes_after_prefill": kv_after_prefill,
         "kv_bytes_end": cache.kv_bytes(),
+        "kv_capacity_bytes_end": cache.kv_capacity_bytes(),  # the buffers, append slack included
         "method_state_bytes_end": cache.method_state_bytes(),
         **_decode_accounting(cache, lm, sequence_length),
         "kv_bytes_full_prompt": 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elem * (len(ctx_ids) + len(q_ids)),

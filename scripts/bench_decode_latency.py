@@ -30,6 +30,21 @@ CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 DEFAULT_METHODS = "full,exact_topk,quest,sparq,hsa,rocketkv,snapkv,streamingllm"
 
 
+def time_decode(lm, session, logits: torch.Tensor, warmup: int, steps: int) -> tuple[float, float]:
+    """Median and p90 ms per greedy decode step through `Session.step`, after `warmup` untimed steps."""
+    times = []
+    token = int(logits.argmax())
+    for step in range(warmup + steps):
+        _sync(lm.device)
+        t0 = time.perf_counter()
+        logits = session.step(token)
+        _sync(lm.device)
+        if step >= warmup:
+            times.append(1e3 * (time.perf_counter() - t0))
+        token = int(logits.argmax())
+    return statistics.median(times), sorted(times)[int(0.9 * (len(times) - 1))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2_135m", help="a conf/model name")
@@ -64,18 +79,7 @@ def main() -> None:
         start = time.perf_counter()
         session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine)
         prefill_s = time.perf_counter() - start
-        times = []
-        token = int(logits.argmax())
-        for step in range(args.warmup + args.steps):
-            _sync(lm.device)
-            t0 = time.perf_counter()
-            logits = session.step(token)
-            _sync(lm.device)
-            if step >= args.warmup:
-                times.append(1e3 * (time.perf_counter() - t0))
-            token = int(logits.argmax())
-        median = statistics.median(times)
-        p90 = sorted(times)[int(0.9 * (len(times) - 1))]
+        median, p90 = time_decode(lm, session, logits, args.warmup, args.steps)
         baseline = baseline or median
         stats = session.cache.stats
         read = stats.read_token_equivalents / stats.layer_steps if stats.layer_steps else float("nan")

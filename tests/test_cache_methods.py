@@ -112,7 +112,7 @@ def test_adakv_budgets_sum_to_layer_budget_with_alpha_floor_and_free_memory(tiny
     session = Session(tiny, build_method("adakv", window=window, alpha=alpha), budget)
     session.cache.query_window = window
     session.prefill(ids, compress=False)
-    dense_keys = [weakref.ref(layer.keys) for layer in session.cache.layers]
+    dense_keys = [weakref.ref(layer.buffers["keys"]) for layer in session.cache.layers]
     session.cache.compress()
     gc.collect()
     assert all(ref() is None for ref in dense_keys), "evicted K/V storage must be released"

@@ -142,7 +142,7 @@ def test_ctkvr_moves_the_middle_off_the_device_storage_without_a_second_copy(tin
     session.cache.query_window = 64
     session.prefill(random_ids(PROMPT, seed=63), compress=False)  # dense, then the event by hand
     full_bytes = session.cache.kv_bytes()
-    dense_keys = [weakref.ref(layer.keys) for layer in session.cache.layers]
+    dense_keys = [weakref.ref(layer.buffers["keys"]) for layer in session.cache.layers]
     for layer in session.cache.layers:
         session.cache.evict_now = True
         from kvbench.cache import evict_layer
