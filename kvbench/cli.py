@@ -32,7 +32,7 @@ from kvbench.errors import KVBenchError
 from kvbench.results import point_hash
 
 if TYPE_CHECKING:
-    from kvbench.engine import PromptBuilder
+    from kvbench.engine import EngineConfig, PromptBuilder
     from kvbench.models import LoadedModel
     from kvbench.tasks.base import Sample
 
@@ -57,6 +57,8 @@ def point_identity(cfg: DictConfig) -> dict[str, Any]:
     if not budget_matters(cfg):
         point["budget"] = None
         point.pop("compression_ratio", None)
+    if cfg.get("profile"):  # a key only when profiling: accuracy points keep their hashes
+        point["profile"] = OmegaConf.to_container(cfg.profiler, resolve=True)
     data_file = cfg.task.get("path")
     if data_file and Path(data_file).is_file():  # an edited file is a new point, not a resume
         point["task_file_sha256"] = file_digest(Path(data_file).resolve())
@@ -89,7 +91,7 @@ def _point_dir(*, _root_: DictConfig) -> str:
     budget = str(_root_.budget).replace(".", "p") if point["budget"] is not None else "-"
     if point.get("compression_ratio") is not None:
         budget = "cr" + str(point["compression_ratio"]).replace(".", "p")
-    mode = "qa" if _root_.compress_question else "qagn"
+    mode = ("qa" if _root_.compress_question else "qagn") + ("-prof" if _root_.get("profile") else "")
     return f"{_root_.task.name}/{_root_.model.name}/{_root_.method.name}/b{budget}-{mode}-{point_hash(point)}"
 
 
@@ -231,6 +233,8 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
     check_length(cfg, lm)
     seq_len = cfg.task.get("seq_len")
     engine_cfg = EngineConfig(compress_question=cfg.compress_question, **OmegaConf.to_container(cfg.engine))
+    if cfg.profile:  # every sample's own prefill (the peaks are real) and no fidelity measurement in the timings
+        engine_cfg.reuse_prefill, engine_cfg.topk_recall = False, False
     samples = cached_samples(cfg, lm, PromptBuilder(lm.tokenizer, engine_cfg.chat_template, engine_cfg.system_prompt))
 
     store = RecordStore(run_dir)
@@ -255,10 +259,11 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
     bar = tqdm(todo, desc=f"{cfg.method.name} b={budget} {cfg.task.name}", unit="sample",
                disable=not cfg.show_progress or not todo)
     for sample in bar:
-        record = run_sample(lm, method, budget, sample, engine_cfg)
+        record = _run_or_oom(cfg, lm, method, budget, sample, engine_cfg)
         record.update(point=point_fields, point_hash=phash, method_params=method.params())
         store.append(record)
-        bar.set_postfix(score=f"{record['score']:.2f}")
+        if record.get("score") is not None:
+            bar.set_postfix(score=f"{record['score']:.2f}")
         release_host_memory()
     records = store.records()
     summary = summarize(records)
@@ -271,11 +276,41 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
     return summary
 
 
+def _run_or_oom(cfg: DictConfig, lm: "LoadedModel", method: Any, budget: Any, sample: "Sample",
+                engine_cfg: "EngineConfig") -> dict[str, Any]:
+    """The sample's record (profiled when `profile=true`), or, when it runs out of memory, a record saying so:
+    the point and the sweep go on (an efficiency sweep finds its OOM limit this way)."""
+    from kvbench.engine import run_sample
+    from kvbench.profiler import PhaseProfiler, combine_repeats, is_out_of_memory
+    from kvbench.roofline import machine_peaks, roofline
+
+    try:
+        if not cfg.profile:
+            return run_sample(lm, method, budget, sample, engine_cfg)
+        runs = [run_sample(lm, method, budget, sample, engine_cfg,
+                           profiler=PhaseProfiler(lm.device, cfg.profiler.warmup_steps))
+                for _ in range(max(1, cfg.profiler.repeats))]
+        record = combine_repeats(runs, cfg.profiler.warmup_steps)
+        dtype = str(lm.dtype).replace("torch.", "")
+        record["roofline"] = roofline(record, lm.model.config, dtype, machine_peaks(lm.device))
+        return record
+    except Exception as exc:  # noqa: BLE001 - only allocation failures are caught, the rest re-raised
+        if not is_out_of_memory(exc):
+            raise
+        log.warning("sample %s: out of memory (%s); recorded as oom", sample.id, str(exc).splitlines()[0])
+        gc.collect()
+        if lm.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return {"sample_id": sample.id, "task": sample.task, "oom": True, "error": str(exc).splitlines()[0],
+                "score": None, "nll": None, "turns": [], "meta": sample.meta}
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
     point = summary["point"]
     budget = "-" if point["budget"] is None else point["budget"]
+    score = "-" if summary["score"] is None else f"{summary['score']:.2f}"
     lines = [f"{point['method']} budget={budget} on {point['task']} ({point['model']}): "
-             f"score {summary['score']:.2f} over {summary['n_samples']} samples"]
+             f"score {score} over {summary['n_samples']} samples"]
     if summary.get("suite_skipped"):
         lines.append(f"  (mean of {len(summary['tasks'])} subtasks; skipped for missing data: "
                      f"{', '.join(summary['suite_skipped'])})")

@@ -19,6 +19,7 @@ captured observation-window queries through exactly the same hook. Turn it off t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -32,6 +33,7 @@ from kvbench.cache import KVBenchCache
 from kvbench.errors import KVBenchError
 from kvbench.methods.base import Method, Plan
 from kvbench.models import LoadedModel
+from kvbench.profiler import PhaseProfiler
 from kvbench.tasks.base import Sample
 from kvbench.tasks.scoring import score as score_prediction
 
@@ -112,10 +114,22 @@ class PromptBuilder:
         return head, tail
 
     def first_turn(self, sample: Sample) -> tuple[list[int], list[int]]:
+        if sample.token_prompt is not None:
+            return self.token_prompt_ids(sample.token_prompt), []
         turn = sample.turns[0]
         head, tail = self.split_texts(sample.context, turn.question, turn.answer_prefix, sample.chat_template)
         templated = self._templated(sample.chat_template)
         return self._ids(head, first=not templated), self._ids(tail, first=False)
+
+    def token_prompt_ids(self, recipe: dict[str, Any]) -> list[int]:
+        """Token ids from a synthetic recipe: `length` ordinary tokens (no special ones), uniformly random or
+        one token repeated, drawn with the recipe's seed."""
+        special = set(self.tokenizer.all_special_ids)
+        ordinary = torch.tensor([i for i in range(len(self.tokenizer)) if i not in special])
+        gen = torch.Generator().manual_seed(int(recipe["seed"]))
+        count = recipe["length"] if recipe["kind"] == "random" else 1
+        ids = ordinary[torch.randint(len(ordinary), (count,), generator=gen)].tolist()
+        return ids if recipe["kind"] == "random" else ids * recipe["length"]
 
     def measure(self, context: str, question: str = "", answer_prefix: str = "", chat_template: bool = True) -> int:
         head, tail = self.split_texts(context, question, answer_prefix, chat_template)
@@ -388,6 +402,8 @@ def fit_to_model(lm: LoadedModel, sample: Sample, ctx_ids: list[int], q_ids: lis
 
 
 def _score_turn(turn: Any, prediction: str, extra: list[str]) -> dict[str, Any]:
+    if turn.metric == "none":  # synthetic efficiency inputs: nothing to score
+        return {"score": None}
     scores = {"score": score_prediction(turn.metric, prediction, turn.answers, **turn.metric_args)}
     if extra:
         scores["extra_scores"] = {m: score_prediction(m, prediction, turn.answers) for m in extra}
@@ -395,14 +411,21 @@ def _score_turn(turn: Any, prediction: str, extra: list[str]) -> dict[str, Any]:
 
 
 def run_sample(
-    lm: LoadedModel, method: Method, budget_cfg: "float | int | CompressionRatio", sample: Sample, cfg: EngineConfig
+    lm: LoadedModel,
+    method: Method,
+    budget_cfg: "float | int | CompressionRatio",
+    sample: Sample,
+    cfg: EngineConfig,
+    profiler: PhaseProfiler | None = None,
 ) -> dict[str, Any]:
     """Run every turn of a sample and return its record (metrics, timings, memory, predictions).
 
     Multi-turn samples (golden context) roll back to the end of each turn's prompt and append the next
     turn, uncompressed unless the method evicts every turn (RocketKV). Multi-request samples (`meta["mode"] == "multi_request"`) compress the context
-    alone and run every turn, the first included, as an independent request on it.
+    alone and run every turn, the first included, as an independent request on it. With a `profiler`, the
+    prefill and decode phases are measured (`kvbench.profiler`) and the record gets a `profile` entry.
     """
+    phase = profiler.phase if profiler is not None else (lambda name: contextlib.nullcontext())
     started = time.perf_counter()
     if sample.meta.get("golden_context") is False:
         raise KVBenchError(f"sample {sample.id}: multi-turn with the model's own replies as history "
@@ -426,20 +449,21 @@ def run_sample(
         segment, rest = (segment, rest[:-1]) if rest else (segment[:-1], [])
     else:
         held_back = []
-    session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, plan, segment, cfg)
-    cache = session.cache
-    cache.measure_recall = cfg.topk_recall and method.selects
-    kv_after_compress = cache.kv_bytes()
-    kept = cache.kept_per_head()
-    if rest:
-        logits, rest_s = session.prefill(rest, compress=False)
-        prefill_s += rest_s
-    if held_back:
-        _sync(lm.device)
-        start = time.perf_counter()
-        logits = session.forward(held_back)[-1]
-        _sync(lm.device)
-        prefill_s += time.perf_counter() - start
+    with phase("prefill"):
+        session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, plan, segment, cfg)
+        cache = session.cache
+        cache.measure_recall = cfg.topk_recall and method.selects
+        kv_after_compress = cache.kv_bytes()
+        kept = cache.kept_per_head()
+        if rest:
+            logits, rest_s = session.prefill(rest, compress=False)
+            prefill_s += rest_s
+        if held_back:
+            _sync(lm.device)
+            start = time.perf_counter()
+            logits = session.forward(held_back)[-1]
+            _sync(lm.device)
+            prefill_s += time.perf_counter() - start
     kv_after_prefill = cache.kv_bytes()
 
     stop_ids = stop_token_ids(lm)
@@ -458,7 +482,8 @@ def run_sample(
             prompt_end = session.position
         target = builder._ids(gold_continuation(turn), first=False) if turn.answers else []
         nll = session.teacher_forced_nll(logits, target) if cfg.nll else float("nan")
-        tokens, steps, reason = session.decode(logits, turn.max_new_tokens, stop_ids, sample.stop, min_new)
+        with phase("decode"):
+            tokens, steps, reason = session.decode(logits, turn.max_new_tokens, stop_ids, sample.stop, min_new)
         all_steps += steps
         prediction = lm.tokenizer.decode([tk for tk in tokens if tk not in stop_ids], skip_special_tokens=True)
         for stop in sample.stop:
@@ -475,6 +500,11 @@ def run_sample(
                 "decode_ms_per_token": 1e3 * sum(steps) / len(steps) if steps else None,
             }
         )
+    profile = None
+    if profiler is not None:
+        new_tokens = sum(t["new_tokens"] for t in turns_out)
+        profile = {**profiler.latency(prefill_s, compress_s, all_steps, new_tokens), **profiler.fields(),
+                   "decode_step_ms": [1e3 * s for s in all_steps]}
     flat_kept = [n for layer in kept for n in layer]
     kept_end = [n for layer in cache.kept_per_head() for n in layer]
     schedule = method.schedule()
@@ -484,7 +514,7 @@ def run_sample(
     return {
         "sample_id": sample.id,
         "task": sample.task,
-        "score": sum(t["score"] for t in turns_out) / len(turns_out),
+        "score": None if any(t["score"] is None for t in turns_out) else sum(t["score"] for t in turns_out) / len(turns_out),
         "nll": turns_out[0]["nll"],
         "turns": turns_out,
         "prompt_tokens": len(ctx_ids) + len(q_ids),
@@ -521,6 +551,7 @@ def run_sample(
         "decode_ms_per_token": 1e3 * sum(all_steps) / len(all_steps) if all_steps else None,
         "new_tokens": sum(t["new_tokens"] for t in turns_out),
         "wall_s": time.perf_counter() - started,  # the whole sample: prefill, NLL, decode, scoring
+        **({"profile": profile} if profile is not None else {}),
         "meta": sample.meta,
     }
 

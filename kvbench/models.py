@@ -73,9 +73,23 @@ def _device(name: str) -> torch.device:
     return device
 
 
-def _dtype(name: str) -> torch.dtype:
+def fast_cpu_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16, as oneDNN reports it): there,
+    bfloat16 matmuls run several times faster than float32 (`scripts/bench_dtype.py` measures it)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto` is the speed default: bfloat16 on CUDA and on CPUs with native bfloat16 matmuls, else float32.
+    Exactness tests pin float32."""
+    if name == "auto":
+        fast = device.type == "cuda" or (device.type == "cpu" and fast_cpu_bfloat16())
+        return torch.bfloat16 if fast else torch.float32
     if name not in DTYPES:
-        raise KVBenchError(f"model.dtype={name!r} is not one of {', '.join(DTYPES)}")
+        raise KVBenchError(f"model.dtype={name!r} is not one of {', '.join(DTYPES)} (or auto)")
     return DTYPES[name]
 
 
@@ -87,7 +101,8 @@ def load_model(cfg: Any) -> LoadedModel:
     model built from `cfg.config`, seeded, with a byte-level tokenizer).
     """
     register_attention()
-    dtype, device = _dtype(cfg.dtype), _device(cfg.device)
+    device = _device(cfg.device)
+    dtype = _dtype(cfg.dtype, device)
     if cfg.get("path") and cfg.source in ("tiny", "package_gguf"):
         cfg = _with_local_path(cfg)  # never silently ignore a path the user gave
     if cfg.source == "tiny":

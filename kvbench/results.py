@@ -350,6 +350,11 @@ def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _unscored(rec: dict[str, Any]) -> bool:
+    """A record that has no score by design: synthetic efficiency inputs, or an out-of-memory point."""
+    return bool(rec.get("oom")) or all(t.get("metric") == "none" for t in rec.get("turns") or [{}])
+
+
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -392,7 +397,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
     for rec in records:
         if not isinstance(rec.get("task"), str):
             raise ValueError(f"record {rec.get('sample_id')!r} has no task name")
-        if not _is_number(rec.get("score")):
+        if not _is_number(rec.get("score")) and not _unscored(rec):
             log.warning("record %r has no numeric score; excluded from score means", rec.get("sample_id"))
     hashes = {rec["point_hash"] for rec in records if "point_hash" in rec}
     if len(hashes) > 1:

@@ -52,6 +52,9 @@ class Sample:
     # halves of the context tokens).
     truncation: str = "error"
     meta: dict[str, Any] = field(default_factory=dict)  # JSON-serialisable facts: depth, needle offset, ...
+    # A prompt given as token ids instead of text (synthetic efficiency inputs): {"kind": "random" | "repeat",
+    # "length": n, "seed": s}; the engine's prompt builder draws the ids from the model's vocabulary.
+    token_prompt: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

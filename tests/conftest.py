@@ -45,7 +45,7 @@ def tiny(request) -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def smollm2() -> LoadedModel:
-    return load_model(model_cfg("smollm2_135m", device="cpu"))
+    return load_model(model_cfg("smollm2_135m", device="cpu", dtype="float32"))  # exactness tests: fp32
 
 
 def random_ids(n: int, seed: int = 0, low: int = 10, high: int = 250) -> list[int]:

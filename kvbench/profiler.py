@@ -1,0 +1,163 @@
+"""Latency and peak memory per phase, on the accuracy code path (`profile=true`).
+
+The engine runs a sample exactly as for accuracy and brackets its phases with `PhaseProfiler.phase`:
+`prefill` (the compressed segment, its compression, the appended question) and `decode` (the greedy
+steps). The teacher-forced NLL runs between them, outside both. Per phase:
+
+- on CUDA, the caching allocator's peak (`torch.cuda.max_memory_allocated`, reset at the phase start);
+- on CPU, the process's resident-set high-water mark (`VmHWM`, reset at the phase start by writing 5 to
+  `/proc/self/clear_refs`; Linux only), and the bytes of the distinct storages of the tensors alive at the
+  phase's end (found through the garbage collector: model weights, the cache, anything else held).
+
+Both are recorded as absolute peaks and as the growth over the phase's start. Latency comes from the
+engine's own timers (prefill, compression, each decode step), summarised by `latency_summary`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import re
+import statistics
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+_STATUS = Path("/proc/self/status")
+_CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        match = re.search(rf"^{field}:\s+(\d+) kB", _STATUS.read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
+def _reset_rss_peak() -> bool:
+    try:
+        _CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def live_tensor_bytes() -> int:
+    """Bytes of the distinct storages of every tensor the garbage collector can reach."""
+    storages: dict[tuple[str, int], int] = {}
+    with warnings.catch_warnings():  # isinstance on some module objects trips their deprecation warnings
+        warnings.simplefilter("ignore")
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in objects:
+        try:
+            if obj.device.type != "meta":
+                storage = obj.untyped_storage()
+                storages[(str(obj.device), storage.data_ptr())] = storage.nbytes()
+        except (RuntimeError, ReferenceError):  # tensors without storage (sparse, functional wrappers)
+            continue
+    return sum(storages.values())
+
+
+class PhaseProfiler:
+    """Peak memory of each phase a sample goes through; a phase entered twice (a later turn) keeps its max."""
+
+    def __init__(self, device: torch.device, warmup_steps: int = 2):
+        self.device = device
+        self.warmup_steps = warmup_steps
+        self.kind = "cuda_allocator" if device.type == "cuda" else "cpu_rss_high_water_mark"
+        self.peaks: dict[str, int] = {}
+        self.growth: dict[str, int] = {}
+        self.live: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            start = torch.cuda.memory_allocated(self.device)
+        else:
+            start = _status_bytes("VmRSS") if _reset_rss_peak() else None
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            live = torch.cuda.memory_allocated(self.device)
+        else:
+            peak = _status_bytes("VmHWM") if start is not None else None
+            live = live_tensor_bytes()
+        if peak is not None:
+            self.peaks[name] = max(self.peaks.get(name, 0), peak)
+            self.growth[name] = max(self.growth.get(name, 0), peak - start)
+        self.live[name] = max(self.live.get(name, 0), live)
+
+    def latency(self, prefill_s: float, compress_s: float, step_s: list[float], new_tokens: int) -> dict[str, Any]:
+        return latency_summary(prefill_s, compress_s, step_s, new_tokens, self.warmup_steps)
+
+    def fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"memory_kind": self.kind}
+        for name in ("prefill", "decode"):
+            out[f"peak_bytes_{name}"] = self.peaks.get(name)
+            out[f"peak_growth_bytes_{name}"] = self.growth.get(name)
+            out[f"live_tensor_bytes_{name}"] = self.live.get(name)
+        return out
+
+
+def latency_summary(prefill_s: float, compress_s: float, step_s: list[float], new_tokens: int,
+                    warmup: int) -> dict[str, Any]:
+    """Time to first token, per-token decode latency (median and p90 over the steps after `warmup`),
+    end-to-end time and throughput of one run of a sample."""
+    timed = [1e3 * s for s in step_s[warmup:]] or [1e3 * s for s in step_s]
+    ttft = prefill_s + compress_s
+    e2e = ttft + sum(step_s)
+    return {
+        "ttft_s": ttft,
+        "prefill_s": prefill_s,
+        "compress_s": compress_s,
+        "decode_ms_median": statistics.median(timed) if timed else None,
+        "decode_ms_p90": sorted(timed)[int(0.9 * (len(timed) - 1))] if timed else None,
+        "decode_steps_timed": len(timed),
+        "e2e_s": e2e,
+        "tokens_per_s": new_tokens / e2e if e2e > 0 else None,
+    }
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """An allocation failure: CUDA's OutOfMemoryError, or the CPU allocator's (a RuntimeError or MemoryError)."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+def combine_repeats(records: list[dict[str, Any]], warmup_steps: int) -> dict[str, Any]:
+    """One record from repeated runs of a sample: the first run's record, its `profile` recomputed over all
+    runs (decode steps pooled after each run's warm-up; prefill, compression and end-to-end times as medians;
+    memory peaks as maxima), with whether every run predicted the same tokens (greedy decoding must)."""
+    first = dict(records[0])
+    profiles = [r["profile"] for r in records]
+    steps = [ms for p in profiles for ms in p["decode_step_ms"][warmup_steps:]]
+    profile = dict(profiles[0])
+    for key in ("ttft_s", "prefill_s", "compress_s", "e2e_s", "tokens_per_s"):
+        values = [p[key] for p in profiles if p[key] is not None]
+        profile[key] = statistics.median(values) if values else None
+    for key in profile:
+        if key.startswith(("peak_", "live_")):
+            values = [p[key] for p in profiles if p[key] is not None]
+            profile[key] = max(values) if values else None
+    profile.update(
+        decode_ms_median=statistics.median(steps) if steps else None,
+        decode_ms_p90=sorted(steps)[int(0.9 * (len(steps) - 1))] if steps else None,
+        decode_steps_timed=len(steps),
+        repeats=len(records),
+        repeats_identical=len({_outputs(r) for r in records}) == 1,
+    )
+    first["profile"] = profile
+    return first
+
+
+def _outputs(record: dict[str, Any]) -> str:
+    return repr([(t["prediction"], t["nll"]) for t in record["turns"]])
