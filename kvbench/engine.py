@@ -503,7 +503,13 @@ def run_sample(
     profile = None
     if profiler is not None:
         new_tokens = sum(t["new_tokens"] for t in turns_out)
+        weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
         profile = {**profiler.latency(prefill_s, compress_s, all_steps, new_tokens), **profiler.fields(),
+                   # exact accounting, no activations: what CPU figures compare (process RSS carries the
+                   # allocator's history across the points of one process). Method state (indexes, rows
+                   # moved to host memory) only grows, so its end is its peak
+                   "weights_bytes": weights,
+                   "state_peak_bytes": weights + cache.kv_peak_bytes + cache.method_state_bytes(),
                    "decode_step_ms": [1e3 * s for s in all_steps]}
     flat_kept = [n for layer in kept for n in layer]
     kept_end = [n for layer in cache.kept_per_head() for n in layer]

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 _STATUS = Path("/proc/self/status")
@@ -118,7 +119,7 @@ def latency_summary(prefill_s: float, compress_s: float, step_s: list[float], ne
         "prefill_s": prefill_s,
         "compress_s": compress_s,
         "decode_ms_median": statistics.median(timed) if timed else None,
-        "decode_ms_p90": sorted(timed)[int(0.9 * (len(timed) - 1))] if timed else None,
+        "decode_ms_p90": float(np.percentile(timed, 90)) if timed else None,
         "decode_steps_timed": len(timed),
         "e2e_s": e2e,
         "tokens_per_s": new_tokens / e2e if e2e > 0 else None,
@@ -150,7 +151,7 @@ def combine_repeats(records: list[dict[str, Any]], warmup_steps: int) -> dict[st
             profile[key] = max(values) if values else None
     profile.update(
         decode_ms_median=statistics.median(steps) if steps else None,
-        decode_ms_p90=sorted(steps)[int(0.9 * (len(steps) - 1))] if steps else None,
+        decode_ms_p90=float(np.percentile(steps, 90)) if steps else None,
         decode_steps_timed=len(steps),
         repeats=len(records),
         repeats_identical=len({_outputs(r) for r in records}) == 1,
