@@ -7,7 +7,9 @@ on the layer (`_after_attention`): whatever the event (end of the segment, a pre
 eviction is the same hook on the same layer. The uncompressed prefill and decode calls are the exact SDPA calls that
 transformers' own "sdpa" implementation makes on CPU, so an uncompressed run is bitwise identical to stock.
 
-transformers passes no mask under a custom attention name; causality is handled here. Batch size is 1.
+transformers passes no mask under a custom attention name; causality is handled here. A `KVBenchCache` is
+one sequence; a `BatchedCache` puts several of them in one forward (one per batch row, each attended on its
+own layer), so the dense layers read the weights once for all rows.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from kvbench.cache import HeadView, KVLayer, active_layer, evict_layer
+from kvbench.cache import HeadView, KVLayer, active_layers, evict_layer
 from kvbench.kernels.ragged_attention import ragged_decode_attention
 from kvbench.kernels.sparse_attention import merge_attention, topk_attention
 from kvbench.methods.base import Selection
@@ -42,22 +44,30 @@ def kvbench_attention(
         if kwargs.get(unsupported) is not None:
             raise NotImplementedError(f"kvbench attention does not implement {unsupported}")
     if attention_mask is not None:
-        raise NotImplementedError("kvbench attention runs batch size 1 without padding masks")
-    layer = active_layer(key)
-    if layer is None:
+        raise NotImplementedError("kvbench attention runs without padding masks (each batch row is its own cache)")
+    layers = active_layers(key)
+    if layers is None:
         raise RuntimeError("kvbench attention needs a KVBenchCache: pass past_key_values=KVBenchCache(...)")
     scaling = scaling if scaling is not None else module.head_dim**-0.5
+    if len(layers) == 1:
+        return _attend(layers[0], query, scaling), None
+    # a batch of caches (BatchedCache): every row attends over its own layer
+    return torch.cat([_attend(layer, query[b:b + 1], scaling) for b, layer in enumerate(layers)]), None
+
+
+def _attend(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """One row: the chunk's attention over the layer, then the method's per-chunk work. [1, q, H_q, D]."""
     q_len = query.shape[2]
     layer.scaling = scaling
-
     if q_len > 1 and layer.seen == q_len:  # first prefill chunk: stock causal SDPA
-        out = F.scaled_dot_product_attention(query, key, value, scale=scaling, is_causal=True, enable_gqa=True)
+        out = F.scaled_dot_product_attention(query, layer.keys, layer.values, scale=scaling, is_causal=True,
+                                             enable_gqa=True)
     elif q_len == 1:
         out = _decode(layer, query, scaling)
     else:
         out = _continuation(layer, query, scaling)
     _after_attention(layer, query)
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 def _after_attention(layer: KVLayer, query: torch.Tensor) -> None:

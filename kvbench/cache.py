@@ -61,16 +61,22 @@ if TYPE_CHECKING:
 _active = threading.local()
 
 
-def active_layer(key: torch.Tensor) -> "KVLayer | None":
-    """The layer whose `update` returned `key`, i.e. the layer the model is attending with right now.
+def active_layers(key: torch.Tensor) -> "list[KVLayer] | None":
+    """The layers whose `update` returned `key`, one per batch row: the layers the model is attending with
+    right now (one layer for a `KVBenchCache`, one per row's cache for a `BatchedCache`).
 
     The identity check catches a forward that silently used a cache of its own (transformers creates a
-    DynamicCache when none is passed): the pointer would otherwise refer to a stale layer.
+    DynamicCache when none is passed): the pointer would otherwise refer to stale layers.
     """
-    layer = getattr(_active, "layer", None)
-    if layer is None or layer.returned_key is None or layer.returned_key() is not key:
+    layers = getattr(_active, "layers", None)
+    returned = getattr(_active, "key", None)
+    if layers is None or returned is None or returned() is not key:
         return None
-    return layer
+    return layers
+
+
+def _set_active(layers: "list[KVLayer]", key: torch.Tensor) -> None:
+    _active.layers, _active.key = layers, weakref.ref(key)
 
 
 @dataclass
@@ -146,8 +152,6 @@ class KVLayer(CacheLayerMixin):
         self.prefilled = 0  # logical length after the last multi-token chunk: what decode steps follow
         self.queries: torch.Tensor | None = None  # [H_q, w, D]: the last queries attended with
         self.query_positions: torch.Tensor | None = None  # [w] their logical positions
-        # weak, so that the tensor handed to the model never keeps evicted storage alive
-        self.returned_key: weakref.ref | None = None
         self.scaling: float | None = None  # set by the attention function; eviction scores need it
         self.budget: int | None = None  # tokens per head this layer was last evicted to
         self.evictions = 0  # eviction events that removed tokens
@@ -185,8 +189,7 @@ class KVLayer(CacheLayerMixin):
         self.peak_len = max(self.peak_len, self.physical_length())
         self.cache._account(self.kv_nbytes() - before)
         keys = self.keys
-        self.returned_key = weakref.ref(keys)
-        _active.layer = self
+        _set_active([self], keys)
         return keys, self.values
 
     def get_seq_length(self) -> int:
@@ -580,3 +583,53 @@ def evict_layer(layer: KVLayer) -> None:
     keep = cache.method.keep(layer, layer.budget)
     if keep is not None:
         layer.keep(keep)
+
+
+class BatchedCache(Cache):
+    """Several `KVBenchCache`s decoded as one batch: row b of every forward is `caches[b]`.
+
+    Each row keeps its own storage (uniform or ragged), method, plan, hooks, statistics and accounting; the
+    model's dense layers run once over all rows, so a decode step reads the weights once for all of them,
+    and the attention function attends row by row, each on its own layer (`active_layers`). Rows may hold
+    different lengths (positions are passed per row).
+    """
+
+    def __init__(self, caches: list[KVBenchCache]):
+        if not caches or len({c.num_layers for c in caches}) != 1:
+            raise ValueError("a batch needs one or more caches of the same model")
+        super().__init__(layers=[_BatchedLayer([c.layers[i] for c in caches]) for i in range(caches[0].num_layers)])
+        self.caches = caches
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(c.get_seq_length(layer_idx) for c in self.caches)
+
+
+class _BatchedLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, rows: list[KVLayer]):
+        super().__init__()
+        self.rows = rows
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[0] != len(self.rows):
+            raise ValueError(f"a batch of {key_states.shape[0]} rows for {len(self.rows)} caches")
+        for b, layer in enumerate(self.rows):
+            layer.update(key_states[b:b + 1], value_states[b:b + 1])
+        _set_active(self.rows, key_states)  # the attention function reads each row's own layer
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return max(layer.seen for layer in self.rows)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return max(layer.physical_length() for layer in self.rows), 0
+
+    def get_max_length(self) -> int:
+        return -1

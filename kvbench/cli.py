@@ -15,6 +15,7 @@ import logging
 import random
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,10 +39,26 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvbench")
 
+
+def _expose_launcher_plugin() -> None:
+    """Make `hydra/launcher=grouped` discoverable from an editable checkout too.
+
+    Hydra lists the modules of the `hydra_plugins` namespace package; setuptools' editable finder maps
+    `hydra_plugins.kvbench_launcher` for imports but leaves the namespace's listing empty, so the checkout's
+    folder is added to it (an installed wheel already puts the plugin there)."""
+    import hydra_plugins
+
+    folder = Path(__file__).resolve().parents[1] / "hydra_plugins"
+    if (folder / "kvbench_launcher").is_dir() and str(folder) not in list(hydra_plugins.__path__):
+        hydra_plugins.__path__.append(str(folder))
+
+
+_expose_launcher_plugin()
+
 CONF_DIR = str(Path(kvbench.conf.__file__).parent)
 POINT_KEYS = ("model", "task", "method", "budget", "compress_question", "engine", "seed")
 # Engine settings that change speed or memory bookkeeping but never a prediction.
-NON_IDENTITY_ENGINE_KEYS = ("reuse_prefill", "snapshot_window", "snapshot_cache_mb", "topk_recall")
+NON_IDENTITY_ENGINE_KEYS = ("reuse_prefill", "snapshot_window", "snapshot_cache_mb", "topk_recall", "sample_batch")
 
 
 def point_identity(cfg: DictConfig) -> dict[str, Any]:
@@ -215,65 +232,159 @@ def check_length(cfg: DictConfig, lm: "LoadedModel") -> None:
         )
 
 
-def run_point(cfg: DictConfig) -> dict[str, Any]:
-    """Run (or resume) one experiment point and return its summary."""
-    from kvbench.engine import CompressionRatio, EngineConfig, PromptBuilder, run_sample
+@dataclass
+class PreparedPoint:
+    """An experiment point ready to run: its directory, identity, method, model, samples and record store."""
+
+    cfg: DictConfig
+    run_dir: Path
+    point: dict[str, Any]
+    phash: str
+    method: Any
+    lm: "LoadedModel"
+    engine_cfg: "EngineConfig"
+    samples: list["Sample"]
+    store: Any
+    point_fields: dict[str, Any]
+    budget: Any
+
+    def todo(self) -> list["Sample"]:
+        done = self.store.completed_ids()
+        return [s for s in self.samples if s.id not in done]
+
+    def append(self, record: dict[str, Any]) -> None:
+        record.update(point=self.point_fields, point_hash=self.phash, method_params=self.method.params())
+        self.store.append(record)
+
+
+def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
+    """Validate a point, load its model and samples, and set up its directory (manifest, config, records)."""
+    from kvbench.engine import CompressionRatio, EngineConfig, PromptBuilder
     from kvbench.methods import build_method
-    from kvbench.results import RecordStore, build_manifest, summarize, write_manifest, write_summary
+    from kvbench.results import RecordStore, build_manifest, write_manifest
 
     validate(cfg)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)
     point = point_identity(cfg)
     phash = point_hash(point)
     seed_everything(cfg.seed)
-
     method_params = {k: v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items() if k != "name"}
     method = build_method(cfg.method.name, **method_params)
     lm = cached_model(cfg.model)
     check_length(cfg, lm)
-    seq_len = cfg.task.get("seq_len")
     engine_cfg = EngineConfig(compress_question=cfg.compress_question, **OmegaConf.to_container(cfg.engine))
     if cfg.profile:  # every sample's own prefill (the peaks are real) and no fidelity measurement in the timings
         engine_cfg.reuse_prefill, engine_cfg.topk_recall = False, False
     samples = cached_samples(cfg, lm, PromptBuilder(lm.tokenizer, engine_cfg.chat_template, engine_cfg.system_prompt))
-
+    run_dir.mkdir(parents=True, exist_ok=True)
     store = RecordStore(run_dir)
     write_manifest(run_dir, build_manifest(cfg.seed, {"point_hash": phash, "point": point, "dtype": str(lm.dtype)}))
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    done = store.completed_ids()
-    todo = [s for s in samples if s.id not in done]
-    if done:
-        log.info("resuming %s: %d of %d samples already recorded", run_dir, len(samples) - len(todo), len(samples))
     point_fields = {
         "model": lm.name,
         "task": cfg.task.name,
         "method": cfg.method.name,
         "budget": point["budget"],
         "compression_ratio": point.get("compression_ratio"),
-        "seq_len": seq_len,
+        "seq_len": cfg.task.get("seq_len"),
         "compress_question": cfg.compress_question,
         "dtype": str(lm.dtype).replace("torch.", ""),
         "seed": cfg.seed,
     }
     budget = CompressionRatio(point["compression_ratio"]) if point.get("compression_ratio") is not None else cfg.budget
-    bar = tqdm(todo, desc=f"{cfg.method.name} b={budget} {cfg.task.name}", unit="sample",
+    return PreparedPoint(cfg, run_dir, point, phash, method, lm, engine_cfg, samples, store, point_fields, budget)
+
+
+def run_point(cfg: DictConfig) -> dict[str, Any]:
+    """Run (or resume) one experiment point and return its summary."""
+    from kvbench.results import summarize, write_summary
+
+    prepared = prepare_point(cfg, Path(HydraConfig.get().runtime.output_dir))
+    todo = prepared.todo()
+    if len(todo) < len(prepared.samples):
+        log.info("resuming %s: %d of %d samples already recorded", prepared.run_dir,
+                 len(prepared.samples) - len(todo), len(prepared.samples))
+    bar = tqdm(total=len(todo), desc=f"{cfg.method.name} b={prepared.budget} {cfg.task.name}", unit="sample",
                disable=not cfg.show_progress or not todo)
-    for sample in bar:
-        record = _run_or_oom(cfg, lm, method, budget, sample, engine_cfg)
-        record.update(point=point_fields, point_hash=phash, method_params=method.params())
-        store.append(record)
-        if record.get("score") is not None:
-            bar.set_postfix(score=f"{record['score']:.2f}")
+    batch = 1 if cfg.profile else max(1, int(prepared.engine_cfg.sample_batch))
+    for start in range(0, len(todo), batch):
+        for record in _run_rows(prepared, [(prepared, sample) for sample in todo[start:start + batch]]):
+            if record.get("score") is not None:
+                bar.set_postfix(score=f"{record['score']:.2f}")
+        bar.update(len(todo[start:start + batch]))
         release_host_memory()
-    records = store.records()
+    bar.close()
+    records = prepared.store.records()
     summary = summarize(records)
-    summary.update(point=point_fields, point_hash=phash, run_dir=str(run_dir))
+    summary.update(point=prepared.point_fields, point_hash=prepared.phash, run_dir=str(prepared.run_dir))
     suite = records[0].get("meta", {}).get("suite") if records else None
     if suite and suite.get("skipped"):  # e.g. RULER without its QA data: say the average is partial
         summary["suite_skipped"] = suite["skipped"]
-    write_summary(run_dir, summary)
+    write_summary(prepared.run_dir, summary)
     _print_summary(summary)
     return summary
+
+
+def group_key(cfg: DictConfig) -> str | None:
+    """Points with equal keys share a model, samples and engine settings, so their samples can decode as one
+    batch (`run_grouped`); None for a point that runs alone (profiled points: their timings and peaks must be
+    their own)."""
+    if cfg.get("profile"):
+        return None
+    parts = [OmegaConf.to_yaml(cfg[k], resolve=True) for k in ("model", "task", "engine")]
+    return "\n".join([*parts, str(cfg.compress_question), str(cfg.seed)])
+
+
+def run_grouped(points: list[tuple[DictConfig, Path]], max_group: int) -> None:
+    """Record the samples of several points that share a `group_key`, decoding each sample's points together.
+
+    Per sample: every point still missing it joins one batch (at most `max_group` rows): its own prefill
+    and compression (one shared dense prefill through the snapshots), then one batched decode and NLL
+    (`engine.run_group`); each point's record is appended to its own store as soon as the sample is done, so
+    an interrupted group resumes at the samples each point lacks. Points that fail to prepare are left to
+    their own job, which reports the error.
+    """
+    prepared = []
+    for cfg, run_dir in {run_dir: (cfg, run_dir) for cfg, run_dir in points}.values():  # a point swept twice
+        try:
+            prepared.append(prepare_point(cfg, run_dir))
+        except KVBenchError as exc:
+            log.info("%s runs alone: %s", run_dir, exc)
+    if len(prepared) < 2:
+        return
+    samples = prepared[0].samples
+    todo = {p.run_dir: {s.id for s in p.todo()} for p in prepared}
+    pending = [s for s in samples if any(s.id in ids for ids in todo.values())]
+    log.info("decoding %d points together, %d samples to run", len(prepared), len(pending))
+    bar = tqdm(pending, desc=f"group of {len(prepared)} points, {prepared[0].cfg.task.name}", unit="sample",
+               disable=not prepared[0].cfg.show_progress or not pending)
+    for sample in bar:
+        rows = [p for p in prepared if sample.id in todo[p.run_dir]]
+        for start in range(0, len(rows), max_group):
+            _run_rows(prepared[0], [(point, sample) for point in rows[start:start + max_group]])
+        release_host_memory()
+
+
+def _run_rows(first: PreparedPoint, rows: list[tuple[PreparedPoint, "Sample"]]) -> list[dict[str, Any]]:
+    """Record (point, sample) rows that share a model and engine settings: one row through `_run_or_oom`,
+    several decoded together (`engine.run_group`); a batch that runs out of memory is retried row by row.
+    Each record is appended to its point's store as soon as it exists."""
+    from kvbench.engine import run_group
+    from kvbench.profiler import is_out_of_memory
+
+    records = None
+    if len(rows) > 1:
+        try:
+            records = run_group(first.lm, [(p.method, p.budget, sample) for p, sample in rows], first.engine_cfg)
+        except Exception as exc:  # noqa: BLE001 - only allocation failures are caught, the rest re-raised
+            if not is_out_of_memory(exc):
+                raise
+            log.warning("a batch of %d rows ran out of memory; running them one by one", len(rows))
+            gc.collect()
+    if records is None:
+        records = [_run_or_oom(p.cfg, p.lm, p.method, p.budget, sample, p.engine_cfg) for p, sample in rows]
+    for (point, _), record in zip(rows, records):
+        point.append(record)
+    return records
 
 
 def _run_or_oom(cfg: DictConfig, lm: "LoadedModel", method: Any, budget: Any, sample: "Sample",

@@ -24,12 +24,12 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from kvbench.cache import KVBenchCache
+from kvbench.cache import BatchedCache, KVBenchCache
 from kvbench.errors import KVBenchError
 from kvbench.methods.base import Method, Plan
 from kvbench.models import LoadedModel
@@ -52,6 +52,7 @@ class EngineConfig:
     chat_template: bool = True  # apply the model's chat template where the sample asks for it
     system_prompt: str | None = None
     topk_recall: bool = True  # selection methods: measure top-k attention-mass recall at every decode step
+    sample_batch: int = 1  # samples of one point decoded together (run_group); records are those of one by one
 
 
 @dataclass(frozen=True)
@@ -276,9 +277,19 @@ class Session:
 
     def step(self, token: int) -> torch.Tensor:
         """One decode step; an eviction event every `decode_every` steps of the method's schedule."""
+        return self.forward([token], evict=self.next_step_evicts())[-1]
+
+    def next_step_evicts(self) -> bool:
+        """Count a decode step and say whether the method's schedule evicts at it."""
         self.decode_steps += 1
         every = self.schedule.decode_every if self.schedule is not None else 0
-        return self.forward([token], evict=bool(every) and self.decode_steps % every == 0)[-1]
+        return bool(every) and self.decode_steps % every == 0
+
+    def twin(self) -> "Session":
+        """A session on a copy of this one's cache (shared storage until it diverges), at the same step."""
+        twin = Session(self.lm, self.method, self.cache.plan, self.cache.clone())
+        twin.position, twin.decode_steps = self.position, self.decode_steps
+        return twin
 
     def prefill(self, ids: list[int], compress: bool) -> tuple[torch.Tensor, float]:
         """Prefill a chunk. With `compress` it is the segment to compress: one forward evicted at its end, or
@@ -308,56 +319,121 @@ class Session:
         stop_strings: list[str],
         min_new_tokens: int = 0,
     ) -> tuple[list[int], list[float], str]:
-        """Greedy decoding. Returns the new tokens, the wall time of each decode forward, and why it stopped.
-
-        Before `min_new_tokens` tokens, EOS is masked and stop strings are not checked (LongBench's samsum
-        protocol, which would otherwise stop on an immediate newline).
-        """
-        tokens: list[int] = []
-        step_times: list[float] = []
-        self.cache.reserve(max_new_tokens - 1)  # the steps below then append without copying a layer
-        blocked = torch.tensor(sorted(stop_ids), device=logits.device, dtype=torch.long)
-        for _ in range(max_new_tokens):
-            if len(tokens) < min_new_tokens and len(blocked):
-                logits = logits.index_fill(0, blocked, float("-inf"))
-            token = int(torch.argmax(logits))
-            tokens.append(token)
-            if token in stop_ids:
-                return tokens, step_times, "eos"
-            early = len(tokens) <= min_new_tokens
-            if stop_strings and not early and any(s in self.lm.tokenizer.decode(tokens) for s in stop_strings):
-                return tokens, step_times, "stop_string"
-            if len(tokens) == max_new_tokens:
-                break
-            _sync(self.lm.device)
-            start = time.perf_counter()
-            logits = self.step(token)
-            _sync(self.lm.device)
-            step_times.append(time.perf_counter() - start)
-        return tokens, step_times, "max_new_tokens"
+        """Greedy decoding (`decode_batch` with this session alone): the new tokens, the wall time of each
+        decode forward, and why it stopped."""
+        return decode_batch([self], [logits], [max_new_tokens], stop_ids, [stop_strings], [min_new_tokens])[0]
 
     def teacher_forced_nll(self, logits: torch.Tensor, target: list[int]) -> float:
-        """Mean NLL of `target` continuing the current state, one decode step per token on a cache copy.
-
-        The copy shares storage until it diverges and the steps go through the same decode path (selection and
-        decode-time eviction included), so this measures the compressed cache the method would really decode
-        with.
-        """
-        if not target:
-            return float("nan")
-        twin = Session(self.lm, self.method, self.cache.plan, self.cache.clone())
-        twin.position, twin.decode_steps = self.position, self.decode_steps
-        twin.cache.reserve(len(target) - 1)
-        total = 0.0
-        for i, token in enumerate(target):
-            total -= float(torch.log_softmax(logits, dim=-1)[token])
-            if i + 1 < len(target):
-                logits = twin.step(token)
-        return total / len(target)
+        """Mean NLL of `target` continuing the current state (`teacher_forced_nll_batch` alone)."""
+        return teacher_forced_nll_batch([self], [logits], [target])[0]
 
     def rollback(self, logical_length: int) -> None:
         self.cache.truncate(logical_length)
         self.position = logical_length
+
+
+@torch.inference_mode()
+def step_batch(sessions: list[Session], tokens: list[int]) -> list[torch.Tensor]:
+    """One decode step of several sessions in one forward (a `BatchedCache`: the dense layers read the
+    weights once for all rows, each row attends over its own cache and runs its own hooks). One session
+    takes `Session.step`, so an ungrouped run is exactly what it always was."""
+    if len(sessions) == 1:
+        return [sessions[0].step(tokens[0])]
+    lm = sessions[0].lm
+    for session in sessions:
+        session.cache.evict_now = session.next_step_evicts()
+    try:
+        out = lm.model(
+            input_ids=torch.tensor(tokens, device=lm.device)[:, None],
+            position_ids=torch.tensor([s.position for s in sessions], device=lm.device)[:, None],
+            past_key_values=BatchedCache([s.cache for s in sessions]),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+    finally:
+        for session in sessions:
+            session.cache.evict_now = False
+    for session in sessions:
+        session.position += 1
+    return list(out.logits[:, -1].float())
+
+
+def decode_batch(
+    sessions: list[Session],
+    logits: list[torch.Tensor],
+    max_new_tokens: list[int],
+    stop_ids: set[int],
+    stop_strings: list[list[str]],
+    min_new_tokens: list[int],
+) -> list[tuple[list[int], list[float], str]]:
+    """Greedy decoding of several sessions together, each with its own limits and stopping. Per session:
+    the new tokens, its share of the wall time of each decode forward it took part in, and why it stopped.
+
+    Before `min_new_tokens` tokens, EOS is masked and stop strings are not checked (LongBench's samsum
+    protocol, which would otherwise stop on an immediate newline). A finished session leaves the batch.
+    """
+    n = len(sessions)
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    step_times: list[list[float]] = [[] for _ in range(n)]
+    reasons = ["max_new_tokens"] * n
+    tokenizer = sessions[0].lm.tokenizer
+    device = sessions[0].lm.device
+    for session, limit in zip(sessions, max_new_tokens):
+        session.cache.reserve(limit - 1)  # the steps below then append without copying a layer
+    blocked = torch.tensor(sorted(stop_ids), device=logits[0].device, dtype=torch.long)
+    current = list(logits)
+    active = [r for r in range(n) if max_new_tokens[r] > 0]
+    while active:
+        stepping = []
+        for r in active:
+            row_logits = current[r]
+            if len(tokens[r]) < min_new_tokens[r] and len(blocked):
+                row_logits = row_logits.index_fill(0, blocked, float("-inf"))
+            token = int(torch.argmax(row_logits))
+            tokens[r].append(token)
+            early = len(tokens[r]) <= min_new_tokens[r]
+            if token in stop_ids:
+                reasons[r] = "eos"
+            elif stop_strings[r] and not early and any(s in tokenizer.decode(tokens[r]) for s in stop_strings[r]):
+                reasons[r] = "stop_string"
+            elif len(tokens[r]) < max_new_tokens[r]:
+                stepping.append(r)
+        active = stepping
+        if not active:
+            break
+        _sync(device)
+        start = time.perf_counter()
+        new_logits = step_batch([sessions[r] for r in active], [tokens[r][-1] for r in active])
+        _sync(device)
+        share = (time.perf_counter() - start) / len(active)
+        for r, row_logits in zip(active, new_logits):
+            current[r] = row_logits
+            step_times[r].append(share)
+    return [(tokens[r], step_times[r], reasons[r]) for r in range(n)]
+
+
+def teacher_forced_nll_batch(sessions: list[Session], logits: list[torch.Tensor], targets: list[list[int]]) -> list[float]:
+    """Mean NLL of each session's `target` continuing its current state, one decode step per token on a
+    copy of its cache, the sessions stepping together.
+
+    The copy shares storage until it diverges and the steps go through the same decode path (selection and
+    decode-time eviction included), so this measures the compressed cache the method would really decode
+    with. NaN for an empty target.
+    """
+    twins = [session.twin() for session in sessions]
+    for twin, target in zip(twins, targets):
+        twin.cache.reserve(len(target) - 1)
+    totals = [0.0] * len(sessions)
+    current = list(logits)
+    for i in range(max((len(t) for t in targets), default=0)):
+        for r, target in enumerate(targets):
+            if i < len(target):
+                totals[r] -= float(torch.log_softmax(current[r], dim=-1)[target[i]])
+        rows = [r for r, target in enumerate(targets) if i + 1 < len(target)]
+        if rows:
+            for r, row_logits in zip(rows, step_batch([twins[r] for r in rows], [targets[r][i] for r in rows])):
+                current[r] = row_logits
+    return [total / len(target) if target else float("nan") for total, target in zip(totals, targets)]
 
 
 def _head_dim(lm: LoadedModel) -> int:
@@ -421,16 +497,108 @@ def run_sample(
     """Run every turn of a sample and return its record (metrics, timings, memory, predictions).
 
     Multi-turn samples (golden context) roll back to the end of each turn's prompt and append the next
-    turn, uncompressed unless the method evicts every turn (RocketKV). Multi-request samples (`meta["mode"] == "multi_request"`) compress the context
-    alone and run every turn, the first included, as an independent request on it. With a `profiler`, the
-    prefill and decode phases are measured (`kvbench.profiler`) and the record gets a `profile` entry.
+    turn, uncompressed unless the method evicts every turn (RocketKV). Multi-request samples
+    (`meta["mode"] == "multi_request"`) compress the context alone and run every turn, the first included, as
+    an independent request on it. With a `profiler`, the prefill and decode phases are measured
+    (`kvbench.profiler`) and the record gets a `profile` entry.
     """
+    return run_group(lm, [(method, budget_cfg, sample)], cfg, profiler)[0]
+
+
+@dataclass
+class _Row:
+    """One (method, budget, sample) of a group while it runs: its session and what its record needs."""
+
+    method: Method
+    budget_cfg: "float | int | CompressionRatio"
+    sample: Sample
+    ctx_ids: list[int]
+    q_ids: list[int]
+    segment: list[int]
+    budget: int
+    plan: Plan
+    sequence_length: int
+    session: Session
+    logits: torch.Tensor
+    prefill_s: float
+    compress_s: float
+    reused: bool
+    kv_after_compress: int
+    kept: list[list[int]]
+    kv_after_prefill: int = 0
+    prompt_end: int = 0
+    turns_out: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)
+
+
+def run_group(
+    lm: LoadedModel,
+    rows: "list[tuple[Method, float | int | CompressionRatio, Sample]]",
+    cfg: EngineConfig,
+    profiler: PhaseProfiler | None = None,
+) -> list[dict[str, Any]]:
+    """Run several (method, budget, sample) rows together and return one record per row, each exactly what
+    running it alone gives: every row prefills and compresses on its own (one shared dense prefill per prompt
+    through the snapshots), then the rows decode as one batch, each on its own cache with its own hooks and
+    stopping, and the teacher-forced NLL steps the same way. Decode times are each row's share of the
+    batched steps (`decode_batched_rows` says how many rows there were)."""
+    if profiler is not None and len(rows) > 1:
+        raise ValueError("a profiled sample runs alone: phases and peaks belong to one point")
     phase = profiler.phase if profiler is not None else (lambda name: contextlib.nullcontext())
     started = time.perf_counter()
+    builder = PromptBuilder(lm.tokenizer, cfg.chat_template, cfg.system_prompt)
+    with phase("prefill"):
+        runs = [_start_row(lm, method, budget_cfg, sample, cfg, builder) for method, budget_cfg, sample in rows]
+    stop_ids = stop_token_ids(lm)
+    for t in range(max(len(run.sample.turns) for run in runs)):
+        turn_runs = [run for run in runs if t < len(run.sample.turns)]
+        if t > 0:
+            for run in turn_runs:
+                multi_request = run.sample.meta.get("mode") == "multi_request"
+                run.session.rollback(len(run.ctx_ids) if multi_request else run.prompt_end)
+                chunk = builder.request(run.sample, t) if multi_request else builder.next_turn(run.sample, t)
+                compress_turn = bool(run.session.schedule and run.session.schedule.every_turn)
+                run.logits, _ = run.session.prefill(chunk, compress=compress_turn)
+                run.prompt_end = run.session.position
+        turns = [run.sample.turns[t] for run in turn_runs]
+        targets = [builder._ids(gold_continuation(turn), first=False) if turn.answers else [] for turn in turns]
+        sessions, logits = [run.session for run in turn_runs], [run.logits for run in turn_runs]
+        nlls = teacher_forced_nll_batch(sessions, logits, targets) if cfg.nll else [float("nan")] * len(turn_runs)
+        min_new = [int(run.sample.meta.get("min_new_tokens", 0)) for run in turn_runs]
+        with phase("decode"):
+            decoded = decode_batch(sessions, logits, [turn.max_new_tokens for turn in turns], stop_ids,
+                                   [run.sample.stop for run in turn_runs], min_new)
+        for run, turn, nll, (tokens, steps, reason), least in zip(turn_runs, turns, nlls, decoded, min_new):
+            run.steps += steps
+            prediction = lm.tokenizer.decode([tk for tk in tokens if tk not in stop_ids], skip_special_tokens=True)
+            for stop in run.sample.stop:
+                prediction = prediction.split(stop)[0] if stop in prediction[least:] else prediction
+            run.turns_out.append(
+                {
+                    "prediction": prediction,
+                    "answers": turn.answers,
+                    "metric": turn.metric,
+                    **_score_turn(turn, prediction, list(run.sample.meta.get("extra_metrics", []))),
+                    "nll": None if math.isnan(nll) else nll,
+                    "new_tokens": len(tokens),
+                    "stop_reason": reason,
+                    "decode_ms_per_token": 1e3 * sum(steps) / len(steps) if steps else None,
+                }
+            )
+    wall_s = (time.perf_counter() - started) / len(runs)
+    records = [_record(lm, run, wall_s, profiler) for run in runs]
+    if len(runs) > 1:
+        for record in records:
+            record["decode_batched_rows"] = len(runs)
+    return records
+
+
+def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | CompressionRatio", sample: Sample,
+               cfg: EngineConfig, builder: PromptBuilder) -> _Row:
+    """Build the row's prompt, then prefill and compress it (and append what follows the compressed segment)."""
     if sample.meta.get("golden_context") is False:
         raise KVBenchError(f"sample {sample.id}: multi-turn with the model's own replies as history "
                            "(golden_context=false) is not implemented; use golden_context=true")
-    builder = PromptBuilder(lm.tokenizer, cfg.chat_template, cfg.system_prompt)
     multi_request = sample.meta.get("mode") == "multi_request"
     ctx_ids, q_ids = builder.first_turn(sample)
     if multi_request:
@@ -449,89 +617,62 @@ def run_sample(
         segment, rest = (segment, rest[:-1]) if rest else (segment[:-1], [])
     else:
         held_back = []
-    with phase("prefill"):
-        session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, plan, segment, cfg)
-        cache = session.cache
-        cache.measure_recall = cfg.topk_recall and method.selects
-        kv_after_compress = cache.kv_bytes()
-        kept = cache.kept_per_head()
-        if rest:
-            logits, rest_s = session.prefill(rest, compress=False)
-            prefill_s += rest_s
-        if held_back:
-            _sync(lm.device)
-            start = time.perf_counter()
-            logits = session.forward(held_back)[-1]
-            _sync(lm.device)
-            prefill_s += time.perf_counter() - start
-    kv_after_prefill = cache.kv_bytes()
+    session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, plan, segment, cfg)
+    cache = session.cache
+    cache.measure_recall = cfg.topk_recall and method.selects
+    run = _Row(method, budget_cfg, sample, ctx_ids, q_ids, segment, budget, plan, sequence_length, session, logits,
+               prefill_s, compress_s, reused, cache.kv_bytes(), cache.kept_per_head())
+    if rest:
+        run.logits, rest_s = session.prefill(rest, compress=False)
+        run.prefill_s += rest_s
+    if held_back:
+        _sync(lm.device)
+        start = time.perf_counter()
+        run.logits = session.forward(held_back)[-1]
+        _sync(lm.device)
+        run.prefill_s += time.perf_counter() - start
+    run.kv_after_prefill = cache.kv_bytes()
+    run.prompt_end = session.position
+    return run
 
-    stop_ids = stop_token_ids(lm)
-    extra_metrics = list(sample.meta.get("extra_metrics", []))
-    min_new = int(sample.meta.get("min_new_tokens", 0))
-    turns_out: list[dict[str, Any]] = []
-    all_steps: list[float] = []
-    context_end = len(ctx_ids)
-    prompt_end = session.position
-    for t, turn in enumerate(sample.turns):
-        if t > 0:
-            session.rollback(context_end if multi_request else prompt_end)
-            chunk = builder.request(sample, t) if multi_request else builder.next_turn(sample, t)
-            compress_turn = bool(session.schedule and session.schedule.every_turn)
-            logits, _ = session.prefill(chunk, compress=compress_turn)
-            prompt_end = session.position
-        target = builder._ids(gold_continuation(turn), first=False) if turn.answers else []
-        nll = session.teacher_forced_nll(logits, target) if cfg.nll else float("nan")
-        with phase("decode"):
-            tokens, steps, reason = session.decode(logits, turn.max_new_tokens, stop_ids, sample.stop, min_new)
-        all_steps += steps
-        prediction = lm.tokenizer.decode([tk for tk in tokens if tk not in stop_ids], skip_special_tokens=True)
-        for stop in sample.stop:
-            prediction = prediction.split(stop)[0] if stop in prediction[min_new:] else prediction
-        turns_out.append(
-            {
-                "prediction": prediction,
-                "answers": turn.answers,
-                "metric": turn.metric,
-                **_score_turn(turn, prediction, extra_metrics),
-                "nll": None if math.isnan(nll) else nll,
-                "new_tokens": len(tokens),
-                "stop_reason": reason,
-                "decode_ms_per_token": 1e3 * sum(steps) / len(steps) if steps else None,
-            }
-        )
+
+def _record(lm: LoadedModel, run: _Row, wall_s: float, profiler: PhaseProfiler | None) -> dict[str, Any]:
+    """The row's record: metrics, timings, memory and predictions."""
+    method, cache, turns_out, plan = run.method, run.session.cache, run.turns_out, run.plan
     profile = None
     if profiler is not None:
         new_tokens = sum(t["new_tokens"] for t in turns_out)
         weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
-        profile = {**profiler.latency(prefill_s, compress_s, all_steps, new_tokens), **profiler.fields(),
+        profile = {**profiler.latency(run.prefill_s, run.compress_s, run.steps, new_tokens), **profiler.fields(),
                    # exact accounting, no activations: what CPU figures compare (process RSS carries the
                    # allocator's history across the points of one process). Method state (indexes, rows
                    # moved to host memory) only grows, so its end is its peak
                    "weights_bytes": weights,
                    "state_peak_bytes": weights + cache.kv_peak_bytes + cache.method_state_bytes(),
-                   "decode_step_ms": [1e3 * s for s in all_steps]}
-    flat_kept = [n for layer in kept for n in layer]
+                   "decode_step_ms": [1e3 * s for s in run.steps]}
+    flat_kept = [n for layer in run.kept for n in layer]
     kept_end = [n for layer in cache.kept_per_head() for n in layer]
     schedule = method.schedule()
     config = lm.model.config
     head_dim = _head_dim(lm)
     elem = torch.finfo(lm.dtype).bits // 8
+    prompt_tokens = len(run.ctx_ids) + len(run.q_ids)
+    scores = [t["score"] for t in turns_out]
     return {
-        "sample_id": sample.id,
-        "task": sample.task,
-        "score": None if any(t["score"] is None for t in turns_out) else sum(t["score"] for t in turns_out) / len(turns_out),
+        "sample_id": run.sample.id,
+        "task": run.sample.task,
+        "score": None if any(s is None for s in scores) else sum(scores) / len(scores),
         "nll": turns_out[0]["nll"],
         "turns": turns_out,
-        "prompt_tokens": len(ctx_ids) + len(q_ids),
-        "context_tokens": len(ctx_ids),
-        "compressed_segment_tokens": len(segment),
-        "budget_tokens": budget,
-        "compression_ratio": budget_cfg.value if isinstance(budget_cfg, CompressionRatio) else None,
-        "budget_plan": {"evict": plan.evict, "select": plan.select, "sequence_length": sequence_length,
+        "prompt_tokens": prompt_tokens,
+        "context_tokens": len(run.ctx_ids),
+        "compressed_segment_tokens": len(run.segment),
+        "budget_tokens": run.budget,
+        "compression_ratio": run.budget_cfg.value if isinstance(run.budget_cfg, CompressionRatio) else None,
+        "budget_plan": {"evict": plan.evict, "select": plan.select, "sequence_length": run.sequence_length,
                         **plan.derived},
         # selection methods compress the attention of every step; eviction may first fire while decoding
-        "compressed": (method.uses_budget and budget < len(segment)) or cache.evictions() > 0,
+        "compressed": (method.uses_budget and run.budget < len(run.segment)) or cache.evictions() > 0,
         "eviction_schedule": None if schedule is None else {"events": list(schedule.events),
                                                             "block_size": schedule.block_size,
                                                             "decode_every": schedule.decode_every},
@@ -544,21 +685,21 @@ def run_sample(
         "kept_tokens_end_max": max(kept_end),
         "kv_peak_entries_per_head": cache.peak_entries_per_head(),  # at any moment, prefill blocks included
         "kv_peak_bytes": cache.kv_peak_bytes,
-        "kv_bytes_after_compress": kv_after_compress,
-        "kv_bytes_after_prefill": kv_after_prefill,
+        "kv_bytes_after_compress": run.kv_after_compress,
+        "kv_bytes_after_prefill": run.kv_after_prefill,
         "kv_bytes_end": cache.kv_bytes(),
         "kv_capacity_bytes_end": cache.kv_capacity_bytes(),  # the buffers, append slack included
         "method_state_bytes_end": cache.method_state_bytes(),
-        **_decode_accounting(cache, lm, sequence_length),
-        "kv_bytes_full_prompt": 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elem * (len(ctx_ids) + len(q_ids)),
-        "prefill_s": prefill_s,
-        "compress_s": compress_s,
-        "prefill_reused": reused,
-        "decode_ms_per_token": 1e3 * sum(all_steps) / len(all_steps) if all_steps else None,
+        **_decode_accounting(cache, lm, run.sequence_length),
+        "kv_bytes_full_prompt": 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * elem * prompt_tokens,
+        "prefill_s": run.prefill_s,
+        "compress_s": run.compress_s,
+        "prefill_reused": run.reused,
+        "decode_ms_per_token": 1e3 * sum(run.steps) / len(run.steps) if run.steps else None,
         "new_tokens": sum(t["new_tokens"] for t in turns_out),
-        "wall_s": time.perf_counter() - started,  # the whole sample: prefill, NLL, decode, scoring
+        "wall_s": wall_s,  # the whole sample (a group's wall time split evenly): prefill, NLL, decode, scoring
         **({"profile": profile} if profile is not None else {}),
-        "meta": sample.meta,
+        "meta": run.sample.meta,
     }
 
 

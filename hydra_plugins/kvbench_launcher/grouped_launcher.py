@@ -1,0 +1,90 @@
+"""`hydra/launcher=grouped` (kvbench's default for local multiruns): the basic local launcher, plus grouped
+decoding across sweep points.
+
+Hydra requires launchers to live in the `hydra_plugins` namespace package; the work is `kvbench.cli`'s.
+Before running the jobs one by one exactly as Hydra's basic launcher does, the launcher groups the points
+that share a model, a task's samples and engine settings (`kvbench.cli.group_key`) and records their samples
+together (`kvbench.cli.run_grouped`): one dense prefill per prompt, each point's compression, one batched
+decode. Each job then finds its samples recorded (the ordinary resume path) and writes its summary, config
+and callbacks as usual. `hydra.launcher.max_group` bounds the points decoded together; 1 turns grouping off.
+"""
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
+from hydra.plugins.launcher import Launcher
+from hydra.types import HydraContext, TaskFunction
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GroupedLauncherConf:
+    _target_: str = "hydra_plugins.kvbench_launcher.grouped_launcher.GroupedLauncher"
+    max_group: int = 32  # sweep points decoded together at most (1: every point alone)
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="grouped", node=GroupedLauncherConf, provider="kvbench")
+
+
+class GroupedLauncher(Launcher):
+    def __init__(self, max_group: int = 32) -> None:
+        self.max_group = max_group
+        self.config: DictConfig | None = None
+        self.task_function: TaskFunction | None = None
+        self.hydra_context: HydraContext | None = None
+
+    def setup(self, *, hydra_context: HydraContext, task_function: TaskFunction, config: DictConfig) -> None:
+        self.config, self.task_function, self.hydra_context = config, task_function, hydra_context
+
+    def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from kvbench.cli import group_key, run_grouped
+
+        setup_globals()
+        assert self.config is not None and self.hydra_context is not None and self.task_function is not None
+        configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        Path(str(self.config.hydra.sweep.dir)).mkdir(parents=True, exist_ok=True)
+        log.info(f"Launching {len(job_overrides)} jobs locally")
+        configs = []
+        for idx, overrides in enumerate(job_overrides, start=initial_job_idx):
+            config = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+            with open_dict(config):
+                config.hydra.job.id = idx
+                config.hydra.job.num = idx
+            configs.append((idx, overrides, config))
+        if self.max_group > 1:
+            groups: dict[str, list[tuple[DictConfig, Path]]] = {}
+            for _, _, config in configs:
+                key = group_key(config)
+                if key is not None:
+                    groups.setdefault(key, []).append((config, _job_dir(config)))
+            for members in groups.values():
+                if len(members) > 1:
+                    run_grouped([(_task_config(c), d) for c, d in members], self.max_group)
+        runs: list[JobReturn] = []
+        for idx, overrides, config in configs:
+            log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
+            runs.append(run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=config,
+                                job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir"))
+            configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
+        return runs
+
+
+def _job_dir(config: DictConfig) -> Path:
+    """The directory `run_job` will give the job (sweep dir / subdir, resolved with the job's config)."""
+    HydraConfig.instance().set_config(config)
+    return Path(str(OmegaConf.select(config, "hydra.sweep.dir"))) / str(OmegaConf.select(config, "hydra.sweep.subdir"))
+
+
+def _task_config(config: DictConfig) -> Any:
+    task = OmegaConf.create(OmegaConf.to_container(config, resolve=False))
+    with open_dict(task):
+        del task["hydra"]
+    return task
