@@ -333,6 +333,26 @@ class Session:
 
 
 @torch.inference_mode()
+def forward_batch(sessions: list[Session], chunks: list[list[int]]) -> list[torch.Tensor]:
+    """One forward of an uncompressed chunk per session, the chunks of equal length in one batch (no eviction
+    event); each session's last logits. One session takes `Session.forward`."""
+    if len(sessions) == 1:
+        return [sessions[0].forward(chunks[0])[-1]]
+    lm = sessions[0].lm
+    width = len(chunks[0])
+    out = lm.model(
+        input_ids=torch.tensor(chunks, device=lm.device),
+        position_ids=torch.stack([torch.arange(s.position, s.position + width, device=lm.device) for s in sessions]),
+        past_key_values=BatchedCache([s.cache for s in sessions]),
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    for session in sessions:
+        session.position += width
+    return list(out.logits[:, -1].float())
+
+
+@torch.inference_mode()
 def step_batch(sessions: list[Session], tokens: list[int]) -> list[torch.Tensor]:
     """One decode step of several sessions in one forward (a `BatchedCache`: the dense layers read the
     weights once for all rows, each row attends over its own cache and runs its own hooks). One session
@@ -525,6 +545,8 @@ class _Row:
     reused: bool
     kv_after_compress: int
     kept: list[list[int]]
+    rest: list[int] = field(default_factory=list)  # appended uncompressed after the segment (the question)
+    held_back: list[int] = field(default_factory=list)  # the prompt's last token, through the decode path
     kv_after_prefill: int = 0
     prompt_end: int = 0
     turns_out: list[dict[str, Any]] = field(default_factory=list)
@@ -549,6 +571,11 @@ def run_group(
     builder = PromptBuilder(lm.tokenizer, cfg.chat_template, cfg.system_prompt)
     with phase("prefill"):
         runs = [_start_row(lm, method, budget_cfg, sample, cfg, builder) for method, budget_cfg, sample in rows]
+        _append_uncompressed(runs, "rest")
+        _append_uncompressed(runs, "held_back")
+    for run in runs:
+        run.kv_after_prefill = run.session.cache.kv_bytes()
+        run.prompt_end = run.session.position
     stop_ids = stop_token_ids(lm)
     for t in range(max(len(run.sample.turns) for run in runs)):
         turn_runs = [run for run in runs if t < len(run.sample.turns)]
@@ -620,20 +647,41 @@ def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | Compr
     session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, plan, segment, cfg)
     cache = session.cache
     cache.measure_recall = cfg.topk_recall and method.selects
-    run = _Row(method, budget_cfg, sample, ctx_ids, q_ids, segment, budget, plan, sequence_length, session, logits,
-               prefill_s, compress_s, reused, cache.kv_bytes(), cache.kept_per_head())
-    if rest:
-        run.logits, rest_s = session.prefill(rest, compress=False)
-        run.prefill_s += rest_s
-    if held_back:
-        _sync(lm.device)
-        start = time.perf_counter()
-        run.logits = session.forward(held_back)[-1]
-        _sync(lm.device)
-        run.prefill_s += time.perf_counter() - start
-    run.kv_after_prefill = cache.kv_bytes()
-    run.prompt_end = session.position
-    return run
+    return _Row(method, budget_cfg, sample, ctx_ids, q_ids, segment, budget, plan, sequence_length, session, logits,
+                prefill_s, compress_s, reused, cache.kv_bytes(), cache.kept_per_head(), rest, held_back)
+
+
+def _append_uncompressed(runs: list[_Row], part: str) -> None:
+    """Append each row's `part` (its question, then its held-back token) uncompressed: rows whose parts have
+    the same length go through one batched forward (the dense layers read the weights once), each row's
+    share of its time added to its prefill time; a row whose method steps through appended chunks token by
+    token (CTKVR) appends alone."""
+    todo = [run for run in runs if getattr(run, part)]
+    alone = [run for run in todo if run.method.steps_through_chunks or len(todo) == 1]
+    by_length: dict[int, list[_Row]] = {}
+    for run in todo:
+        if run not in alone:
+            by_length.setdefault(len(getattr(run, part)), []).append(run)
+    for run in alone:
+        if part == "rest":
+            run.logits, seconds = run.session.prefill(run.rest, compress=False)
+        else:
+            seconds, (run.logits,) = _timed(run.session.lm, lambda: forward_batch([run.session], [run.held_back]))
+        run.prefill_s += seconds
+    for rows in by_length.values():
+        seconds, logits = _timed(rows[0].session.lm,
+                                 lambda: forward_batch([r.session for r in rows], [getattr(r, part) for r in rows]))
+        for run, row_logits in zip(rows, logits):
+            run.logits = row_logits
+            run.prefill_s += seconds / len(rows)
+
+
+def _timed(lm: LoadedModel, fn: Any) -> tuple[float, Any]:
+    _sync(lm.device)
+    start = time.perf_counter()
+    out = fn()
+    _sync(lm.device)
+    return time.perf_counter() - start, out
 
 
 def _record(lm: LoadedModel, run: _Row, wall_s: float, profiler: PhaseProfiler | None) -> dict[str, Any]:

@@ -507,7 +507,7 @@ class Ruler(Task):
     """
 
     def __init__(self, name: str, seq_len: int, num_samples: int, subtask: str, data_dir: str | None = None,
-                 chat_template: bool = True):
+                 chat_template: bool = True, max_new_tokens: int | None = None):
         if subtask not in RULER_TASKS:
             raise ValueError(f"unknown RULER task {subtask!r}; known: {', '.join(RULER_TASKS)}")
         self.name = name
@@ -516,6 +516,8 @@ class Ruler(Task):
         self.subtask = subtask
         self.data_dir = data_dir
         self.chat_template = chat_template
+        # `+task.max_new_tokens=N` caps generation (kvpress's protocol, 16); the prompt keeps RULER's sizing
+        self.max_new_tokens = max_new_tokens
 
     @property
     def sample_task(self) -> str:
@@ -565,8 +567,9 @@ class Ruler(Task):
                 id=f"{self.sample_task}-{self.seq_len}-{index}",
                 task=self.sample_task,
                 context=built.context,
-                turns=[Turn(question=built.question, answers=built.answers, max_new_tokens=family.max_new_tokens,
-                            metric=family.metric, answer_prefix=built.answer_prefix)],
+                turns=[Turn(question=built.question, answers=built.answers,
+                            max_new_tokens=self.max_new_tokens or family.max_new_tokens, metric=family.metric,
+                            answer_prefix=built.answer_prefix)],
                 chat_template=self.chat_template,
                 meta=meta,
             ))

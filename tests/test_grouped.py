@@ -89,12 +89,14 @@ def _samples(lm, n: int = 2):
     return task.samples(PromptBuilder(lm.tokenizer).measure, seed=3)
 
 
+# uniform, ragged, selection, decode-time eviction, two-stage, block-wise prefill, host rows (CTKVR, OmniKV)
 GRID = [("full", {}, 64), ("adakv", {}, 48), ("exact_topk", {}, 32), ("snapkv", {"decode_every": 1}, 40),
-        ("rocketkv", {}, 48)]
+        ("rocketkv", {}, 48), ("keydiff", {}, 48), ("ctkvr", {}, 32), ("omnikv", {"filter_layers": [0], "offload": True}, 16)]
 
 
-def test_grouped_points_record_what_each_point_records_alone(tiny):
-    cfg = EngineConfig()
+@pytest.mark.parametrize("compress_question", [True, False])  # False: questions appended as one batch
+def test_grouped_points_record_what_each_point_records_alone(tiny, compress_question):
+    cfg = EngineConfig(compress_question=compress_question)
     for sample in _samples(tiny):
         points = [(build_method(name, **params), budget) for name, params, budget in GRID]
         alone = [run_sample(tiny, method, budget, sample, cfg) for method, budget in points]
