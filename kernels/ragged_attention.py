@@ -15,7 +15,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-
 from kvbench.kernels._dispatch import use_triton
 
 

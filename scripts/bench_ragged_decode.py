@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from kvbench.kernels.ragged_attention import ragged_decode_attention
 from omegaconf import OmegaConf
 
 from kvbench.cache import KVBenchCache
 from kvbench.engine import EngineConfig, _prefill_segment
-from kvbench.kernels.ragged_attention import ragged_decode_attention
 from kvbench.methods import build_method
 from kvbench.models import load_model
 

@@ -8,6 +8,7 @@ import resource
 
 import pytest
 import torch
+from kvbench.tasks.synthetic import Synthetic
 from omegaconf import OmegaConf
 
 from kvbench.cli import _run_or_oom
@@ -15,7 +16,6 @@ from kvbench.engine import EngineConfig, PromptBuilder, run_sample
 from kvbench.methods import build_method
 from kvbench.profiler import PhaseProfiler, combine_repeats, is_out_of_memory
 from kvbench.roofline import phase_costs
-from kvbench.tasks.synthetic import Synthetic
 
 PROFILE_CFG = OmegaConf.create({"profile": True, "profiler": {"warmup_steps": 2, "repeats": 2}})
 
