@@ -7,6 +7,7 @@ only computes the missing samples.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import gc
@@ -296,9 +297,17 @@ def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
 
 def run_point(cfg: DictConfig) -> dict[str, Any]:
     """Run (or resume) one experiment point and return its summary."""
+    from kvbench.results import point_lock
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    with point_lock(run_dir):
+        return _run_prepared(prepare_point(cfg, run_dir))
+
+
+def _run_prepared(prepared: PreparedPoint) -> dict[str, Any]:
     from kvbench.results import summarize, write_summary
 
-    prepared = prepare_point(cfg, Path(HydraConfig.get().runtime.output_dir))
+    cfg = prepared.cfg
     todo = prepared.todo()
     if len(todo) < len(prepared.samples):
         log.info("resuming %s: %d of %d samples already recorded", prepared.run_dir,
@@ -343,14 +352,23 @@ def run_grouped(points: list[tuple[DictConfig, Path]], max_group: int) -> None:
     an interrupted group resumes at the samples each point lacks. Points that fail to prepare are left to
     their own job, which reports the error.
     """
-    prepared = []
-    for cfg, run_dir in {run_dir: (cfg, run_dir) for cfg, run_dir in points}.values():  # a point swept twice
-        try:
-            prepared.append(prepare_point(cfg, run_dir))
-        except KVBenchError as exc:
-            log.info("%s runs alone: %s", run_dir, exc)
-    if len(prepared) < 2:
-        return
+    from kvbench.results import point_lock
+
+    with contextlib.ExitStack() as locks:
+        prepared = []
+        for cfg, run_dir in {run_dir: (cfg, run_dir) for cfg, run_dir in points}.values():  # a point swept twice
+            if not locks.enter_context(point_lock(run_dir, wait=False)):
+                log.info("%s is being run by another process; its job waits for it", run_dir)
+                continue
+            try:
+                prepared.append(prepare_point(cfg, run_dir))
+            except KVBenchError as exc:
+                log.info("%s runs alone: %s", run_dir, exc)
+        if len(prepared) >= 2:
+            _run_group_samples(prepared, max_group)
+
+
+def _run_group_samples(prepared: list[PreparedPoint], max_group: int) -> None:
     samples = prepared[0].samples
     todo = {p.run_dir: {s.id for s in p.todo()} for p in prepared}
     pending = [s for s in samples if any(s.id in ids for ids in todo.values())]

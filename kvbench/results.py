@@ -143,6 +143,38 @@ def load_records(run_dir: Path) -> list[dict[str, Any]]:
     return _parse_records(path.read_bytes(), path) if path.exists() else []
 
 
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def point_lock(run_dir: Path, wait: bool = True) -> Iterator[bool]:
+    """Hold the point's lock (an exclusive `flock` on `run_dir/.lock`) while this process runs the point.
+
+    Records of concurrent processes never interleave (see `RecordStore`), but two processes running the same
+    point at once would both compute, and both append, the samples neither had finished. With the lock the
+    second waits, says so, and then resumes from what the first recorded: every sample exactly once. With
+    `wait=False` it yields False at once instead when another process holds the lock. The lock is released
+    when the block ends or the process dies.
+    """
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    fd = os.open(Path(run_dir) / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+            if not wait:
+                yield False
+                return
+            log.warning("%s is being run by another process (%s); waiting for it, then resuming", run_dir, holder)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+        yield True
+    finally:
+        os.close(fd)  # releases the lock
+
+
 class RecordStore:
     """Append-only JSONL store of per-sample records, safe against kills and racing writers.
 

@@ -184,3 +184,17 @@ def test_block_wise_sweep_over_several_methods_sets_the_shared_schedule(tmp_path
         assert record["eviction_schedule"]["events"] == ["prefill_block", "decode_step"]
         assert record["method_params"]["block_size"] == 16 and not record["prefill_reused"]
         assert record["kv_peak_entries_per_head"] <= 32 + 16 and record["kept_tokens_end_max"] == 32
+
+
+def test_the_same_point_started_twice_at_once_records_each_sample_once(tmp_path):
+    args = ["model=tiny_llama", "task=twostage_retr", "task.num_samples=40", "task.max_new_tokens=8",
+            "engine.nll=false", "method=snapkv", "budget=48", f"results_dir={tmp_path}", "show_progress=false"]
+    procs = [subprocess.Popen([sys.executable, "-m", "kvbench", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outputs = [proc.communicate(timeout=600) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    (point, recs), = records(tmp_path).items()
+    ids = [r["sample_id"] for r in recs]
+    assert len(ids) == 40 and len(set(ids)) == 40, "a sample was recorded twice"
+    said = [out + err for out, err in outputs]
+    assert any("is being run by another process" in text for text in said), "the second process must say it waited"
