@@ -590,7 +590,12 @@ def run_group(
         turns = [run.sample.turns[t] for run in turn_runs]
         targets = [builder._ids(gold_continuation(turn), first=False) if turn.answers else [] for turn in turns]
         sessions, logits = [run.session for run in turn_runs], [run.logits for run in turn_runs]
-        nlls = teacher_forced_nll_batch(sessions, logits, targets) if cfg.nll else [float("nan")] * len(turn_runs)
+        if not cfg.nll:
+            nlls = [float("nan")] * len(turn_runs)
+        elif rows_independent(lm):
+            nlls = teacher_forced_nll_batch(sessions, logits, targets)
+        else:  # this matmul rounds a row differently in a batch: step each row alone, so NLLs stay bitwise
+            nlls = [teacher_forced_nll_batch([s], [l], [t])[0] for s, l, t in zip(sessions, logits, targets)]
         min_new = [int(run.sample.meta.get("min_new_tokens", 0)) for run in turn_runs]
         with phase("decode"):
             decoded = decode_batch(sessions, logits, [turn.max_new_tokens for turn in turns], stop_ids,
@@ -618,6 +623,25 @@ def run_group(
         for record in records:
             record["decode_batched_rows"] = len(runs)
     return records
+
+
+_ROWS_INDEPENDENT: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def rows_independent(lm: LoadedModel) -> bool:
+    """Whether the model's matmuls give a row the same bits alone and in a batch, on this machine and dtype
+    (probed once with the model's own first linear layer). oneDNN's CPU bfloat16 kernels do; MKL's float32
+    GEMM picks other kernels for other row counts, so there batched rows differ from lone ones in the last
+    bits (about 1e-7 relative)."""
+    key = (str(lm.device), lm.dtype)
+    if key not in _ROWS_INDEPENDENT:
+        linear = next(m for m in lm.model.modules() if isinstance(m, torch.nn.Linear))
+        gen = torch.Generator().manual_seed(0)
+        rows = torch.randn(13, linear.in_features, generator=gen).to(device=lm.device, dtype=lm.dtype)
+        with torch.inference_mode():
+            together = linear(rows)
+            _ROWS_INDEPENDENT[key] = all(torch.equal(linear(rows[i:i + 1])[0], together[i]) for i in range(13))
+    return _ROWS_INDEPENDENT[key]
 
 
 def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | CompressionRatio", sample: Sample,
@@ -654,10 +678,12 @@ def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | Compr
 def _append_uncompressed(runs: list[_Row], part: str) -> None:
     """Append each row's `part` (its question, then its held-back token) uncompressed: rows whose parts have
     the same length go through one batched forward (the dense layers read the weights once), each row's
-    share of its time added to its prefill time; a row whose method steps through appended chunks token by
-    token (CTKVR) appends alone."""
+    share of its time added to its prefill time, where `rows_independent` says a batch leaves every row's
+    bits unchanged; otherwise, and for a method that steps through appended chunks token by token (CTKVR),
+    each row appends alone."""
     todo = [run for run in runs if getattr(run, part)]
-    alone = [run for run in todo if run.method.steps_through_chunks or len(todo) == 1]
+    batchable = len(todo) > 1 and rows_independent(todo[0].session.lm)  # else the cache's bits would differ
+    alone = [run for run in todo if run.method.steps_through_chunks or not batchable]
     by_length: dict[int, list[_Row]] = {}
     for run in todo:
         if run not in alone:
