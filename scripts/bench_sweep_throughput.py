@@ -79,6 +79,20 @@ def breakdown(results: Path) -> dict[str, float]:
             "sample_wall_s": sum(r["wall_s"] for r in records)}
 
 
+def agreement(grouped: Path, ungrouped: Path) -> str:
+    """How many (point, sample) records of the two runs have identical predictions, scores and NLLs."""
+    def load(root: Path) -> dict[tuple[str, str], dict]:
+        return {(r["point_hash"], r["sample_id"]): r for p in root.rglob("records.jsonl")
+                for r in map(json.loads, p.read_text().splitlines())}
+
+    a, b = load(grouped), load(ungrouped)
+    same = {key: ([t["prediction"] for t in a[key]["turns"]] == [t["prediction"] for t in b[key]["turns"]],
+                  a[key]["score"] == b[key]["score"], a[key]["nll"] == b[key]["nll"]) for key in a.keys() & b.keys()}
+    return (f"grouped vs ungrouped records: {len(same)} of {len(a)} / {len(b)} matched; identical predictions "
+            f"{sum(s[0] for s in same.values())}, scores {sum(s[1] for s in same.values())}, "
+            f"NLLs {sum(s[2] for s in same.values())}")
+
+
 def kvpress_python(args: argparse.Namespace) -> str | None:
     if args.kvpress_python:
         return args.kvpress_python
@@ -118,8 +132,10 @@ def main() -> None:
         work = Path(tmp)
         times = {"kvbench grouped": run_kvbench(work / "grouped", 32, args)}
         grouped = breakdown(work / "grouped")
+        agree = None
         if not args.skip_ungrouped:
             times["kvbench ungrouped"] = run_kvbench(work / "ungrouped", 1, args)
+            agree = agreement(work / "grouped", work / "ungrouped")
         python = kvpress_python(args)
         if python:
             times["kvpress"] = run_kvpress(python, args, work)["wall_s"]
@@ -131,8 +147,8 @@ def main() -> None:
     for name, seconds in times.items():
         ratio = f"   kvpress / this: {reference / seconds:5.2f}x" if reference else ""
         print(f"{name:<18} {seconds:8.1f} s{ratio}")
-    if "kvbench ungrouped" in times:
-        print(f"ungrouped / grouped: {times['kvbench ungrouped'] / times['kvbench grouped']:.2f}x")
+    if agree:
+        print(f"ungrouped / grouped: {times['kvbench ungrouped'] / times['kvbench grouped']:.2f}x; {agree}")
     g = grouped
     other = g["sample_wall_s"] - g["dense_prefill_s"] - g["compress_s"] - g["decode_s"]
     print(f"kvbench grouped, where the time goes: dense prefill (one per prompt) {g['dense_prefill_s']:.1f} s, "
