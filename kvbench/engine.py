@@ -333,33 +333,18 @@ class Session:
 
 
 @torch.inference_mode()
-def forward_batch(sessions: list[Session], chunks: list[list[int]]) -> list[torch.Tensor]:
-    """One forward of an uncompressed chunk per session, the chunks of equal length in one batch (no eviction
-    event); each session's last logits. One session takes `Session.forward`."""
-    if len(sessions) == 1:
-        return [sessions[0].forward(chunks[0])[-1]]
-    lm = sessions[0].lm
-    width = len(chunks[0])
-    out = lm.model(
-        input_ids=torch.tensor(chunks, device=lm.device),
-        position_ids=torch.stack([torch.arange(s.position, s.position + width, device=lm.device) for s in sessions]),
-        past_key_values=BatchedCache([s.cache for s in sessions]),
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    for session in sessions:
-        session.position += width
-    return list(out.logits[:, -1].float())
-
-
-@torch.inference_mode()
 def step_batch(sessions: list[Session], tokens: list[int]) -> list[torch.Tensor]:
     """One decode step of several sessions in one forward (a `BatchedCache`: the dense layers read the
-    weights once for all rows, each row attends over its own cache and runs its own hooks). One session
-    takes `Session.step`, so an ungrouped run is exactly what it always was."""
+    weights once for all rows, each row attends over its own cache and runs its own hooks), in batches of at
+    most `exact_batch_rows`, so every row's logits are bitwise those it gets alone. One session takes
+    `Session.step`, so an ungrouped run is exactly what it always was."""
     if len(sessions) == 1:
         return [sessions[0].step(tokens[0])]
     lm = sessions[0].lm
+    exact = exact_batch_rows(lm)
+    if len(sessions) > exact:  # batches no larger than keep every row's bits (1: each row alone)
+        return [logits for start in range(0, len(sessions), exact)
+                for logits in step_batch(sessions[start:start + exact], tokens[start:start + exact])]
     for session in sessions:
         session.cache.evict_now = session.next_step_evicts()
     try:
@@ -590,12 +575,7 @@ def run_group(
         turns = [run.sample.turns[t] for run in turn_runs]
         targets = [builder._ids(gold_continuation(turn), first=False) if turn.answers else [] for turn in turns]
         sessions, logits = [run.session for run in turn_runs], [run.logits for run in turn_runs]
-        if not cfg.nll:
-            nlls = [float("nan")] * len(turn_runs)
-        elif rows_independent(lm):
-            nlls = teacher_forced_nll_batch(sessions, logits, targets)
-        else:  # this matmul rounds a row differently in a batch: step each row alone, so NLLs stay bitwise
-            nlls = [teacher_forced_nll_batch([s], [l], [t])[0] for s, l, t in zip(sessions, logits, targets)]
+        nlls = teacher_forced_nll_batch(sessions, logits, targets) if cfg.nll else [float("nan")] * len(turn_runs)
         min_new = [int(run.sample.meta.get("min_new_tokens", 0)) for run in turn_runs]
         with phase("decode"):
             decoded = decode_batch(sessions, logits, [turn.max_new_tokens for turn in turns], stop_ids,
@@ -625,23 +605,30 @@ def run_group(
     return records
 
 
-_ROWS_INDEPENDENT: dict[tuple[str, torch.dtype], bool] = {}
+_EXACT_ROWS: dict[tuple[str, torch.dtype], int] = {}
+MAX_PROBED_ROWS = 32
 
 
-def rows_independent(lm: LoadedModel) -> bool:
-    """Whether the model's matmuls give a row the same bits alone and in a batch, on this machine and dtype
-    (probed once with the model's own first linear layer). oneDNN's CPU bfloat16 kernels do; MKL's float32
-    GEMM picks other kernels for other row counts, so there batched rows differ from lone ones in the last
-    bits (about 1e-7 relative)."""
+def exact_batch_rows(lm: LoadedModel) -> int:
+    """The most one-token rows a forward may batch while every row keeps the bits it has alone, on this
+    machine and dtype: probed once with every distinct linear shape of the model (kernel choice depends on
+    the shapes, not the values). Measured here: MKL's float32 GEMM changes a row's rounding for any batch
+    (1: rows decode alone), oneDNN's bfloat16 kernels keep it up to 8 rows and change it from 13."""
     key = (str(lm.device), lm.dtype)
-    if key not in _ROWS_INDEPENDENT:
-        linear = next(m for m in lm.model.modules() if isinstance(m, torch.nn.Linear))
+    if key not in _EXACT_ROWS:
+        shapes = {(m.in_features, m.out_features): m for m in lm.model.modules() if isinstance(m, torch.nn.Linear)}
         gen = torch.Generator().manual_seed(0)
-        rows = torch.randn(13, linear.in_features, generator=gen).to(device=lm.device, dtype=lm.dtype)
+        exact = MAX_PROBED_ROWS
         with torch.inference_mode():
-            together = linear(rows)
-            _ROWS_INDEPENDENT[key] = all(torch.equal(linear(rows[i:i + 1])[0], together[i]) for i in range(13))
-    return _ROWS_INDEPENDENT[key]
+            for (width, _), linear in shapes.items():
+                rows = torch.randn(MAX_PROBED_ROWS, width, generator=gen).to(device=lm.device, dtype=lm.dtype)
+                alone = torch.cat([linear(rows[i:i + 1]) for i in range(MAX_PROBED_ROWS)])
+                exact = min(exact, next((n - 1 for n in range(2, exact + 1)
+                                         if not torch.equal(linear(rows[:n]), alone[:n])), exact))
+        _EXACT_ROWS[key] = exact
+        log.info("%s %s: batches of up to %d rows keep each row's bits; larger groups decode in such batches",
+                 lm.device, str(lm.dtype).replace("torch.", ""), exact)
+    return _EXACT_ROWS[key]
 
 
 def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | CompressionRatio", sample: Sample,
@@ -676,30 +663,17 @@ def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | Compr
 
 
 def _append_uncompressed(runs: list[_Row], part: str) -> None:
-    """Append each row's `part` (its question, then its held-back token) uncompressed: rows whose parts have
-    the same length go through one batched forward (the dense layers read the weights once), each row's
-    share of its time added to its prefill time, where `rows_independent` says a batch leaves every row's
-    bits unchanged; otherwise, and for a method that steps through appended chunks token by token (CTKVR),
-    each row appends alone."""
-    todo = [run for run in runs if getattr(run, part)]
-    batchable = len(todo) > 1 and rows_independent(todo[0].session.lm)  # else the cache's bits would differ
-    alone = [run for run in todo if run.method.steps_through_chunks or not batchable]
-    by_length: dict[int, list[_Row]] = {}
-    for run in todo:
-        if run not in alone:
-            by_length.setdefault(len(getattr(run, part)), []).append(run)
-    for run in alone:
+    """Append each row's `part` (its question, then its held-back token) uncompressed, row by row: a batch of
+    many-token chunks is a matmul of another shape than the row alone, where kernels change a row's rounding
+    (`exact_batch_rows` holds for one-token rows), and the grouped cache must be the lone one bit for bit."""
+    for run in runs:
+        if not getattr(run, part):
+            continue
         if part == "rest":
             run.logits, seconds = run.session.prefill(run.rest, compress=False)
         else:
-            seconds, (run.logits,) = _timed(run.session.lm, lambda: forward_batch([run.session], [run.held_back]))
+            seconds, run.logits = _timed(run.session.lm, lambda: run.session.forward(run.held_back)[-1])
         run.prefill_s += seconds
-    for rows in by_length.values():
-        seconds, logits = _timed(rows[0].session.lm,
-                                 lambda: forward_batch([r.session for r in rows], [getattr(r, part) for r in rows]))
-        for run, row_logits in zip(rows, logits):
-            run.logits = row_logits
-            run.prefill_s += seconds / len(rows)
 
 
 def _timed(lm: LoadedModel, fn: Any) -> tuple[float, Any]:
