@@ -59,7 +59,9 @@ _expose_launcher_plugin()
 CONF_DIR = str(Path(kvbench.conf.__file__).parent)
 POINT_KEYS = ("model", "task", "method", "budget", "compress_question", "engine", "seed")
 # Engine settings that change speed or memory bookkeeping but never a prediction.
-NON_IDENTITY_ENGINE_KEYS = ("reuse_prefill", "snapshot_window", "snapshot_cache_mb", "topk_recall", "sample_batch")
+# batch_rows changes rounding, not the experiment: records say `decode_batched_rows` when it was above 1.
+NON_IDENTITY_ENGINE_KEYS = ("reuse_prefill", "snapshot_window", "snapshot_cache_mb", "topk_recall", "sample_batch",
+                            "batch_rows")
 
 
 def point_identity(cfg: DictConfig) -> dict[str, Any]:

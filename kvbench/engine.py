@@ -52,7 +52,11 @@ class EngineConfig:
     chat_template: bool = True  # apply the model's chat template where the sample asks for it
     system_prompt: str | None = None
     topk_recall: bool = True  # selection methods: measure top-k attention-mass recall at every decode step
-    sample_batch: int = 1  # samples of one point decoded together (run_group); records are those of one by one
+    sample_batch: int = 1  # samples of one point run together (run_group)
+    # rows of a group decoded in one forward. 1: each row alone, records bitwise those of a lone run. More:
+    # faster, but CPU/GPU kernels round a batched row differently, so NLLs and (at near-ties) predictions
+    # drift from a lone run's (bf16 SmolLM2: 3 of 104 greedy answers, NLLs by up to ~5%)
+    batch_rows: int = 1
 
 
 @dataclass(frozen=True)
@@ -333,18 +337,17 @@ class Session:
 
 
 @torch.inference_mode()
-def step_batch(sessions: list[Session], tokens: list[int]) -> list[torch.Tensor]:
+def step_batch(sessions: list[Session], tokens: list[int], max_rows: int = 1) -> list[torch.Tensor]:
     """One decode step of several sessions in one forward (a `BatchedCache`: the dense layers read the
     weights once for all rows, each row attends over its own cache and runs its own hooks), in batches of at
-    most `exact_batch_rows`, so every row's logits are bitwise those it gets alone. One session takes
-    `Session.step`, so an ungrouped run is exactly what it always was."""
+    most `max_rows` (1: each row alone, bitwise a lone run). One session takes `Session.step`, so an
+    ungrouped run is exactly what it always was."""
     if len(sessions) == 1:
         return [sessions[0].step(tokens[0])]
     lm = sessions[0].lm
-    exact = exact_batch_rows(lm)
-    if len(sessions) > exact:  # batches no larger than keep every row's bits (1: each row alone)
-        return [logits for start in range(0, len(sessions), exact)
-                for logits in step_batch(sessions[start:start + exact], tokens[start:start + exact])]
+    if len(sessions) > max_rows:
+        return [logits for start in range(0, len(sessions), max_rows)
+                for logits in step_batch(sessions[start:start + max_rows], tokens[start:start + max_rows], max_rows)]
     for session in sessions:
         session.cache.evict_now = session.next_step_evicts()
     try:
@@ -370,6 +373,7 @@ def decode_batch(
     stop_ids: set[int],
     stop_strings: list[list[str]],
     min_new_tokens: list[int],
+    max_rows: int = 1,
 ) -> list[tuple[list[int], list[float], str]]:
     """Greedy decoding of several sessions together, each with its own limits and stopping. Per session:
     the new tokens, its share of the wall time of each decode forward it took part in, and why it stopped.
@@ -408,7 +412,7 @@ def decode_batch(
             break
         _sync(device)
         start = time.perf_counter()
-        new_logits = step_batch([sessions[r] for r in active], [tokens[r][-1] for r in active])
+        new_logits = step_batch([sessions[r] for r in active], [tokens[r][-1] for r in active], max_rows)
         _sync(device)
         share = (time.perf_counter() - start) / len(active)
         for r, row_logits in zip(active, new_logits):
@@ -417,7 +421,8 @@ def decode_batch(
     return [(tokens[r], step_times[r], reasons[r]) for r in range(n)]
 
 
-def teacher_forced_nll_batch(sessions: list[Session], logits: list[torch.Tensor], targets: list[list[int]]) -> list[float]:
+def teacher_forced_nll_batch(sessions: list[Session], logits: list[torch.Tensor], targets: list[list[int]],
+                             max_rows: int = 1) -> list[float]:
     """Mean NLL of each session's `target` continuing its current state, one decode step per token on a
     copy of its cache, the sessions stepping together.
 
@@ -436,7 +441,7 @@ def teacher_forced_nll_batch(sessions: list[Session], logits: list[torch.Tensor]
                 totals[r] -= float(torch.log_softmax(current[r], dim=-1)[target[i]])
         rows = [r for r, target in enumerate(targets) if i + 1 < len(target)]
         if rows:
-            for r, row_logits in zip(rows, step_batch([twins[r] for r in rows], [targets[r][i] for r in rows])):
+            for r, row_logits in zip(rows, step_batch([twins[r] for r in rows], [targets[r][i] for r in rows], max_rows)):
                 current[r] = row_logits
     return [total / len(target) if target else float("nan") for total, target in zip(totals, targets)]
 
@@ -575,11 +580,12 @@ def run_group(
         turns = [run.sample.turns[t] for run in turn_runs]
         targets = [builder._ids(gold_continuation(turn), first=False) if turn.answers else [] for turn in turns]
         sessions, logits = [run.session for run in turn_runs], [run.logits for run in turn_runs]
-        nlls = teacher_forced_nll_batch(sessions, logits, targets) if cfg.nll else [float("nan")] * len(turn_runs)
+        nlls = (teacher_forced_nll_batch(sessions, logits, targets, cfg.batch_rows) if cfg.nll
+                else [float("nan")] * len(turn_runs))
         min_new = [int(run.sample.meta.get("min_new_tokens", 0)) for run in turn_runs]
         with phase("decode"):
             decoded = decode_batch(sessions, logits, [turn.max_new_tokens for turn in turns], stop_ids,
-                                   [run.sample.stop for run in turn_runs], min_new)
+                                   [run.sample.stop for run in turn_runs], min_new, cfg.batch_rows)
         for run, turn, nll, (tokens, steps, reason), least in zip(turn_runs, turns, nlls, decoded, min_new):
             run.steps += steps
             prediction = lm.tokenizer.decode([tk for tk in tokens if tk not in stop_ids], skip_special_tokens=True)
@@ -599,36 +605,10 @@ def run_group(
             )
     wall_s = (time.perf_counter() - started) / len(runs)
     records = [_record(lm, run, wall_s, profiler) for run in runs]
-    if len(runs) > 1:
+    if len(runs) > 1 and cfg.batch_rows > 1:
         for record in records:
-            record["decode_batched_rows"] = len(runs)
+            record["decode_batched_rows"] = min(len(runs), cfg.batch_rows)
     return records
-
-
-_EXACT_ROWS: dict[tuple[str, torch.dtype], int] = {}
-MAX_PROBED_ROWS = 32
-
-
-def exact_batch_rows(lm: LoadedModel) -> int:
-    """The most one-token rows a forward may batch while every row keeps the bits it has alone, on this
-    machine and dtype: probed once with every distinct linear shape of the model (kernel choice depends on
-    the shapes, not the values). Measured here: MKL's float32 GEMM changes a row's rounding for any batch
-    (1: rows decode alone), oneDNN's bfloat16 kernels keep it up to 8 rows and change it from 13."""
-    key = (str(lm.device), lm.dtype)
-    if key not in _EXACT_ROWS:
-        shapes = {(m.in_features, m.out_features): m for m in lm.model.modules() if isinstance(m, torch.nn.Linear)}
-        gen = torch.Generator().manual_seed(0)
-        exact = MAX_PROBED_ROWS
-        with torch.inference_mode():
-            for (width, _), linear in shapes.items():
-                rows = torch.randn(MAX_PROBED_ROWS, width, generator=gen).to(device=lm.device, dtype=lm.dtype)
-                alone = torch.cat([linear(rows[i:i + 1]) for i in range(MAX_PROBED_ROWS)])
-                exact = min(exact, next((n - 1 for n in range(2, exact + 1)
-                                         if not torch.equal(linear(rows[:n]), alone[:n])), exact))
-        _EXACT_ROWS[key] = exact
-        log.info("%s %s: batches of up to %d rows keep each row's bits; larger groups decode in such batches",
-                 lm.device, str(lm.dtype).replace("torch.", ""), exact)
-    return _EXACT_ROWS[key]
 
 
 def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | CompressionRatio", sample: Sample,
@@ -663,9 +643,8 @@ def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | Compr
 
 
 def _append_uncompressed(runs: list[_Row], part: str) -> None:
-    """Append each row's `part` (its question, then its held-back token) uncompressed, row by row: a batch of
-    many-token chunks is a matmul of another shape than the row alone, where kernels change a row's rounding
-    (`exact_batch_rows` holds for one-token rows), and the grouped cache must be the lone one bit for bit."""
+    """Append each row's `part` (its question, then its held-back token) uncompressed, row by row (the batched
+    decode steps are what reads the weights most often; a chunk is one forward per row anyway)."""
     for run in runs:
         if not getattr(run, part):
             continue

@@ -5,9 +5,10 @@
 
 The grid (the sweep-throughput issue's): 8 RULER niah_single_2 samples of ~1.9K tokens, question-agnostic,
 16 new tokens; full plus StreamingLLM, SnapKV and Ada-SnapKV at compression ratios 0.25/0.5/0.75/0.9 (13
-points). kvbench runs as one multirun, grouped (`hydra/launcher=grouped`, the default: per sample one dense
-prefill, each point's compression, one batched decode) and ungrouped (`hydra.launcher.max_group=1`: each
-point decodes alone, still one shared prefill per prompt). kvpress runs its text-generation pipeline press by
+points). kvbench runs as one multirun, grouped with batched decoding (`hydra/launcher=grouped` with
+`engine.batch_rows=32`: per sample one dense prefill, each point's compression, one batched decode; batched
+kernels round differently, so the printed agreement counts how many records still equal the lone ones) and
+ungrouped (`hydra.launcher.max_group=1`: each point decodes alone, still one shared prefill per prompt). kvpress runs its text-generation pipeline press by
 press over the same contexts and questions, with the same model weights (the converted SmolLM2 in
 $KVBENCH_CACHE) and dtype, when it is importable here or in the interpreter given by --kvpress-python
 (kvpress 0.5 needs transformers < 5.3, kvbench 5.x: a second virtual environment). Every wall time includes
@@ -55,11 +56,12 @@ print(json.dumps({"wall_s": time.perf_counter() - start, "load_s": loaded - star
 """
 
 
-def run_kvbench(results: Path, max_group: int, args: argparse.Namespace) -> float:
+def run_kvbench(results: Path, max_group: int, args: argparse.Namespace, batch_rows: int = 1) -> float:
     command = [sys.executable, "-m", "kvbench", "-m", "task=ruler_niah_single_2", f"task.seq_len={args.seq_len}",
                f"task.num_samples={args.samples}", f"+task.max_new_tokens={args.new_tokens}", "compress_question=false",
                f"method={METHODS}", f"compression_ratio={RATIOS}", f"results_dir={results}",
-               f"hydra.launcher.max_group={max_group}", f"model.dtype={args.dtype}", "show_progress=false"]
+               f"hydra.launcher.max_group={max_group}", f"engine.batch_rows={batch_rows}", f"model.dtype={args.dtype}",
+               "show_progress=false"]
     start = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if done.returncode:
@@ -130,7 +132,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        times = {"kvbench grouped": run_kvbench(work / "grouped", 32, args)}
+        times = {"kvbench grouped": run_kvbench(work / "grouped", 32, args, batch_rows=32)}
         grouped = breakdown(work / "grouped")
         agree = None
         if not args.skip_ungrouped:

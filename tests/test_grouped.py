@@ -17,10 +17,9 @@ from conftest import model_cfg, random_ids
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-import kvbench.engine
 from kvbench.attention import kvbench_attention
 from kvbench.cache import BatchedCache
-from kvbench.engine import EngineConfig, PromptBuilder, Session, exact_batch_rows, run_group, run_sample
+from kvbench.engine import EngineConfig, PromptBuilder, Session, run_group, run_sample
 from kvbench.methods import build_method
 from kvbench.models import load_model
 
@@ -83,19 +82,19 @@ GRID = [("full", {}, 64), ("adakv", {}, 48), ("exact_topk", {}, 32), ("snapkv", 
         ("rocketkv", {}, 48), ("keydiff", {}, 48), ("ctkvr", {}, 32), ("omnikv", {"filter_layers": [0], "offload": True}, 16)]
 
 
-def _grouped_vs_alone(lm, compress_question: bool) -> list[tuple[dict, dict]]:
-    cfg = EngineConfig(compress_question=compress_question)
+def _grouped_vs_alone(lm, compress_question: bool, batch_rows: int = 1) -> list[tuple[dict, dict]]:
     pairs = []
     for sample in _samples(lm):
         points = [(build_method(name, **params), budget) for name, params, budget in GRID]
-        alone = [run_sample(lm, method, budget, sample, cfg) for method, budget in points]
+        alone = [run_sample(lm, method, budget, sample, EngineConfig(compress_question=compress_question))
+                 for method, budget in points]
+        cfg = EngineConfig(compress_question=compress_question, batch_rows=batch_rows)
         grouped = run_group(lm, [(method, budget, sample) for method, budget in points], cfg)
-        assert all(r["decode_batched_rows"] == len(GRID) for r in grouped)
         pairs += list(zip(alone, grouped))
     return pairs
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])  # bf16: real batches where the kernels allow them
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("compress_question", [True, False])
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
 def test_grouped_points_record_what_each_point_records_alone(model, dtype, compress_question):
@@ -104,14 +103,15 @@ def test_grouped_points_record_what_each_point_records_alone(model, dtype, compr
         assert_same_records(alone, grouped)
 
 
-def test_batches_larger_than_exact_differ_only_by_rounding(tiny, monkeypatch):
-    """Forced batches of every row on float32 (whose kernels round a batched row differently): the batching
-    itself is right, predictions agree and NLLs differ only in the last bits."""
-    assert exact_batch_rows(tiny) >= 1
-    monkeypatch.setitem(kvbench.engine._EXACT_ROWS, (str(tiny.device), tiny.dtype), 16)
-    for alone, grouped in _grouped_vs_alone(tiny, compress_question=True):
+def test_batched_rows_differ_from_lone_rows_only_by_rounding(tiny):
+    """`engine.batch_rows=16`: every row of the group in one forward. The batching itself is right: the same
+    predictions, and NLLs equal up to the rounding of batched float32 kernels."""
+    for alone, grouped in _grouped_vs_alone(tiny, compress_question=False, batch_rows=16):
+        assert grouped["decode_batched_rows"] == len(GRID)
         assert [t["prediction"] for t in alone["turns"]] == [t["prediction"] for t in grouped["turns"]]
         assert grouped["nll"] == pytest.approx(alone["nll"], rel=1e-5)
+        for key in ("score", "kv_bytes_end", "kept_tokens_end_max", "eviction_events"):
+            assert alone[key] == grouped[key], key
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -120,7 +120,7 @@ def test_several_samples_of_one_point_decode_together(dtype):
     samples = _samples(lm, n=3)
     method = build_method("adakv")
     alone = [run_sample(lm, method, 40, s, EngineConfig()) for s in samples]
-    together = run_group(lm, [(method, 40, s) for s in samples], EngineConfig())
+    together = run_group(lm, [(method, 40, s) for s in samples], EngineConfig())  # rows alone: bitwise
     for a, g in zip(alone, together):
         assert a["sample_id"] == g["sample_id"]
         assert_same_records(a, g)
