@@ -375,8 +375,9 @@ def decode_batch(
     min_new_tokens: list[int],
     max_rows: int = 1,
 ) -> list[tuple[list[int], list[float], str]]:
-    """Greedy decoding of several sessions together, each with its own limits and stopping. Per session:
-    the new tokens, its share of the wall time of each decode forward it took part in, and why it stopped.
+    """Greedy decoding of several sessions together, each with its own limits and stopping, `max_rows` per
+    forward. Per session: the new tokens, its share of the wall time of each decode forward it took part in
+    (its own time when it decodes alone), and why it stopped.
 
     Before `min_new_tokens` tokens, EOS is masked and stop strings are not checked (LongBench's samsum
     protocol, which would otherwise stop on an immediate newline). A finished session leaves the batch.
@@ -410,14 +411,16 @@ def decode_batch(
         active = stepping
         if not active:
             break
-        _sync(device)
-        start = time.perf_counter()
-        new_logits = step_batch([sessions[r] for r in active], [tokens[r][-1] for r in active], max_rows)
-        _sync(device)
-        share = (time.perf_counter() - start) / len(active)
-        for r, row_logits in zip(active, new_logits):
-            current[r] = row_logits
-            step_times[r].append(share)
+        for first in range(0, len(active), max_rows):  # each forward timed alone, its time shared by its rows
+            rows = active[first:first + max_rows]
+            _sync(device)
+            start = time.perf_counter()
+            new_logits = step_batch([sessions[r] for r in rows], [tokens[r][-1] for r in rows], max_rows)
+            _sync(device)
+            share = (time.perf_counter() - start) / len(rows)
+            for r, row_logits in zip(rows, new_logits):
+                current[r] = row_logits
+                step_times[r].append(share)
     return [(tokens[r], step_times[r], reasons[r]) for r in range(n)]
 
 
