@@ -538,8 +538,6 @@ class _Row:
     reused: bool
     kv_after_compress: int
     kept: list[list[int]]
-    rest: list[int] = field(default_factory=list)  # appended uncompressed after the segment (the question)
-    held_back: list[int] = field(default_factory=list)  # the prompt's last token, through the decode path
     kv_after_prefill: int = 0
     prompt_end: int = 0
     turns_out: list[dict[str, Any]] = field(default_factory=list)
@@ -564,11 +562,6 @@ def run_group(
     builder = PromptBuilder(lm.tokenizer, cfg.chat_template, cfg.system_prompt)
     with phase("prefill"):
         runs = [_start_row(lm, method, budget_cfg, sample, cfg, builder) for method, budget_cfg, sample in rows]
-        _append_uncompressed(runs, "rest")
-        _append_uncompressed(runs, "held_back")
-    for run in runs:
-        run.kv_after_prefill = run.session.cache.kv_bytes()
-        run.prompt_end = run.session.position
     stop_ids = stop_token_ids(lm)
     for t in range(max(len(run.sample.turns) for run in runs)):
         turn_runs = [run for run in runs if t < len(run.sample.turns)]
@@ -641,29 +634,20 @@ def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | Compr
     session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, plan, segment, cfg)
     cache = session.cache
     cache.measure_recall = cfg.topk_recall and method.selects
-    return _Row(method, budget_cfg, sample, ctx_ids, q_ids, segment, budget, plan, sequence_length, session, logits,
-                prefill_s, compress_s, reused, cache.kv_bytes(), cache.kept_per_head(), rest, held_back)
-
-
-def _append_uncompressed(runs: list[_Row], part: str) -> None:
-    """Append each row's `part` (its question, then its held-back token) uncompressed, row by row (the batched
-    decode steps are what reads the weights most often; a chunk is one forward per row anyway)."""
-    for run in runs:
-        if not getattr(run, part):
-            continue
-        if part == "rest":
-            run.logits, seconds = run.session.prefill(run.rest, compress=False)
-        else:
-            seconds, run.logits = _timed(run.session.lm, lambda: run.session.forward(run.held_back)[-1])
-        run.prefill_s += seconds
-
-
-def _timed(lm: LoadedModel, fn: Any) -> tuple[float, Any]:
-    _sync(lm.device)
-    start = time.perf_counter()
-    out = fn()
-    _sync(lm.device)
-    return time.perf_counter() - start, out
+    run = _Row(method, budget_cfg, sample, ctx_ids, q_ids, segment, budget, plan, sequence_length, session, logits,
+               prefill_s, compress_s, reused, cache.kv_bytes(), cache.kept_per_head())
+    if rest:
+        run.logits, rest_s = session.prefill(rest, compress=False)
+        run.prefill_s += rest_s
+    if held_back:
+        _sync(lm.device)
+        start = time.perf_counter()
+        run.logits = session.forward(held_back)[-1]
+        _sync(lm.device)
+        run.prefill_s += time.perf_counter() - start
+    run.kv_after_prefill = cache.kv_bytes()
+    run.prompt_end = session.position
+    return run
 
 
 def _record(lm: LoadedModel, run: _Row, wall_s: float, profiler: PhaseProfiler | None) -> dict[str, Any]:
