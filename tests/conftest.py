@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 
 # Triton decides at import whether to interpret; transformers imports it (via torch._dynamo) before any test
-# module runs, so the kernel tests' CPU interpreter mode has to be chosen here.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# module runs, so the kernel tests' CPU interpreter mode has to be chosen here. KVBENCH_KERNEL_DEVICE=cuda runs
+# tests/test_kernels.py's Triton launches compiled on a GPU instead (see that module).
+os.environ.setdefault("TRITON_INTERPRET", "1" if os.environ.get("KVBENCH_KERNEL_DEVICE", "cpu") == "cpu" else "0")
 # No test may reach the Hub: without this, a dataset lookup retries the network for ~25 s before failing.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -4,13 +4,20 @@ triton reads TRITON_INTERPRET once, when it is imported (its standard library, t
 jitted then): conftest sets it before anything imports triton, and this module sets it too for
 `--noconftest` runs. The Triton launchers are called directly: the dispatchers pick the references on CPU
 tensors.
+
+`KVBENCH_KERNEL_DEVICE=cuda TRITON_INTERPRET=0 pytest tests/test_kernels.py` runs the same tests with the
+launchers compiled on a GPU: every Triton call gets its tensor arguments copied to the device with their
+strides (views stay views: slices, transposes, expanded dimensions) and its results copied back, so the
+kernels are compared with the same CPU references and oracles. `scripts/gpu_check_kernels.py` checks them
+at decode-sized shapes.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_INTERPRET", "1" if os.environ.get("KVBENCH_KERNEL_DEVICE", "cpu") == "cpu" else "0")
 
 import pytest
 import torch
@@ -18,8 +25,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from kvbench.kernels import _triton_kernels, ragged_attention, sparse_attention
 from kvbench.kernels._dispatch import ENV_VAR, use_triton
-from kvbench.kernels._triton_kernels import launch_page_minmax, launch_page_scores, launch_reduced_scores
 from kvbench.kernels.page_summary import (
     page_minmax,
     page_minmax_reference,
@@ -30,18 +37,49 @@ from kvbench.kernels.ragged_attention import (
     ragged_decode_attention,
     ragged_decode_attention_per_head,
     ragged_decode_attention_reference,
-    ragged_decode_attention_triton,
 )
 from kvbench.kernels.reduced_scores import reduced_scores, reduced_scores_reference
 from kvbench.kernels.sparse_attention import (
     topk_attention,
     topk_attention_reference,
-    topk_attention_triton,
 )
 
 from kvbench.cache import KVBenchCache
 
 pytestmark = pytest.mark.kernels
+DEVICE = os.environ.get("KVBENCH_KERNEL_DEVICE", "cpu")  # cpu: interpreted; cuda: compiled
+if DEVICE != "cpu" and (not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")):
+    pytest.skip(f"KVBENCH_KERNEL_DEVICE={DEVICE} needs a GPU and TRITON_INTERPRET=0", allow_module_level=True)
+
+
+def _to(x, device):
+    """x on device with x's strides and storage offset (a copy of its whole storage); non-tensors as they are."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    storage = x.untyped_storage()
+    flat = torch.empty(0, dtype=x.dtype).set_(storage, 0, (storage.nbytes() // x.element_size(),))
+    return flat.to(device).as_strided(x.shape, x.stride(), x.storage_offset())
+
+
+def _on_device(launch):
+    """`launch` itself on CPU (interpreted); with KVBENCH_KERNEL_DEVICE set, `launch` run there (compiled) on
+    copies of its tensor arguments, its tensor results copied back to the CPU."""
+    if DEVICE == "cpu":
+        return launch
+
+    @functools.wraps(launch)
+    def run(*args, **kwargs):
+        out = launch(*(_to(a, DEVICE) for a in args), **{k: _to(v, DEVICE) for k, v in kwargs.items()})
+        return tuple(o.cpu() for o in out) if isinstance(out, tuple) else out.cpu()
+
+    return run
+
+
+topk_attention_triton = _on_device(sparse_attention.topk_attention_triton)
+ragged_decode_attention_triton = _on_device(ragged_attention.ragged_decode_attention_triton)
+launch_page_minmax = _on_device(_triton_kernels.launch_page_minmax)
+launch_page_scores = _on_device(_triton_kernels.launch_page_scores)
+launch_reduced_scores = _on_device(_triton_kernels.launch_reduced_scores)
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 # a bf16 output is the fp32 result cast once: within one ulp (2^-7 relative), not half of one, because the

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# The GPU session of docs/gpu/README.md, on a machine with one CUDA GPU (run from anywhere):
+#
+#   bash scripts/gpu_session.sh check   OUT_DIR   # machine, compiled-kernel checks, kernel tests compiled on
+#                                                 # CUDA, kernel benchmark (bf16), a 2-layer end-to-end smoke
+#   bash scripts/gpu_session.sh profile OUT_DIR   # plain transformers decode for scale, then the end-to-end
+#                                                 # profile: Llama-3.1-8B shapes, random weights, fp16,
+#                                                 # the rocketkv_fig7 preset on a smaller grid
+#   bash scripts/gpu_session.sh breakdown OUT_DIR # wall vs GPU busy time of one decode step per method
+#   bash scripts/gpu_session.sh all     OUT_DIR
+#
+# kvbench must be importable: an editable install (`pip install -e .`), or wheels in WHEELS (default: the
+# checkout's .whl/, if present: kvbench's own wheel plus transformers 5.23, hydra-core, omegaconf, antlr4 4.9.3)
+# pip-installed into /tmp/site and put on PYTHONPATH. Commands run from a scratch directory, so the checkout's
+# kvbench/ folder does not shadow the installed package (its kernels/, tasks/, conf/ are mapped at install).
+# Each step has its own time limit; logs, records and a tarball of the profile results go to OUT_DIR.
+# Override the profile grid with LENGTHS, METHODS, BUDGETS, REPEATS (see below).
+set -uo pipefail
+phase=${1:?usage: gpu_session.sh check|profile|breakdown|all OUT_DIR}
+out=$(mkdir -p "${2:?usage: gpu_session.sh check|profile|breakdown|all OUT_DIR}" && cd "$2" && pwd)
+repo=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVBENCH_CACHE=${KVBENCH_CACHE:-/tmp/kvbench-cache}
+unset TRITON_INTERPRET
+work=$(mktemp -d /tmp/kvbench-gpu.XXXX)
+cd "$work" || exit 1
+
+wheels=${WHEELS:-$repo/.whl}
+if [ -d "$wheels" ] && ls "$wheels"/*.whl >/dev/null 2>&1; then
+    $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        "$wheels"/*.whl || exit 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/NAME.log, report the status
+    local name=$1 limit=$2
+    shift 2
+    echo "=== $name (limit ${limit}s): $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "=== $name: exit $rc after $((SECONDS - t0))s"
+    return $rc
+}
+
+# Llama-3.1-8B's shapes on the tiny_llama source (random weights built in code; the byte tokenizer's small
+# vocabulary replaces the 128K one, so the LM head is negligible); rope scaling is left out (latency only)
+llama8b=(model=tiny_llama model.name=llama3.1_8b_shapes_random model.device=${DEVICE:-cuda} model.dtype=float16
+         model.config.hidden_size=4096 model.config.intermediate_size=14336
+         model.config.num_attention_heads=32 model.config.num_key_value_heads=8 model.config.head_dim=128
+         model.config.max_position_embeddings=131072 model.config.rope_theta=500000.0)
+
+check() {
+    {
+        nvidia-smi
+        nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit --format=csv
+        $py -c "import torch, triton, transformers, sys; p = torch.cuda.get_device_properties(0); \
+print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, \
+'transformers', transformers.__version__); print(p.name, 'sm', f'{p.major}.{p.minor}', p.multi_processor_count, 'SMs', \
+round(p.total_memory / 2**30, 1), 'GiB')"
+        nproc
+    } 2>&1 | tee "$out/machine.log"
+    # compiled kernels vs references: one process per dtype (Triton compiles on the CPU: three at a time),
+    # and the unit tests compiled on CUDA alongside (pytest-xdist when installed)
+    for dt in fp16 bf16 fp32; do
+        step "check_$dt" 300 $py "$repo/scripts/gpu_check_kernels.py" --dtypes $dt &
+    done
+    xdist=()
+    $py -c "import xdist" 2>/dev/null && xdist=(-n 6)
+    KVBENCH_KERNEL_DEVICE=cuda TRITON_INTERPRET=0 step tests_cuda 300 $py -m pytest -q -p no:cacheprovider \
+        --rootdir "$repo" -c "$repo/pyproject.toml" "${xdist[@]}" "$repo/tests/test_kernels.py" &
+    wait
+    for dt in fp16 bf16 fp32; do sed -n '/^kernel  /,$p' "$out/check_$dt.log"; done
+    tail -n 5 "$out/tests_cuda.log"
+    # timings alone on the GPU
+    step bench_kernels 150 $py "$repo/scripts/bench_kernels.py" --dtype bf16
+    cat "$out/bench_kernels.log"
+    # end-to-end smoke: two layers of the 8B shapes, every profiled method once, 4K tokens
+    step e2e_smoke 130 $py -m kvbench.profile -m experiment=rocketkv_fig7 "${llama8b[@]}" \
+        model.config.num_hidden_layers=2 task.seq_len="${SMOKE_LENGTH:-4096}" task.max_new_tokens=16 budget=256 \
+        method=full,rocketkv,snapkv,quest,exact_topk,adakv,sparq profiler.repeats=1 profiler.warmup_steps=2 \
+        hydra/launcher=basic results_dir="$work/smoke"
+    grep -E "^(Results|  *model|.*synthetic)|rror" "$out/e2e_smoke.log" | tail -n 20
+}
+
+profile() {
+    # the plain transformers model's decode (no kvbench in the loop), for scale
+    step decode_floor 120 $py "$repo/scripts/gpu_decode_floor.py" --lengths "${LENGTHS:-16384,32768}"
+    cat "$out/decode_floor.log"
+    # gpu_profile.py = python -m kvbench.profile, building the random model on the GPU (seconds, not minutes)
+    step e2e_profile "${PROFILE_LIMIT:-420}" $py "$repo/scripts/gpu_profile.py" -m experiment=rocketkv_fig7 \
+        "${llama8b[@]}" model.config.num_hidden_layers="${LAYERS:-32}" \
+        task.seq_len="${LENGTHS:-16384,32768}" budget="${BUDGETS:-256,1024,4096}" \
+        method="${METHODS:-full,quest,exact_topk,adakv,sparq,snapkv,rocketkv}" \
+        profiler.repeats="${REPEATS:-2}" hydra/launcher=basic results_dir="$work/profile"
+    rc=$?
+    tar -C "$work" -czf "$out/profile_records.tgz" profile 2>/dev/null
+    grep -E "^(Results|  *model|.*synthetic)|rror|Killed|loading model" "$out/e2e_profile.log" | tail -n 60
+    return $rc
+}
+
+breakdown() {  # wall vs GPU kernel time of a decode step, per method (torch.profiler)
+    step decode_breakdown 240 $py "$repo/scripts/gpu_decode_breakdown.py" --length "${BREAKDOWN_LENGTH:-16384}" \
+        --budget "${BREAKDOWN_BUDGET:-1024}"
+    grep -v USDT "$out/decode_breakdown.log"
+    # the same without cuDNN's SDPA backend (the dense decode path's SDPA call)
+    step decode_breakdown_nocudnn 240 $py "$repo/scripts/gpu_decode_breakdown.py" --no-cudnn-sdpa \
+        --length "${BREAKDOWN_LENGTH:-16384}" --budget "${BREAKDOWN_BUDGET:-1024}"
+    grep -v USDT "$out/decode_breakdown_nocudnn.log"
+}
+
+case $phase in
+    check) check ;;
+    profile) profile ;;
+    breakdown) breakdown ;;
+    all) check; profile; breakdown ;;
+    *) echo "unknown phase $phase" >&2; exit 2 ;;
+esac
