@@ -695,6 +695,7 @@ def _record(lm: LoadedModel, run: _Row, wall_s: float, profiler: PhaseProfiler |
         "kept_tokens_mean": sum(flat_kept) / len(flat_kept),
         "kept_tokens_min": min(flat_kept),
         "kept_tokens_max": max(flat_kept),
+        "kept_tokens_per_head": [list(layer) for layer in run.kept],  # after prefill: [layer][kv head]
         "kept_tokens_end_mean": sum(kept_end) / len(kept_end),
         "kept_tokens_end_max": max(kept_end),
         "kv_peak_entries_per_head": cache.peak_entries_per_head(),  # at any moment, prefill blocks included
@@ -726,9 +727,11 @@ def _decode_accounting(cache: KVBenchCache, lm: LoadedModel, sequence_length: in
     kv_heads = config.num_key_value_heads
     head_dim = cache.layers[0].head_dim
     states = [(layer, state) for layer in cache.layers for state in layer.aux.values()]
-    # K/V tokens per KV group, wherever they live (a host segment's rows count as retained)
-    retained = sum(sum(layer.lengths()) * kv_heads / layer.num_heads for layer in cache.layers)
-    retained += sum(getattr(state, "kv_tokens", 0) * kv_heads / layer.num_heads for layer, state in states)
+    # K/V rows held, wherever they live (a host segment's rows count as retained). A layer stored per query
+    # head (SnapKV at head granularity) holds G rows per group, each its own token: a group of G heads keeping
+    # budget/G each stores `budget` tokens, RocketKV's 1/c
+    retained = sum(sum(layer.lengths()) for layer in cache.layers)
+    retained += sum(getattr(state, "kv_tokens", 0) for _, state in states)
     aux = sum(state.paper_elements for _, state in states)
     full = config.num_hidden_layers * kv_heads * sequence_length
     host = sum(state.nbytes() for _, state in states if getattr(state, "on_host", False))

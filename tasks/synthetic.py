@@ -49,6 +49,7 @@ class Synthetic(Task):
                     turns=[Turn(question="", answers=[], max_new_tokens=self.max_new_tokens, metric="none")],
                     chat_template=False,
                     token_prompt=recipe,
-                    meta={"seq_len": length, "synthetic": self.kind},
+                    # every sample decodes exactly max_new_tokens (an early EOS would shorten the timed decode)
+                    meta={"seq_len": length, "synthetic": self.kind, "min_new_tokens": self.max_new_tokens},
                 ))
         return out

@@ -33,6 +33,7 @@ def test_synthetic_prompts_have_exact_lengths_and_no_special_tokens(tiny):
     for sample, length in zip(samples, [100, 300]):
         ids, question = builder.first_turn(sample)
         assert len(ids) == length - 8 and question == [] and not special & set(ids)
+        assert sample.meta["min_new_tokens"] == 8  # an early EOS never shortens the timed decode
         assert ids == builder.first_turn(sample)[0]  # seeded
     assert builder.first_turn(samples[0])[0] != builder.first_turn(samples[1])[0][:92]
     repeated, _ = builder.first_turn(synthetic(tiny, [50], kind="repeat")[0])

@@ -259,3 +259,16 @@ def test_decode_logits_equal_attention_over_exactly_the_selected_tokens(tiny, na
     assert all(step for step in chosen)
     for ours, theirs in zip(outs, reference_chunks(tiny.model, chunks, past)):
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-5)
+
+
+def test_per_query_head_snapkv_stores_the_budget_per_group_in_table1_terms(tiny_llama):
+    """RocketKV Table 1: SnapKV stores 1/c whether a group's budget is shared or split over its query heads."""
+    sample = Sample(id="s", task="synthetic", context="".join(chr(97 + i % 26) for i in range(700)),
+                    turns=[Turn("Which letter?", ["a"], max_new_tokens=4, metric="string_match_all")])
+    records = {g: run_sample(tiny_llama, build_method("snapkv", granularity=g), 64, sample, EngineConfig(nll=False))
+               for g in ("group", "head")}
+    for record in records.values():
+        # no auxiliary state: the convention's ratio is the true bytes' ratio
+        assert record["storage_ratio_table1"] == pytest.approx(record["storage_ratio_bytes"])
+    # the same budget per group; only the few decoded tokens are stored once per query head
+    assert records["head"]["storage_ratio_table1"] == pytest.approx(records["group"]["storage_ratio_table1"], rel=0.1)
