@@ -332,6 +332,10 @@ def _run_prepared(prepared: PreparedPoint) -> dict[str, Any]:
         summary["suite_skipped"] = suite["skipped"]
     write_summary(prepared.run_dir, summary)
     _print_summary(summary)
+    if cfg.get("logger") and cfg.logger.name == "wandb":
+        from kvbench.wandb_logger import log_point
+
+        log_point(cfg, summary, prepared.run_dir)
     return summary
 
 
@@ -463,7 +467,7 @@ def _hydra_entry(cfg: DictConfig) -> None:
         sys.exit(2)
 
 
-GROUPS = ("model", "method", "task", "experiment")
+GROUPS = ("model", "method", "task", "experiment", "logger")
 
 
 def choices(group: str) -> list[str]:
@@ -525,6 +529,10 @@ def check_settings(argv: list[str]) -> list[str]:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["report"]:  # `kvbench report ...`: tables, figures and HTML from stored records
+        from kvbench.report import main as report_main
+
+        sys.exit(report_main(sys.argv[2:]))
     try:
         check_group_overrides(sys.argv[1:])
         sys.argv[1:] = check_settings(sys.argv[1:])

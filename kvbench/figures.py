@@ -31,7 +31,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from kvbench.report import collect  # noqa: E402
+from kvbench.results import collect  # noqa: E402
 
 MiB = 2**20
 COLUMNS = {  # table column <- record column (profile fields flattened by `collect`)

@@ -4,14 +4,15 @@ Everything is recomputed from ``records.jsonl`` files (never from ``summary.json
 for partially finished, resumed or re-scored points, and reading never modifies a run directory: reports
 may run while a sweep is still writing.
 
-    python -m kvbench.report RESULTS_DIR [--csv FILE] [--markdown] [--pivot method,budget]
+    kvbench report experiment=NAME | RESULTS_DIR [--out DIR] [--publish] [--csv FILE] [--markdown] [--pivot a,b]
+
+prints the point table and writes the paper's layout (kvbench/paper_report.py) under <results_dir>/report/.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import logging
 import sys
 from collections.abc import Sequence
@@ -23,7 +24,8 @@ from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
-from kvbench.results import RECORDS_FILE, load_records
+from kvbench.errors import KVBenchError
+from kvbench.results import collect
 
 log = logging.getLogger(__name__)
 
@@ -33,51 +35,6 @@ DEFAULT_POINT_KEYS = ("model", "task", "method", "budget", "seq_len", "compress_
 TABLE_METRICS = ("nll", "decode_ms_per_token", "kv_bytes_after_prefill")
 # Label of the row holding a suite's unweighted mean over its subtasks.
 TASK_MEAN_LABEL = "[task mean]"
-# Record fields that are not table columns: structure, or renamed (a record's `task` is its subtask).
-_NESTED_RECORD_FIELDS = ("point", "turns", "task")
-# Dict fields that are not flattened into columns: per-sample task data (needle offsets, ...).
-_UNFLATTENED_RECORD_FIELDS = ("point", "meta")
-
-
-def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
-    """Flatten nested point config into dotted columns; lists become JSON text so they can be group keys."""
-    if isinstance(value, dict):
-        for key, sub in value.items():
-            _flatten(f"{prefix}.{key}" if prefix else str(key), sub, out)
-    elif isinstance(value, list):
-        out[prefix] = json.dumps(value)
-    else:
-        out[prefix] = value
-
-
-def collect(results_root: Path) -> pd.DataFrame:
-    """One row per record under `results_root`, with its point's fields, subtask and run directory.
-
-    A record's ``task`` is its subtask (``subtask`` column); the point's ``task`` is the task config (a
-    suite name for suites). ``attrs["point_columns"]`` lists the columns that came from point identities.
-    """
-    root = Path(results_root)
-    rows: list[dict[str, Any]] = []
-    point_columns: dict[str, None] = {}  # ordered set
-    for path in sorted(root.rglob(RECORDS_FILE)):
-        run_dir = path.parent
-        for rec in load_records(run_dir):
-            row = {k: v for k, v in rec.items()
-                   if k not in _NESTED_RECORD_FIELDS and not isinstance(v, (dict, list))}
-            for key, value in rec.items():  # e.g. budget_plan.k1, eviction_schedule.block_size
-                if isinstance(value, dict) and key not in _UNFLATTENED_RECORD_FIELDS:
-                    _flatten(key, value, row)
-            row["subtask"] = rec.get("task")
-            row["n_turns"] = len(rec.get("turns") or [])
-            point: dict[str, Any] = {}
-            _flatten("", rec.get("point") or {}, point)
-            point_columns.update(dict.fromkeys(point))
-            row.update(point)
-            row["run_dir"] = str(run_dir.relative_to(root))
-            rows.append(row)
-    df = pd.DataFrame(rows)
-    df.attrs["point_columns"] = list(point_columns)
-    return df
 
 
 def _point_keys(df: pd.DataFrame) -> list[str]:
@@ -212,29 +169,77 @@ def report_text(results_root: Path, markdown: bool = False, pivot: Sequence[str]
     return format_table(pivot_scores(table, pivot) if pivot and not table.empty else table, markdown=markdown)
 
 
+def _argv_with_options(argv: Sequence[str]) -> list[str]:
+    """Accept the Hydra-style spellings too: `out=DIR`, `wandb.publish=true`, `wandb.project=P`."""
+    spelled = {"out": "--out", "wandb.project": "--wandb-project", "wandb.entity": "--wandb-entity"}
+    out: list[str] = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in spelled:
+            out += [spelled[key], value]
+        elif sep and key == "wandb.publish":
+            out += ["--publish"] if value.lower() in ("true", "1", "yes") else []
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Print the results table of a results directory; exit status 1 when it holds no records."""
-    parser = argparse.ArgumentParser(prog="python -m kvbench.report", description=__doc__.split("\n\n")[0])
-    parser.add_argument("results_dir", type=Path, help="directory searched recursively for records.jsonl")
+    """Print a results table and write the full report; exit status 1 when there are no records."""
+    parser = argparse.ArgumentParser(
+        prog="kvbench report", description="Tables, figures and an HTML page from stored records.",
+        epilog="SOURCE: experiment=NAME (a preset: its results_dir, layout and expected grid) or RESULTS_DIR "
+               "(any results tree). Writes <results_dir>/report/ (index.html, table.md/.csv/.tex, points.csv, "
+               "figures as PNG and PDF); see kvbench/paper_report.py.")
+    parser.add_argument("source", metavar="SOURCE|RESULTS_DIR", help="experiment=NAME, or a results directory")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="with experiment=NAME: the overrides the sweep ran with (results_dir=..., budget=64,128)")
+    parser.add_argument("--out", type=Path, help="report directory (default: <results_dir>/report)")
+    parser.add_argument("--no-files", action="store_true", help="only print the table")
+    parser.add_argument("--publish", action="store_true",
+                        help="also build a W&B report (wandb.publish=true); without network: says so, static report only")
+    parser.add_argument("--wandb-project", default="kvbench")
+    parser.add_argument("--wandb-entity", default=None)
     parser.add_argument("--csv", type=Path,
                         help="also write the full point table (unrounded, not pivoted) to this file")
     parser.add_argument("--markdown", action="store_true", help="print a markdown table")
     parser.add_argument("--pivot", help="comma-separated point fields to spread across columns, e.g. method,budget")
-    args = parser.parse_args(argv)
-    if not args.results_dir.is_dir():
-        parser.error(f"{args.results_dir} is not a directory")
-    table = point_table(collect(args.results_dir))
+    args = parser.parse_args(_argv_with_options(list(sys.argv[1:] if argv is None else argv)))
+    from kvbench import paper_report
+    from kvbench.results import results_root
+
+    try:
+        if args.overrides:
+            root = paper_report.resolve(args.source, args.overrides).root
+        else:
+            root = results_root(args.source.split("=", 1)[1] if args.source.startswith("experiment=") else args.source)
+    except KVBenchError as err:
+        parser.error(str(err))
+    table = point_table(collect(root)) if root.is_dir() else pd.DataFrame()
     if args.csv is not None:
         table.to_csv(args.csv, index=False)
-    if table.empty:
-        print(f"no records under {args.results_dir}", file=sys.stderr)
-        return 1
-    try:
-        shown = pivot_scores(table, _split(args.pivot)) if args.pivot else table
-    except ValueError as err:
-        parser.error(str(err))
-    print(format_table(shown, markdown=args.markdown))
-    return 0
+    if not table.empty:
+        try:
+            shown = pivot_scores(table, _split(args.pivot)) if args.pivot else table
+        except ValueError as err:
+            parser.error(str(err))
+        print(format_table(shown, markdown=args.markdown))
+    else:
+        print(f"no records under {root}", file=sys.stderr)
+    experiment = args.source.startswith("experiment=") or not Path(args.source).is_dir()
+    if args.no_files or (table.empty and not experiment):
+        return 0 if not table.empty else 1
+    result = paper_report.build(args.source, args.out, args.overrides)
+    if result["source"].spec.not_in_kvbench:
+        print(paper_report.skipped_line(result["source"].name, result["source"].spec))
+    if result["missing"]:
+        print(f"{len(result['missing'])} expected points have no records (shown as 'missing')")
+    print(f"report: {result['out_dir'] / 'index.html'} ({len(result['figures'])} figures)")
+    if args.publish:
+        from kvbench.wandb_logger import publish_report
+
+        print(publish_report(result, project=args.wandb_project, entity=args.wandb_entity))
+    return 0 if not table.empty else 1
 
 
 def _split(fields: str) -> list[str]:
@@ -259,6 +264,10 @@ class PrintSweepSummary(Callback):
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.sweep_dir = Path(config.hydra.sweep.dir)
+        skipped = (config.get("report") or {}).get("not_in_kvbench")
+        if skipped:  # a paper's methods that kvbench lacks: said once, never silently absent
+            name = config.hydra.runtime.choices.get("experiment") or self.sweep_dir.name
+            print(f"{name}: skipping methods not in kvbench: {', '.join(skipped)}", flush=True)
         atexit.register(self._print, aborted=True)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:

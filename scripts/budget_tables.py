@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
-from kvbench.report import collect
+from kvbench.results import collect
 
 
 def _schedule(row: pd.Series) -> str:

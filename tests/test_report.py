@@ -15,13 +15,12 @@ from omegaconf import OmegaConf
 from kvbench.report import (
     TASK_MEAN_LABEL,
     PrintSweepSummary,
-    collect,
     format_table,
     main,
     pivot_scores,
     point_table,
 )
-from kvbench.results import RecordStore, point_hash
+from kvbench.results import RecordStore, collect, point_hash
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20

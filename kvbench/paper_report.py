@@ -1,0 +1,672 @@
+"""A paper's table and figures from stored records: `kvbench report experiment=NAME` (or a results directory).
+
+The layout comes from the preset's ``report:`` block (`ReportSpec`); the numbers only from ``records.jsonl``
+files (`kvbench.results.load`). The expected grid is the preset's sweep (``hydra.sweeper.params``): a point of
+that grid with no records is shown as "missing" in every table and as a gap in every figure, never as zero.
+
+Written into the output directory (default ``<results_dir>/report``):
+
+- ``table.md``, ``table.csv``, ``table.tex``: the paper's main table (scores x100; rows and columns from the
+  spec; missing cells say "missing");
+- ``points.csv``: one row per point and subtask (every recorded number behind the table);
+- figures as PNG and PDF: ``accuracy`` (score vs budget, one line per method, the reference dashed),
+  ``niah_heatmap`` (length x depth per point, NIAH records), ``kept_tokens`` (per-head kept-token
+  distributions of head-wise methods), ``efficiency`` (decode latency and peak memory vs budget, profiled
+  points), ``storage_traffic`` (RocketKV Table 1);
+- ``index.html``: one static page holding all of them (figures embedded);
+- ``report.md``: the tables and figure list as markdown.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import itertools
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+
+from kvbench.errors import KVBenchError  # noqa: E402
+from kvbench.results import collect, experiment_config  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+MISSING = "missing"  # an expected point without records
+ABSENT = "n/a"  # a point that ran but has no value for this cell (a subtask without data)
+KINDS = ("accuracy", "storage_traffic", "math")
+COLUMN_KINDS = ("budget", "subtask", "category")
+# point fields a sweep varies, in the order rows list them
+IDENTITY = ("model", "task", "compress_question", "seq_len", "method", "budget")
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportSpec:
+    """How a preset's records are laid out: the ``report:`` block of conf/experiment/NAME.yaml."""
+
+    title: str
+    kind: str = "accuracy"
+    x: str = "budget"
+    series: str = "method"
+    panels: tuple[str, ...] = ("model", "task")
+    rows: tuple[str, ...] = ("model", "task", "compress_question", "method")
+    columns: str = "budget"
+    categories: Mapping[str, Sequence[str]] | None = None
+    reference: str = "full"
+    delta: bool = False
+    not_in_kvbench: tuple[str, ...] = ()
+    efficiency_layout: str | None = None  # a `kvbench.figures` layout drawn from the profiled records
+
+    @classmethod
+    def from_block(cls, block: Mapping[str, Any] | None, default_title: str) -> ReportSpec:
+        block = dict(block or {})
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(block) - fields)
+        if unknown:
+            raise KVBenchError(f"report block: unknown keys {unknown}; keys are {sorted(fields)}")
+        block.setdefault("title", default_title)
+        for key in ("panels", "rows", "not_in_kvbench"):
+            if key in block:
+                value = block[key]
+                block[key] = tuple([value] if isinstance(value, str) else (value or ()))
+        if block.get("categories") is not None:
+            block["categories"] = {str(k): list(v) for k, v in dict(block["categories"]).items()}
+        spec = cls(**block)
+        if spec.kind not in KINDS:
+            raise KVBenchError(f"report.kind must be one of {KINDS}, got {spec.kind!r}")
+        if spec.columns not in COLUMN_KINDS:
+            raise KVBenchError(f"report.columns must be one of {COLUMN_KINDS}, got {spec.columns!r}")
+        if spec.columns == "category" and not spec.categories:
+            raise KVBenchError("report.columns: category needs report.categories")
+        return spec
+
+
+@dataclasses.dataclass
+class Source:
+    """What a report is built from: the records' directory, the layout and the expected grid (None: unknown)."""
+
+    name: str
+    root: Path
+    spec: ReportSpec
+    grid: list[dict[str, str]] | None
+
+
+def resolve(source: str | Path, overrides: Sequence[str] = ()) -> Source:
+    """`experiment=NAME` / `NAME` (a preset) or a results directory."""
+    text = str(source)
+    name = text.split("=", 1)[1] if text.startswith("experiment=") else text
+    if not text.startswith("experiment=") and Path(text).is_dir():
+        root = Path(text)
+        return Source(root.name, root, ReportSpec(title=f"results under {root}"), None)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    # the sweep's own overrides: sweeps (budget=64,128) replace the preset's axes, the rest compose
+    parsed = OverridesParser.create().parse_overrides(list(overrides))
+    sweeps = {o.get_key_element().lstrip("+~"): text.split("=", 1)[1]
+              for text, o in zip(overrides, parsed) if o.is_sweep_override()}
+    cfg = experiment_config(name, [text for text, o in zip(overrides, parsed) if not o.is_sweep_override()])
+    block = OmegaConf.to_container(cfg.report, resolve=True) if "report" in cfg else None
+    params = OmegaConf.to_container(cfg.hydra.sweeper.params, resolve=True) if cfg.hydra.sweeper.get("params") else {}
+    for text, o in zip(overrides, parsed):
+        key = o.get_key_element().lstrip("+~")
+        if key in params and not o.is_sweep_override():
+            params[key] = o.get_value_element_as_str()
+    params.update(sweeps)
+    base = {"model": cfg.model.name, "task": cfg.task.name, "method": cfg.method.name, "budget": cfg.budget,
+            "compress_question": cfg.compress_question}
+    return Source(name, Path(cfg.results_dir), ReportSpec.from_block(block, name), expected_grid(params, base))
+
+
+def norm(value: Any) -> str:
+    """One spelling per value, so sweep strings ("0.2", "true") match recorded values (0.2, True)."""
+    if value is None or (isinstance(value, float) and np.isnan(value)) or value is pd.NA:
+        return "-"
+    if isinstance(value, (bool, np.bool_)):
+        return str(bool(value)).lower()
+    if isinstance(value, (int, float, np.integer, np.floating)):
+        return f"{float(value):g}"
+    text = str(value)
+    try:
+        return f"{float(text):g}"
+    except ValueError:
+        return {"True": "true", "False": "false", "null": "-", "None": "-"}.get(text, text)
+
+
+def expected_grid(params: Mapping[str, Any], base: Mapping[str, Any]) -> list[dict[str, str]]:
+    """Every point a sweep of `params` makes, as {key: normalised value} over the swept keys plus the base
+    identity. A method that takes no budget is one point whatever the budget (its budget is "-")."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from kvbench.methods import METHODS
+
+    parser = OverridesParser.create()
+    axes: dict[str, list[str]] = {}
+    for key, value in params.items():
+        (override,) = parser.parse_overrides([f"{key}={value}"])
+        values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [
+            override.get_value_element_as_str()]
+        axes[key.lstrip("+~")] = values
+    grid: dict[tuple, dict[str, str]] = {}
+    for combo in itertools.product(*axes.values()):
+        point = {k: norm(v) for k, v in base.items()}
+        point.update({k: norm(v) for k, v in zip(axes, combo)})
+        method = METHODS.get(_method_name(point["method"]))
+        if method is not None and not method.uses_budget:
+            point["budget"] = "-"
+        grid[tuple(sorted(point.items()))] = point
+    return list(grid.values())
+
+
+def _method_name(choice: str) -> str:
+    """The method a method config names (`snapkv_head` -> snapkv)."""
+    from omegaconf import OmegaConf
+
+    from kvbench.cli import CONF_DIR
+
+    path = Path(CONF_DIR) / "method" / f"{choice}.yaml"
+    if not path.exists():
+        return choice
+    cfg = OmegaConf.load(path)
+    if "name" in cfg:
+        return str(cfg.name)
+    bases = [d for d in cfg.get("defaults", []) if isinstance(d, str) and d != "_self_"]  # a variant's base
+    return _method_name(bases[0]) if bases else choice
+
+
+# --- the numbers ---------------------------------------------------------------------------------------------
+
+
+def _point_key(df: pd.DataFrame) -> list[str]:
+    return ["point_hash"] if "point_hash" in df.columns and df["point_hash"].notna().all() else ["run_dir"]
+
+
+def point_scores(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(points, subtasks): one row per point with its score (the unweighted mean of its subtask means, x100,
+    the RULER/LongBench rule) and sample count, and one row per point and subtask. Every other column keeps
+    the point's first value (identity and config columns are constant within a point)."""
+    key = _point_key(df)
+    numeric = df.assign(score=pd.to_numeric(df["score"], errors="coerce") * 100.0)
+    subtasks = numeric.groupby([*key, "subtask"], sort=False, dropna=False).agg(
+        score=("score", "mean"), n=("sample_id", "size")).reset_index()
+    first = numeric.drop(columns=["score", "subtask", "sample_id"]).groupby(key, sort=False).first()
+    points = subtasks.groupby(key, sort=False).agg(score=("score", "mean"), n=("n", "sum"))
+    points = points.join(first).reset_index()
+    for field in ("model", "method", "task"):  # the config name a sweep used (a method variant's own name)
+        if f"choice.{field}" in points.columns:
+            points[field] = points[f"choice.{field}"].fillna(points[field])
+    return points, subtasks
+
+
+def _norm_frame(points: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
+    return pd.DataFrame({k: [norm(v) for v in points[k]] if k in points.columns else "-" for k in keys},
+                        index=points.index)
+
+
+def missing_points(points: pd.DataFrame, grid: list[dict[str, str]] | None) -> list[dict[str, str]]:
+    """The expected points (`grid`) that have no records."""
+    if not grid:
+        return []
+    keys = list(grid[0])
+    have = set(map(tuple, _norm_frame(points, keys).itertuples(index=False))) if len(points) else set()
+    return [p for p in grid if tuple(p[k] for k in keys) not in have]
+
+
+def _varying(points: pd.DataFrame, grid: list[dict[str, str]] | None, candidates: Sequence[str]) -> list[str]:
+    """The candidate columns whose values differ between points (recorded or expected)."""
+    out = []
+    for column in candidates:
+        values = {norm(v) for v in points[column]} if column in points.columns else set()
+        values |= {p[column] for p in grid or [] if column in p}
+        if column == "budget":  # the reference has no budget; that alone does not make budget a row field
+            values.discard("-")
+        if len(values) > 1:
+            out.append(column)
+    return out
+
+
+def _row_fields(spec: ReportSpec, points: pd.DataFrame, grid: list[dict[str, str]] | None) -> list[str]:
+    """The table's row fields: the spec's rows that vary, then every other varying identity field, so two
+    points never share a cell. The series field (method) is always a row field."""
+    swept = list(grid[0]) if grid else []
+    candidates = list(dict.fromkeys([*spec.rows, *IDENTITY, *swept]))
+    exclude = {spec.x} if spec.columns == "budget" else set()
+    fields = [c for c in _varying(points, grid, candidates) if c not in exclude]
+    if spec.series not in fields:
+        fields.append(spec.series)
+    ordered = [c for c in spec.rows if c in fields] + [c for c in fields if c not in spec.rows]
+    return ordered
+
+
+def _categories_of(subtasks: pd.DataFrame, spec: ReportSpec) -> pd.DataFrame:
+    """Per point and category: the mean of its subtasks' scores (absent subtasks are left out)."""
+    rows = []
+    key = [c for c in subtasks.columns if c not in ("subtask", "score", "n")]
+    for category, names in (spec.categories or {}).items():
+        part = subtasks[subtasks["subtask"].isin(list(names))]
+        means = part.groupby(key, sort=False)["score"].mean().reset_index()
+        means["subtask"] = category
+        rows.append(means)
+    return pd.concat(rows, ignore_index=True) if rows else subtasks.iloc[0:0]
+
+
+def main_table(source: Source, points: pd.DataFrame, subtasks: pd.DataFrame) -> pd.DataFrame:
+    """The paper's table: one row per combination of row fields, columns from the spec; cells are floats,
+    `MISSING` for expected points without records, `ABSENT` for a value a recorded point lacks, "" where
+    the grid has no such point. With `delta`, non-reference rows hold differences from the reference row of
+    their group."""
+    spec, grid = source.spec, source.grid
+    rows = _row_fields(spec, points, grid)
+    key = _point_key(points)
+    ident = _norm_frame(points, rows)
+    if spec.columns == "budget":
+        columns = sorted({norm(v) for v in points.get(spec.x, [])} | {p.get(spec.x, "-") for p in grid or []},
+                         key=_sort_key)
+        values = {(tuple(r), norm(x)): s for r, x, s in zip(ident.itertuples(index=False), points[spec.x],
+                                                               points["score"])}
+    else:
+        per = subtasks if spec.columns == "subtask" else _categories_of(subtasks, spec)
+        names = list(dict.fromkeys(per["subtask"]))
+        columns = [*names, "avg"]
+        lookup = dict(zip(map(tuple, points[key].astype(str).values), map(tuple, ident.values)))
+        values = {(lookup[tuple(map(str, r[:len(key)]))], name): s
+                  for r, name, s in zip(per[key].values, per["subtask"], per["score"])}
+        if spec.columns == "category":  # CTKVR's AVG: the mean of the category means
+            avg = per.groupby(key, sort=False)["score"].mean()
+            values.update({(lookup[tuple(map(str, k if isinstance(k, tuple) else (k,)))], "avg"): v
+                           for k, v in avg.items()})
+        else:
+            values.update({(tuple(r), "avg"): s for r, s in zip(ident.itertuples(index=False), points["score"])})
+    row_ids = list(dict.fromkeys([tuple(r) for r in ident.itertuples(index=False)]
+                                 + [tuple(p.get(f, "-") for f in rows) for p in grid or []]))
+    expected = {tuple(p.get(f, "-") for f in rows): p for p in grid or []}
+    missing = {tuple(p.get(f, "-") for f in rows) + ((p.get(spec.x, "-"),) if spec.columns == "budget" else ())
+               for p in missing_points(points, grid)}
+    recorded_rows = set(map(tuple, ident.values))
+    table = []
+    for rid in sorted(row_ids, key=lambda r: _row_sort_key(r, rows, spec)):
+        cells: dict[str, Any] = dict(zip(rows, rid))
+        for column in columns:
+            if (rid, column) in values:
+                cells[column] = values[(rid, column)]
+            elif spec.columns == "budget":
+                if (rid, "-") in values:  # a method without a budget: one value for the whole row
+                    cells[column] = values[(rid, "-")]
+                elif rid + (column,) in missing or rid + ("-",) in missing:
+                    cells[column] = MISSING
+                else:
+                    cells[column] = ""
+            elif rid in recorded_rows:
+                cells[column] = ABSENT
+            elif rid in expected:
+                cells[column] = MISSING
+            else:
+                cells[column] = ""
+        table.append(cells)
+    out = pd.DataFrame(table, columns=[*rows, *[c for c in columns if not (spec.columns == "budget" and c == "-")]])
+    if spec.delta:
+        out = _as_delta(out, rows, spec)
+    out.attrs.update(row_fields=rows, value_columns=[c for c in out.columns if c not in rows])
+    return out
+
+
+def _as_delta(table: pd.DataFrame, rows: list[str], spec: ReportSpec) -> pd.DataFrame:
+    group = [r for r in rows if r not in (spec.series, "budget")]
+    out = table.copy()
+    values = [c for c in table.columns if c not in rows]
+    for _, part in table.groupby(group, sort=False) if group else [(None, table)]:
+        ref = part[part[spec.series] == spec.reference]
+        if ref.empty:
+            continue
+        for index in part.index:
+            if out.at[index, spec.series] == spec.reference:
+                continue
+            for column in values:
+                mine, base = table.at[index, column], ref.iloc[0][column]
+                if isinstance(mine, float) and isinstance(base, float):
+                    out.at[index, column] = mine - base
+    return out
+
+
+def _sort_key(value: str) -> tuple:
+    try:
+        return (0, float(value), "")
+    except ValueError:
+        return (1, 0.0, value)
+
+
+def _row_sort_key(row: tuple, fields: list[str], spec: ReportSpec) -> tuple:
+    keys = []
+    for field, value in zip(fields, row):
+        if field == spec.series:  # the reference first, then methods in name order
+            keys.append((0 if value == spec.reference else 1, 0.0, value))
+        else:
+            keys.append(_sort_key(value))
+    return tuple(keys)
+
+
+def storage_traffic_table(points: pd.DataFrame) -> pd.DataFrame:
+    """RocketKV Table 1 from the records: compression, storage (the paper's convention and true bytes) and
+    decode traffic, each relative to the full cache of the same prompt."""
+    compression = (pd.to_numeric(points.get("compressed_segment_tokens"), errors="coerce")
+                   / pd.to_numeric(points.get("budget_tokens"), errors="coerce"))
+    if "compressed" in points.columns:  # the full cache, or a budget at or above the prompt: c = 1
+        compression = compression.where(points["compressed"].fillna(False).astype(bool), 1.0)
+    out = pd.DataFrame({
+        "method": points["method"], "budget": points["budget"], "compression": compression,
+        "storage_table1": pd.to_numeric(points.get("storage_ratio_table1"), errors="coerce"),
+        "storage_bytes": pd.to_numeric(points.get("storage_ratio_bytes"), errors="coerce"),
+        "traffic": pd.to_numeric(points.get("decode_read_bytes_per_step"), errors="coerce")
+        / pd.to_numeric(points.get("kv_bytes_full_prompt"), errors="coerce"),
+    })
+    return out.sort_values(["method", "budget"], key=lambda s: s.map(norm).map(_sort_key)).reset_index(drop=True)
+
+
+def math_table(points: pd.DataFrame, rows: list[str]) -> pd.DataFrame:
+    """KeyDiff Table 3: flexible match (the score), exact match and mean generation length per point."""
+    fields = [f for f in dict.fromkeys(["task.max_new_tokens", *rows, "budget"]) if f in points.columns]
+    out = points[fields].copy()
+    out["flex_match"] = points["score"] / 100.0
+    out["exact_match"] = pd.to_numeric(points.get("extra.math_exact"), errors="coerce")
+    out["avg_gen_length"] = pd.to_numeric(points.get("new_tokens"), errors="coerce")
+    return out.reset_index(drop=True)
+
+
+# --- figures ---------------------------------------------------------------------------------------------------
+
+
+def _grid_axes(n: int, width: float = 4.6, height: float = 3.6, **kwargs: Any) -> tuple[plt.Figure, list[plt.Axes]]:
+    cols = min(3, max(1, n))
+    nrows = -(-n // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(max(2 * width, width * cols), height * nrows + 0.9),
+                             squeeze=False, **kwargs)
+    flat = list(axes.ravel())
+    for ax in flat[n:]:
+        ax.set_visible(False)
+    return fig, flat[:n]
+
+
+def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
+    """Score vs x, one panel per combination of the spec's panel fields, one line per series value; the
+    reference as a dashed line; an expected point without records is a gap with a "missing" mark."""
+    spec = source.spec
+    x = spec.x
+    if x not in points.columns:
+        return None
+    compressed = points[points[spec.series] != spec.reference]
+    if compressed.empty or compressed[x].map(norm).nunique() < 2 and not source.grid:
+        return None
+    panel_fields = [f for f in spec.panels if f in _varying(points, source.grid, spec.panels)]
+    others = [f for f in _row_fields(spec, points, source.grid) if f not in (*panel_fields, spec.series, x)]
+    panel_fields += others  # any other varying field gets its own panels rather than merged lines
+    ident = _norm_frame(points, panel_fields)
+    panel_ids = sorted({tuple(r) for r in ident.itertuples(index=False)}
+                       | {tuple(p.get(f, "-") for f in panel_fields) for p in source.grid or []},
+                       key=lambda r: tuple(map(_sort_key, r)))
+    missing = missing_points(points, source.grid)
+    fig, axes = _grid_axes(len(panel_ids))
+    series_values = sorted({norm(v) for v in compressed[spec.series]}
+                           | {p[spec.series] for p in source.grid or [] if p.get(spec.series) != spec.reference})
+    colors = {s: plt.cm.tab10(i % 10) for i, s in enumerate(series_values)}
+    xs_all = sorted({norm(v) for v in compressed[x]} | {p.get(x, "-") for p in source.grid or []} - {"-"},
+                    key=_sort_key)
+    numeric_x = [float(v) for v in xs_all if _sort_key(v)[0] == 0]
+    log_x = bool(numeric_x) and min(numeric_x) >= 1
+    for ax, pid in zip(axes, panel_ids):
+        mask = (ident == list(pid)).all(axis=1) if panel_fields else pd.Series(True, index=points.index)
+        here = points[mask]
+        for series in series_values:
+            line = here[here[spec.series].map(norm) == series]
+            by_x = {norm(v): s for v, s in zip(line[x], line["score"])}
+            ys = [by_x.get(v, np.nan) for v in xs_all]
+            xv = [float(v) for v in xs_all]
+            ax.plot(xv, ys, marker="o", color=colors[series], label=series)
+            for v in xs_all:
+                gone = any(p.get(spec.series) == series and p.get(x) == v
+                           and all(p.get(f, "-") == i for f, i in zip(panel_fields, pid)) for p in missing)
+                if gone:
+                    ax.plot([float(v)], [0.02], marker="x", color=colors[series], transform=ax.get_xaxis_transform(),
+                            clip_on=False)
+        ref = here[here[spec.series] == spec.reference]
+        if len(ref):
+            ax.axhline(float(ref["score"].mean()), color="black", linestyle="--", linewidth=1, label=spec.reference)
+        elif any(p.get(spec.series) == spec.reference and all(p.get(f, "-") == i for f, i in zip(panel_fields, pid))
+                 for p in missing):
+            ax.text(0.02, 0.96, f"{spec.reference}: {MISSING}", transform=ax.transAxes, va="top", fontsize=8)
+        if log_x:
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(numeric_x, [f"{v:g}" for v in numeric_x])
+            ax.minorticks_off()
+        ax.set_xlabel(x)
+        ax.set_ylabel("score")
+        ax.set_title(", ".join(f"{f}={v}" for f, v in zip(panel_fields, pid)) or spec.title, fontsize=9)
+        ax.grid(alpha=0.3)
+    handles = {label: h for ax in axes for h, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(6, len(handles)), fontsize=8,
+               frameon=False)
+    note = f"  (x: {MISSING} point)" if missing else ""
+    fig.suptitle(spec.title + note, fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
+    return fig
+
+
+def niah_heatmap_figure(df: pd.DataFrame, spec: ReportSpec) -> plt.Figure | None:
+    """NIAH: mean score per (depth, length) cell, one heatmap per point."""
+    if not {"meta.depth", "meta.length"} <= set(df.columns):
+        return None
+    niah = df[df["meta.depth"].notna() & df["meta.length"].notna()].copy()
+    if niah.empty:
+        return None
+    niah["score"] = pd.to_numeric(niah["score"], errors="coerce") * 100
+    niah["budget_label"] = niah["budget"].map(norm)
+    groups = sorted(niah.groupby(["model", "method", "budget_label"], sort=False),
+                    key=lambda g: (g[0][0], g[0][1] != spec.reference, g[0][1], _sort_key(g[0][2])))[:24]
+    fig, axes = _grid_axes(len(groups), width=4.2, height=3.4, layout="constrained")
+    image = None
+    for ax, ((model, method, budget), rows) in zip(axes, groups):
+        grid = rows.pivot_table(index="meta.depth", columns="meta.length", values="score", aggfunc="mean")
+        image = ax.imshow(grid.values, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto", origin="upper")
+        ax.set_xticks(range(len(grid.columns)), [f"{c:g}" for c in grid.columns], fontsize=7, rotation=45)
+        ax.set_yticks(range(len(grid.index)), [f"{d:g}" for d in grid.index], fontsize=7)
+        ax.set_xlabel("context length")
+        ax.set_ylabel("needle depth (%)")
+        ax.set_title(f"{method} @ {budget} ({model})", fontsize=9)
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.8, label="score")
+    fig.suptitle(f"{spec.title}: needle-in-a-haystack", fontsize=10)
+    return fig
+
+
+def kept_tokens_figure(df: pd.DataFrame, spec: ReportSpec) -> plt.Figure | None:
+    """Per-head kept tokens after prefill, for points whose heads keep different numbers (head-wise budgets)."""
+    if "kept_tokens_per_head" not in df.columns:
+        return None
+    import json
+
+    dists = {}
+    for (method, budget), rows in df.groupby(["method", df["budget"].map(norm)], sort=True):
+        per_sample = [json.loads(text) for text in rows["kept_tokens_per_head"].dropna()]
+        if any(min(flat) != max(flat) for flat in ([n for layer in s for n in layer] for s in per_sample)):
+            dists[f"{method}\n@{budget}"] = [n for s in per_sample for layer in s for n in layer]
+    if not dists:
+        return None
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(dists)), 4.2))
+    ax.boxplot(list(dists.values()), showfliers=True)
+    ax.set_xticks(range(1, len(dists) + 1), list(dists), fontsize=7)
+    ax.set_ylabel("tokens kept per KV head (all layers, samples)")
+    ax.set_title(f"{spec.title}: per-head kept tokens of head-wise methods", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def efficiency_figure(root: Path, spec: ReportSpec) -> plt.Figure | None:
+    """Decode latency and peak memory vs budget per method, from the profile fields of profiled points."""
+    from kvbench.figures import efficiency_table
+
+    table = efficiency_table(root)
+    if table.empty or table["decode_ms"].isna().all():
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    budgets = sorted({norm(b) for b in table["budget"]}, key=_sort_key)
+    labels = sorted(table["label"].unique())
+    width = 0.8 / max(1, len(labels))
+    for ax, column, ylabel in ((axes[0], "decode_ms", "decode latency (ms/token)"),
+                               (axes[1], "peak_MiB", "peak memory (MiB)")):
+        for i, label in enumerate(labels):
+            rows = table[table["label"] == label]
+            by_budget = {norm(b): v for b, v in zip(rows["budget"], rows[column])}
+            ax.bar(np.arange(len(budgets)) + i * width, [by_budget.get(b, np.nan) for b in budgets], width,
+                   label=label)
+        ax.set_xticks(np.arange(len(budgets)) + 0.4 - width / 2, budgets)
+        ax.set_xlabel("budget")
+        ax.set_ylabel(ylabel)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{spec.title}: speed and memory ({', '.join(table['memory_basis'].unique())})", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def storage_traffic_figure(table: pd.DataFrame, spec: ReportSpec) -> plt.Figure | None:
+    if table.empty:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    labels = [f"{m}\n@{norm(b)}" for m, b in zip(table["method"], table["budget"])]
+    for ax, column, ylabel in ((axes[0], "storage_bytes", "storage / full (true bytes)"),
+                               (axes[1], "traffic", "decode traffic / full")):
+        ax.bar(range(len(table)), table[column].fillna(0), tick_label=labels)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_ylabel(ylabel)
+    fig.suptitle(f"{spec.title}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+# --- writing ---------------------------------------------------------------------------------------------------
+
+
+def _display(table: pd.DataFrame, float_format: str = "{:.1f}") -> pd.DataFrame:
+    return table.apply(lambda col: col.map(
+        lambda v: float_format.format(v) if isinstance(v, (float, np.floating)) and not np.isnan(v)
+        else ("-" if isinstance(v, (float, np.floating)) else str(v))))
+
+
+def build(source: str | Path, out_dir: Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Write the report of `source` (see the module docstring); returns what was written and found."""
+    src = resolve(source, overrides)
+    df = collect(src.root)
+    out = Path(out_dir) if out_dir is not None else src.root / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    if df.empty:
+        points = pd.DataFrame(columns=["score", "n", *IDENTITY])
+        subtasks = pd.DataFrame(columns=["subtask", "score", "n"])
+    else:
+        points, subtasks = point_scores(df)
+    missing = missing_points(points, src.grid)
+    spec = src.spec
+    tables: dict[str, pd.DataFrame] = {}
+    if spec.efficiency_layout and len(points):  # synthetic prompts, no scores: the profile is the table
+        from kvbench.figures import efficiency_table
+
+        tables["table"] = efficiency_table(src.root)
+    elif spec.kind == "storage_traffic" and len(points):
+        tables["table"] = storage_traffic_table(points)
+    elif spec.kind == "math" and len(points):
+        tables["table"] = math_table(points, _row_fields(spec, points, src.grid))
+    else:
+        tables["table"] = main_table(src, points, subtasks)
+    figures: dict[str, plt.Figure | None] = {}
+    figure_paths: dict[str, Path] = {}
+    if len(points):
+        if spec.kind == "accuracy" and points["score"].notna().any():
+            figures["accuracy"] = accuracy_figure(src, points)
+        if spec.kind == "storage_traffic":
+            figures["storage_traffic"] = storage_traffic_figure(tables["table"], spec)
+        figures["niah_heatmap"] = niah_heatmap_figure(df, spec)
+        figures["kept_tokens"] = kept_tokens_figure(df, spec)
+        figures["efficiency"] = efficiency_figure(src.root, spec)
+    if spec.efficiency_layout and len(points):
+        from kvbench.figures import render
+
+        png, pdf, csv, md = render(src.root, spec.efficiency_layout, out)
+        figure_paths[spec.efficiency_layout] = png
+        written += [png, pdf, csv, md]
+    for name, fig in figures.items():
+        if fig is None:
+            continue
+        png, pdf = out / f"{name}.png", out / f"{name}.pdf"
+        fig.savefig(png, dpi=120)
+        fig.savefig(pdf)
+        plt.close(fig)
+        figure_paths[name] = png
+        written += [png, pdf]
+    table = tables["table"]
+    precise = spec.kind in ("storage_traffic", "math") or spec.efficiency_layout
+    shown = _display(table, "{:.4g}" if precise else "{:.1f}")
+    table.to_csv(out / "table.csv", index=False)
+    (out / "table.md").write_text(shown.to_markdown(index=False, disable_numparse=True) + "\n")
+    (out / "table.tex").write_text(shown.to_latex(index=False, caption=spec.title, label=f"tab:{src.name}"))
+    if len(subtasks):
+        subtasks.to_csv(out / "points.csv", index=False)
+        written.append(out / "points.csv")
+    written += [out / "table.csv", out / "table.md", out / "table.tex"]
+    skipped = skipped_line(src.name, spec)
+    facts = {"points": len(points), "records": len(df), "missing": missing, "skipped": skipped}
+    (out / "report.md").write_text(_markdown(src, shown, figure_paths, facts))
+    (out / "index.html").write_text(_html(src, shown, figure_paths, facts))
+    written += [out / "report.md", out / "index.html"]
+    return {"out_dir": out, "written": written, "figures": figure_paths, "table": table, "missing": missing,
+            "points": points, "source": src}
+
+
+def skipped_line(name: str, spec: ReportSpec) -> str | None:
+    """One line naming the paper's methods that kvbench lacks (their rows are skipped)."""
+    if not spec.not_in_kvbench:
+        return None
+    return f"{name}: skipping methods not in kvbench: {', '.join(spec.not_in_kvbench)}"
+
+
+def _markdown(src: Source, shown: pd.DataFrame, figures: Mapping[str, Path], facts: Mapping[str, Any]) -> str:
+    lines = [f"# {src.spec.title}", "", f"Records under `{src.root}`: {facts['points']} points, "
+             f"{facts['records']} records.", ""]
+    if facts["skipped"]:
+        lines += [facts["skipped"], ""]
+    if facts["missing"]:
+        lines += [f"{len(facts['missing'])} expected points have no records (shown as `{MISSING}`):", ""]
+        lines += [f"- {', '.join(f'{k}={v}' for k, v in p.items())}" for p in facts["missing"]] + [""]
+    lines += [shown.to_markdown(index=False, disable_numparse=True), ""]
+    lines += [f"![{name}]({path.name})" for name, path in figures.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _html(src: Source, shown: pd.DataFrame, figures: Mapping[str, Path], facts: Mapping[str, Any]) -> str:
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(src.spec.title)}</title>",
+             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:13px}"
+             "td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}img{max-width:100%}</style></head><body>",
+             f"<h1>{html.escape(src.spec.title)}</h1>",
+             f"<p>Records under <code>{html.escape(str(src.root))}</code>: {facts['points']} points, "
+             f"{facts['records']} records.</p>"]
+    if facts["skipped"]:
+        parts.append(f"<p>{html.escape(facts['skipped'])}</p>")
+    if facts["missing"]:
+        items = "".join(f"<li>{html.escape(', '.join(f'{k}={v}' for k, v in p.items()))}</li>"
+                        for p in facts["missing"])
+        parts.append(f"<p>{len(facts['missing'])} expected points have no records (shown as "
+                     f"<em>{MISSING}</em>):</p><ul>{items}</ul>")
+    parts.append("<h2>Table</h2>" + shown.to_html(index=False, escape=True))
+    parts.append("<p>Also as <a href='table.csv'>CSV</a>, <a href='table.tex'>LaTeX</a>, "
+                 "<a href='table.md'>markdown</a>; every point and subtask: <a href='points.csv'>points.csv</a>.</p>")
+    for name, path in figures.items():
+        data = base64.b64encode(path.read_bytes()).decode()
+        parts.append(f"<h2>{name}</h2><img alt='{name}' src='data:image/png;base64,{data}'>"
+                     f"<p><a href='{path.stem}.pdf'>PDF</a></p>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,91 @@
+"""`logger=wandb` in offline mode: the run files W&B writes hold the point's config, records and metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("wandb")
+
+TINY = ["model=tiny_llama", "task=twostage_retr", "task.num_samples=2", "task.max_new_tokens=4", "engine.nll=false",
+        "show_progress=false"]
+
+
+def wandb_records(path: Path) -> list:
+    """The protobuf records of a `.wandb` transaction log (LevelDB log format: 32 KiB blocks of chunks with a
+    7-byte header (crc, length, type) after a 7-byte file header)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data, block = path.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, payload, records = 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:  # block padding
+            pos += left
+            continue
+        payload += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # FULL or LAST chunk
+            record = pb.Record()
+            record.ParseFromString(payload)
+            records.append(record)
+            payload = b""
+    return records
+
+
+def test_offline_run_holds_config_records_and_metrics(tmp_path: Path) -> None:
+    env = {**os.environ, "WANDB_SILENT": "true"}
+    env.pop("WANDB_API_KEY", None)
+    result = subprocess.run([sys.executable, "-m", "kvbench", "-m", *TINY, "method=snapkv,streamingllm", "budget=64",
+                             "logger=wandb", "logger.mode=offline", "logger.group=test-sweep",
+                             f"results_dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    logs = sorted(tmp_path.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(logs) == 2, "one W&B run per point"
+    seen_methods = set()
+    for log in logs:
+        records = wandb_records(log)
+        (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+        assert run.run_group == "test-sweep" and run.project == "kvbench" and run.job_type == "point"
+        config = {item.key: json.loads(item.value_json) for item in run.config.update}
+        assert config["budget"] == 64 and config["model"]["name"] == "tiny_llama"
+        assert config["task"]["num_samples"] == 2 and "logger" not in config
+        seen_methods.add(config["method"]["name"])
+        summary = {}
+        for r in records:
+            if r.WhichOneof("record_type") == "summary":
+                for item in r.summary.update:
+                    summary[item.key or ".".join(item.nested_key)] = json.loads(item.value_json)
+        assert summary["n_samples"] == 2 and "score" in summary and summary["method"] == config["method"]["name"]
+        assert summary["kept_tokens_mean"] > 0 and summary["decode_ms_per_token"] > 0
+        assert summary["records.nrows"] == 2 and summary["records._type"] == "table-file"
+        tables = list(log.parent.glob("files/media/table/records_*.table.json"))
+        assert tables and len(json.loads(tables[0].read_text())["data"]) == 2
+    assert seen_methods == {"snapkv", "streamingllm"}
+
+
+def test_report_publish_without_network_says_so_and_writes_the_static_report(tmp_path: Path) -> None:
+    from kvbench.results import RecordStore
+
+    point = {"model": "m", "task": "qa", "method": "snapkv", "budget": 64}
+    RecordStore(tmp_path / "p").append({"sample_id": "a", "task": "qa", "score": 1.0, "point": point,
+                                        "point_hash": "abc"})
+    env = {**os.environ, "WANDB_BASE_URL": "https://wandb.invalid"}
+    result = subprocess.run([sys.executable, "-m", "kvbench", "report", str(tmp_path), "wandb.publish=true"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    said = [line for line in result.stdout.splitlines() if "W&B report" in line]
+    assert len(said) == 1 and "not published" in said[0] and "wandb.invalid" in said[0]
+    assert (tmp_path / "report" / "index.html").is_file() and (tmp_path / "report" / "table.md").is_file()
