@@ -84,6 +84,16 @@ def test_budget_at_or_above_context_is_recorded_as_uncompressed(tmp_path):
     assert point[0]["kept_tokens_mean"] == point[0]["compressed_segment_tokens"]
 
 
+def _untimed(value):
+    """A record without its wall-clock fields (and whether its prefill was shared, which follows scheduling)."""
+    if isinstance(value, dict):
+        return {k: _untimed(v) for k, v in value.items()
+                if not (k.endswith("_s") or "_ms" in k or k == "prefill_reused")}
+    if isinstance(value, list):
+        return [_untimed(v) for v in value]
+    return value
+
+
 def test_interrupted_multirun_resumes_without_loss_or_duplicates(tmp_path):
     args = ["-m", *TINY, "method=full,snapkv,adakv", "budget=64", f"results_dir={tmp_path}"]
     proc = subprocess.Popen(
@@ -115,6 +125,13 @@ def test_interrupted_multirun_resumes_without_loss_or_duplicates(tmp_path):
         assert recs[: len(before.get(point, []))] == before.get(point, []), "finished records must not be redone"
     summaries = [json.loads(p.read_text()) for p in tmp_path.rglob("summary.json")]
     assert sorted(s["n_samples"] for s in summaries) == [4, 4, 4]
+    # the resumed sweep's records equal an uninterrupted run's, timings (and prefill sharing) aside
+    clean = tmp_path / "uninterrupted"
+    clean.mkdir()
+    result = kvbench(*args[:-1], f"results_dir={clean}", cwd=clean)
+    assert result.returncode == 0, result.stderr
+    assert {p: [_untimed(r) for r in recs] for p, recs in records(clean).items()} == {
+        p: [_untimed(r) for r in recs] for p, recs in after.items()}
     manifest = json.loads(next(tmp_path.rglob("manifest.json")).read_text())
     assert "git" in json.dumps(manifest) and manifest["seed"] == 42
 
