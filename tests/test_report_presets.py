@@ -11,7 +11,7 @@ import matplotlib.image
 import pandas as pd
 
 # adakv_fig4_cpu shrunk to the tiny model: 6 methods x 2 budgets x 2 modes, one RULER task, one sample
-SHRINK = ["model=tiny_llama", "task.subtasks=[niah_single_1]", "task.seq_len=4096", "engine.nll=false"]
+SHRINK = ["model=tiny_llama", "task.num_samples=1", "task.subtasks=[niah_single_1]", "task.seq_len=4096", "engine.nll=false"]
 
 
 def _drawn(png: Path) -> tuple[tuple[int, ...], float]:
