@@ -416,6 +416,10 @@ def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
     series_values = sorted({norm(v) for v in compressed[spec.series]}
                            | {p[spec.series] for p in source.grid or [] if p.get(spec.series) != spec.reference})
     colors = {s: plt.cm.tab10(i % 10) for i, s in enumerate(series_values)}
+    # equal scores draw on top of each other: each series gets its own marker, dash and a size that shrinks
+    # down the list, so a line hidden under another still shows its markers
+    styles = {s: {"marker": "osD^vPX*"[i % 8], "linestyle": ("-", "--", "-.", ":")[i % 4],
+                  "markersize": max(3.0, 9.0 - 1.0 * i)} for i, s in enumerate(series_values)}
     xs_all = sorted({norm(v) for v in compressed[x]} | {p.get(x, "-") for p in source.grid or []} - {"-"},
                     key=_sort_key)
     numeric_x = [float(v) for v in xs_all if _sort_key(v)[0] == 0]
@@ -428,7 +432,7 @@ def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
             by_x = {norm(v): s for v, s in zip(line[x], line["score"])}
             ys = [by_x.get(v, np.nan) for v in xs_all]
             xv = [float(v) for v in xs_all]
-            ax.plot(xv, ys, marker="o", color=colors[series], label=series)
+            ax.plot(xv, ys, color=colors[series], label=series, **styles[series])
             for v in xs_all:
                 gone = any(p.get(spec.series) == series and p.get(x) == v
                            and all(p.get(f, "-") == i for f, i in zip(panel_fields, pid)) for p in missing)
