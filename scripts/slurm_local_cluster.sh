@@ -102,7 +102,7 @@ JobCompType=jobcomp/none
 ReturnToService=2
 SlurmdTimeout=60
 InactiveLimit=0
-KillWait=5
+KillWait=2
 MinJobAge=30
 NodeName=$host NodeAddr=127.0.0.1 $node State=UNKNOWN
 PartitionName=local Nodes=ALL Default=YES MaxTime=INFINITE State=UP

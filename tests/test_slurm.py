@@ -18,7 +18,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "slurm_local_cluster.sh"
-SAMPLES = 10
+SAMPLES = 30  # enough that a cancelled point is still running when SIGKILL follows SIGTERM (KillWait)
 SWEEP = ["-m", "model=tiny_llama", "task=twostage_retr", f"task.num_samples={SAMPLES}", "task.max_new_tokens=8",
          "engine.nll=false", "method=full,snapkv,adakv", "budget=64", "show_progress=false",
          "hydra/launcher=slurm_local"]
