@@ -36,6 +36,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
 from kvbench.errors import KVBenchError  # noqa: E402
+from kvbench.figures import efficiency_table, render  # noqa: E402
 from kvbench.results import collect, experiment_config  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -109,18 +110,16 @@ def resolve(source: str | Path, overrides: Sequence[str] = ()) -> Source:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
 
-    # the sweep's own overrides: sweeps (budget=64,128) replace the preset's axes, the rest compose
-    parsed = OverridesParser.create().parse_overrides(list(overrides))
-    sweeps = {o.get_key_element().lstrip("+~"): text.split("=", 1)[1]
-              for text, o in zip(overrides, parsed) if o.is_sweep_override()}
-    cfg = experiment_config(name, [text for text, o in zip(overrides, parsed) if not o.is_sweep_override()])
+    # the sweep's own overrides: sweeps (budget=64,128) and single values of a swept key replace the preset's
+    # axes; every override but a sweep also composes
+    parsed = list(zip(overrides, OverridesParser.create().parse_overrides(list(overrides))))
+    cfg = experiment_config(name, [text for text, o in parsed if not o.is_sweep_override()])
     block = OmegaConf.to_container(cfg.report, resolve=True) if "report" in cfg else None
     params = OmegaConf.to_container(cfg.hydra.sweeper.params, resolve=True) if cfg.hydra.sweeper.get("params") else {}
-    for text, o in zip(overrides, parsed):
+    for text, o in parsed:
         key = o.get_key_element().lstrip("+~")
-        if key in params and not o.is_sweep_override():
-            params[key] = o.get_value_element_as_str()
-    params.update(sweeps)
+        if o.is_sweep_override() or key in params:
+            params[key] = text.split("=", 1)[1]
     base = {"model": cfg.model.name, "task": cfg.task.name, "method": cfg.method.name, "budget": cfg.budget,
             "compress_question": cfg.compress_question}
     return Source(name, Path(cfg.results_dir), ReportSpec.from_block(block, name), expected_grid(params, base))
@@ -185,8 +184,9 @@ def _method_name(choice: str) -> str:
 # --- the numbers ---------------------------------------------------------------------------------------------
 
 
-def _point_key(df: pd.DataFrame) -> list[str]:
-    return ["point_hash"] if "point_hash" in df.columns and df["point_hash"].notna().all() else ["run_dir"]
+def _point_key(df: pd.DataFrame) -> str:
+    """The column naming a point: its hash, or its run directory for records that predate hashes."""
+    return "point_hash" if "point_hash" in df.columns and df["point_hash"].notna().all() else "run_dir"
 
 
 def point_scores(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -195,7 +195,7 @@ def point_scores(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     the point's first value (identity and config columns are constant within a point)."""
     key = _point_key(df)
     numeric = df.assign(score=pd.to_numeric(df["score"], errors="coerce") * 100.0)
-    subtasks = numeric.groupby([*key, "subtask"], sort=False, dropna=False).agg(
+    subtasks = numeric.groupby([key, "subtask"], sort=False, dropna=False).agg(
         score=("score", "mean"), n=("sample_id", "size")).reset_index()
     first = numeric.drop(columns=["score", "subtask", "sample_id"]).groupby(key, sort=False).first()
     points = subtasks.groupby(key, sort=False).agg(score=("score", "mean"), n=("n", "sum"))
@@ -249,7 +249,7 @@ def _row_fields(spec: ReportSpec, points: pd.DataFrame, grid: list[dict[str, str
 def _categories_of(subtasks: pd.DataFrame, spec: ReportSpec) -> pd.DataFrame:
     """Per point and category: the mean of its subtasks' scores (absent subtasks are left out)."""
     rows = []
-    key = [c for c in subtasks.columns if c not in ("subtask", "score", "n")]
+    key = _point_key(subtasks)
     for category, names in (spec.categories or {}).items():
         part = subtasks[subtasks["subtask"].isin(list(names))]
         means = part.groupby(key, sort=False)["score"].mean().reset_index()
@@ -276,13 +276,11 @@ def main_table(source: Source, points: pd.DataFrame, subtasks: pd.DataFrame) -> 
         per = subtasks if spec.columns == "subtask" else _categories_of(subtasks, spec)
         names = list(dict.fromkeys(per["subtask"]))
         columns = [*names, "avg"]
-        lookup = dict(zip(map(tuple, points[key].astype(str).values), map(tuple, ident.values)))
-        values = {(lookup[tuple(map(str, r[:len(key)]))], name): s
-                  for r, name, s in zip(per[key].values, per["subtask"], per["score"])}
+        row_of = dict(zip(points[key], map(tuple, ident.values)))
+        values = {(row_of[p], name): s for p, name, s in zip(per[key], per["subtask"], per["score"])}
         if spec.columns == "category":  # CTKVR's AVG: the mean of the category means
             avg = per.groupby(key, sort=False)["score"].mean()
-            values.update({(lookup[tuple(map(str, k if isinstance(k, tuple) else (k,)))], "avg"): v
-                           for k, v in avg.items()})
+            values.update({(row_of[p], "avg"): v for p, v in avg.items()})
         else:
             values.update({(tuple(r), "avg"): s for r, s in zip(ident.itertuples(index=False), points["score"])})
     row_ids = list(dict.fromkeys([tuple(r) for r in ident.itertuples(index=False)]
@@ -511,11 +509,8 @@ def kept_tokens_figure(df: pd.DataFrame, spec: ReportSpec) -> plt.Figure | None:
     return fig
 
 
-def efficiency_figure(root: Path, spec: ReportSpec) -> plt.Figure | None:
-    """Decode latency and peak memory vs budget per method, from the profile fields of profiled points."""
-    from kvbench.figures import efficiency_table
-
-    table = efficiency_table(root)
+def efficiency_figure(table: pd.DataFrame, spec: ReportSpec) -> plt.Figure | None:
+    """Decode latency and peak memory vs budget per method, from `kvbench.figures.efficiency_table`."""
     if table.empty or table["decode_ms"].isna().all():
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -576,30 +571,26 @@ def build(source: str | Path, out_dir: Path | None = None, overrides: Sequence[s
         points, subtasks = point_scores(df)
     missing = missing_points(points, src.grid)
     spec = src.spec
-    tables: dict[str, pd.DataFrame] = {}
+    efficiency = efficiency_table(src.root) if len(points) else pd.DataFrame()
     if spec.efficiency_layout and len(points):  # synthetic prompts, no scores: the profile is the table
-        from kvbench.figures import efficiency_table
-
-        tables["table"] = efficiency_table(src.root)
+        table = efficiency
     elif spec.kind == "storage_traffic" and len(points):
-        tables["table"] = storage_traffic_table(points)
+        table = storage_traffic_table(points)
     elif spec.kind == "math" and len(points):
-        tables["table"] = math_table(points, _row_fields(spec, points, src.grid))
+        table = math_table(points, _row_fields(spec, points, src.grid))
     else:
-        tables["table"] = main_table(src, points, subtasks)
+        table = main_table(src, points, subtasks)
     figures: dict[str, plt.Figure | None] = {}
     figure_paths: dict[str, Path] = {}
     if len(points):
         if spec.kind == "accuracy" and points["score"].notna().any():
             figures["accuracy"] = accuracy_figure(src, points)
         if spec.kind == "storage_traffic":
-            figures["storage_traffic"] = storage_traffic_figure(tables["table"], spec)
+            figures["storage_traffic"] = storage_traffic_figure(table, spec)
         figures["niah_heatmap"] = niah_heatmap_figure(df, spec)
         figures["kept_tokens"] = kept_tokens_figure(df, spec)
-        figures["efficiency"] = efficiency_figure(src.root, spec)
+        figures["efficiency"] = efficiency_figure(efficiency, spec)
     if spec.efficiency_layout and len(points):
-        from kvbench.figures import render
-
         png, pdf, csv, md = render(src.root, spec.efficiency_layout, out)
         figure_paths[spec.efficiency_layout] = png
         written += [png, pdf, csv, md]
@@ -612,7 +603,6 @@ def build(source: str | Path, out_dir: Path | None = None, overrides: Sequence[s
         plt.close(fig)
         figure_paths[name] = png
         written += [png, pdf]
-    table = tables["table"]
     precise = spec.kind in ("storage_traffic", "math") or spec.efficiency_layout
     shown = _display(table, "{:.4g}" if precise else "{:.1f}")
     table.to_csv(out / "table.csv", index=False)

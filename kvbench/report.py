@@ -206,13 +206,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pivot", help="comma-separated point fields to spread across columns, e.g. method,budget")
     args = parser.parse_args(_argv_with_options(list(sys.argv[1:] if argv is None else argv)))
     from kvbench import paper_report
-    from kvbench.results import results_root
 
     try:
-        if args.overrides:
-            root = paper_report.resolve(args.source, args.overrides).root
-        else:
-            root = results_root(args.source.split("=", 1)[1] if args.source.startswith("experiment=") else args.source)
+        root = paper_report.resolve(args.source, args.overrides).root
     except KVBenchError as err:
         parser.error(str(err))
     table = point_table(collect(root)) if root.is_dir() else pd.DataFrame()

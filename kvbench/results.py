@@ -578,23 +578,14 @@ def experiment_config(name: str, overrides: Sequence[str] = ()) -> Any:
     """Experiment preset `name` composed as a sweep would compose it, Hydra's own config (the sweep grid in
     ``hydra.sweeper.params``) included."""
     from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
 
     from kvbench.cli import CONF_DIR
     from kvbench.errors import KVBenchError
 
     if name not in experiments():
         raise KVBenchError(f"unknown experiment {name!r}; available: {', '.join(experiments())}")
-    was_initialized = GlobalHydra.instance().is_initialized()
-    if was_initialized:  # inside a Hydra app (a sweep callback): compose in a fresh context, then restore
-        saved = GlobalHydra.instance().hydra
-        GlobalHydra.instance().clear()
-    try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            return compose("config", overrides=[f"experiment={name}", *overrides], return_hydra_config=True)
-    finally:
-        if was_initialized:
-            GlobalHydra.instance().initialize(saved)
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return compose("config", overrides=[f"experiment={name}", *overrides], return_hydra_config=True)
 
 
 def results_root(source: str | os.PathLike[str]) -> Path:

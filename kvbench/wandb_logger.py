@@ -52,7 +52,6 @@ def log_point(cfg: DictConfig, summary: dict[str, Any], run_dir: Path) -> None:
         values: dict[str, Any] = {"score": summary.get("score"), "n_samples": summary.get("n_samples"),
                                   **summary.get("point", {})}
         values.update({k: v for k, v in summary.get("metrics", {}).items() if k in SUMMARY_METRICS})
-        values.update({k: v for k, v in summary.get("metrics", {}).items() if k.startswith(("profile", "roofline"))})
         for column in records.columns:  # profile fields are nested in records: medians over samples
             if column.startswith(("profile.", "roofline.")) and records[column].dtype.kind in "if":
                 values[column] = float(records[column].median())
