@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.kvbench-installed
 
-.PHONY: setup demo test test-fast test-integration lint clean
+.PHONY: setup demo test test-fast test-integration lint lint-imports clean
 
 # CPU torch first: a plain `torch` requirement can pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -24,6 +24,7 @@ demo: $(STAMP)
 	$(BIN)/python -m kvbench -m experiment=demo
 
 test: $(STAMP)
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q
 
 test-fast: $(STAMP)
@@ -31,6 +32,9 @@ test-fast: $(STAMP)
 
 test-integration: $(STAMP)
 	$(BIN)/python -m pytest -q -m integration
+
+lint-imports: $(STAMP)
+	$(BIN)/lint-imports
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff

@@ -1,3 +1,3 @@
-from kvbench.cli import main
+from kvbench.cli.main import main
 
 main()

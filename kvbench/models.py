@@ -19,8 +19,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from kvbench.attention import ATTENTION_NAME, register_attention
-from kvbench.errors import KVBenchError
+from kvbench.attention.dispatch import ATTENTION_NAME, register_attention
+from kvbench.core.errors import KVBenchError
 
 log = logging.getLogger(__name__)
 
@@ -265,3 +265,8 @@ def _load_tiny(cfg: Any, dtype: torch.dtype) -> LoadedModel:
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
     torch.random.set_rng_state(generator_state)
     return LoadedModel(model, tokenizer, cfg.name, _max_positions(config))
+
+
+def model_head_dim(lm: LoadedModel) -> int:
+    config = lm.model.config
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

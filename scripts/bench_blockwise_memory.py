@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from kvbench.cli import release_host_memory
-from kvbench.engine import Session
+from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.models import load_model
+from kvbench.run.caches import release_host_memory
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 

@@ -23,7 +23,9 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from kvbench.engine import EngineConfig, _prefill_segment, _sync
+from kvbench.core.devices import sync
+from kvbench.engine.config import EngineConfig
+from kvbench.engine.sample import _prefill_segment
 from kvbench.methods import build_method
 from kvbench.models import load_model
 
@@ -36,10 +38,10 @@ def time_decode(lm, session, logits: torch.Tensor, warmup: int, steps: int) -> t
     times = []
     token = int(logits.argmax())
     for step in range(warmup + steps):
-        _sync(lm.device)
+        sync(lm.device)
         t0 = time.perf_counter()
         logits = session.step(token)
-        _sync(lm.device)
+        sync(lm.device)
         if step >= warmup:
             times.append(1e3 * (time.perf_counter() - t0))
         token = int(logits.argmax())

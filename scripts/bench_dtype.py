@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from kvbench.engine import Session
+from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.models import fast_cpu_bfloat16, load_model
 

@@ -20,7 +20,9 @@ from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from kvbench.engine import EngineConfig, PromptBuilder, run_sample
+from kvbench.engine.config import EngineConfig
+from kvbench.engine.prompt import PromptBuilder
+from kvbench.engine.sample import run_sample
 from kvbench.methods import build_method
 from kvbench.models import load_model
 

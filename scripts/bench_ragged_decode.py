@@ -24,8 +24,9 @@ import torch.nn.functional as F
 from kvbench.kernels.ragged_attention import ragged_decode_attention
 from omegaconf import OmegaConf
 
-from kvbench.cache import KVBenchCache
-from kvbench.engine import EngineConfig, _prefill_segment
+from kvbench.cache.kvcache import KVBenchCache
+from kvbench.engine.config import EngineConfig
+from kvbench.engine.sample import _prefill_segment
 from kvbench.methods import build_method
 from kvbench.models import load_model
 

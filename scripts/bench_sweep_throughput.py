@@ -29,7 +29,7 @@ from pathlib import Path
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from kvbench.engine import PromptBuilder
+from kvbench.engine.prompt import PromptBuilder
 from kvbench.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]

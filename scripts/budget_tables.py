@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 from omegaconf import OmegaConf
 
-from kvbench.results import collect
+from kvbench.results.collect import collect
 
 
 def _schedule(row: pd.Series) -> str:

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from kvbench.engine import PromptBuilder, Session
+from kvbench.engine.prompt import PromptBuilder
+from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.models import load_model
 
@@ -82,7 +83,7 @@ def main() -> None:
     for sample in samples:
         ids = sum(builder.first_turn(sample), [])
         session = Session(lm, build_method("full"), None)
-        session.cache.query_window = min(args.window, len(ids))
+        session.query_window = min(args.window, len(ids))
         session.prefill(ids, compress=False)
         layers = session.cache.layers
         n = len(ids)

@@ -46,7 +46,9 @@ def main() -> int:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from kvbench.engine import EngineConfig, _prefill_segment, _sync
+    from kvbench.core.devices import sync
+    from kvbench.engine.config import EngineConfig
+    from kvbench.engine.sample import _prefill_segment
     from kvbench.methods import build_method
     from kvbench.models import load_model
 
@@ -75,10 +77,10 @@ def main() -> int:
         token = int(logits.argmax())
         wall = []
         for step in range(args.warmup + args.steps):
-            _sync(lm.device)
+            sync(lm.device)
             t0 = time.perf_counter()
             logits = session.step(token)
-            _sync(lm.device)
+            sync(lm.device)
             if step >= args.warmup:
                 wall.append(1e3 * (time.perf_counter() - t0))
             token = int(logits.argmax())
@@ -86,7 +88,7 @@ def main() -> int:
             for _ in range(args.profiled):
                 logits = session.step(token)
                 token = int(logits.argmax())
-            _sync(lm.device)
+            sync(lm.device)
         gpu = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
         busy_ms = sum(e.time_range.elapsed_us() for e in gpu) / 1e3 / args.profiled
         median = statistics.median(wall)

@@ -6,7 +6,7 @@ The same random Llama-3.1-8B-shaped model as docs/gpu/README.md's profile (tiny_
 built on the GPU with transformers' own SDPA attention: a dense prefill of L random tokens, then `--steps`
 greedy steps after `--warmup` untimed ones, each forward timed alone (synchronised), as the engine times its
 decode steps. Prints the median and p90 ms per token and the weights-only floor (weight bytes / the copy
-bandwidth measured by `kvbench.roofline`), to tell the model's GPU cost from the harness's per-step work.
+bandwidth measured by `kvbench.profiling.roofline`), to tell the model's GPU cost from the harness's per-step work.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main() -> int:
         return 0
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from kvbench.roofline import measure_peaks
+    from kvbench.profiling.roofline import measure_peaks
 
     config = LlamaConfig(vocab_size=260, hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128,

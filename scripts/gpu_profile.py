@@ -29,6 +29,6 @@ if __name__ == "__main__":
     models._load_tiny = _load_tiny_on_device
     if not any(arg.startswith(("profile=", "+profile=")) for arg in sys.argv[1:]):
         sys.argv.append("profile=true")
-    from kvbench.cli import main
+    from kvbench.cli.main import main
 
     main()

@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from kvbench.errors import KVBenchError
+from kvbench.core.errors import KVBenchError
 
 
 @dataclass

@@ -60,7 +60,7 @@ from kvbench.tasks import generic_metrics
 from kvbench.tasks.base import PromptMeter, Sample, Task, Turn
 from kvbench.tasks.scoring import SCORERS, get_scorer
 
-from kvbench.errors import KVBenchError
+from kvbench.core.errors import KVBenchError
 
 log = logging.getLogger(__name__)
 

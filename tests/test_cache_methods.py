@@ -11,7 +11,7 @@ from conftest import random_ids
 from reference import kept_masks, reference_logits
 from transformers import DynamicCache
 
-from kvbench.engine import Session
+from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.methods.adakv import allocate
 from kvbench.methods.snapkv import window_scores
@@ -110,10 +110,10 @@ def test_adakv_budgets_sum_to_layer_budget_with_alpha_floor_and_free_memory(tiny
     full_bytes = session.cache.kv_bytes()
 
     session = Session(tiny, build_method("adakv", window=window, alpha=alpha), budget)
-    session.cache.query_window = window
+    session.query_window = window
     session.prefill(ids, compress=False)
     dense_keys = [weakref.ref(layer.buffers["keys"]) for layer in session.cache.layers]
-    session.cache.compress()
+    session.evict_deferred()
     gc.collect()
     assert all(ref() is None for ref in dense_keys), "evicted K/V storage must be released"
 
@@ -138,9 +138,9 @@ def test_inline_and_deferred_eviction_agree(tiny):
     inline = Session(tiny, build_method("adakv", window=8), 50)
     logits_inline, _ = inline.prefill(ids, compress=True)
     deferred = Session(tiny, build_method("adakv", window=8), 50)
-    deferred.cache.query_window = 32
+    deferred.query_window = 32
     logits_deferred, _ = deferred.prefill(ids, compress=False)
-    deferred.cache.compress()
+    deferred.evict_deferred()
     assert deferred.cache.kept_per_head() == inline.cache.kept_per_head()
     for a, b in zip(inline.cache.layers, deferred.cache.layers):
         assert torch.equal(a.positions, b.positions) and torch.equal(a.keys, b.keys)
@@ -173,7 +173,7 @@ def test_exact_topk_full_budget_matches_full_and_small_budget_matches_masked_ref
     layer = session.cache.layers[0]
     q = torch.randn(layer.num_heads, 2, layer.head_dim)
     view = layer.head_view()
-    idx = session.method.select(layer, q, view, session.cache.plan, 0.25)
+    idx = session.method.select(layer, q, view, session.step_context(), 0.25)
     from kvbench.kernels.sparse_attention import topk_attention
 
     ours = topk_attention(q, view.keys, view.values, idx, 0.25)
@@ -192,7 +192,7 @@ def test_exact_topk_group_granularity_shares_selection(tiny):
     session.prefill(ids, compress=True)
     layer = session.cache.layers[1]
     idx = session.method.select(layer, torch.randn(layer.num_heads, 2, layer.head_dim), layer.head_view(),
-                                session.cache.plan, 0.25)
+                                session.step_context(), 0.25)
     assert torch.equal(idx[:, 0], idx[:, 1])
 
 
@@ -251,7 +251,7 @@ def test_snapkv_scores_equal_the_models_own_attention_weights(tiny):
     ids = random_ids(120, seed=11)
     window = 8
     session = Session(tiny, build_method("full"), None)
-    session.cache.query_window = window
+    session.query_window = window
     session.prefill(ids, compress=False)
     model = tiny.model
     model.set_attn_implementation("eager")

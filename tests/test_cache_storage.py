@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import random_ids
 
-from kvbench.cache import GROWTH, MIN_SLACK
-from kvbench.engine import Session
+from kvbench.cache.layer import GROWTH, MIN_SLACK
+from kvbench.engine.session import Session
 from kvbench.methods import build_method
 
 PROMPT = 96
@@ -62,7 +62,7 @@ def test_unreserved_appends_copy_the_layer_a_logarithmic_number_of_times(tiny, m
 def test_clones_share_buffers_and_copy_on_write(tiny, method, budget, ragged):
     original, logits = _compressed(tiny, method, budget)
     original.cache.reserve(4)
-    twin = Session(tiny, original.method, original.cache.plan, original.cache.clone())
+    twin = original.twin()
     twin.position = original.position
     shared = original.cache.layers[0].buffers["keys"].data_ptr()
     assert twin.cache.layers[0].buffers["keys"].data_ptr() == shared
@@ -92,7 +92,7 @@ def test_token_state_travels_with_rows_through_appends_and_eviction(tiny):
     lens = layer.lengths()
     expected = torch.cat([torch.cat([part, torch.zeros(1)]) for part in marks.split([n - 1 for n in lens])])
     assert torch.equal(layer.token_state["mark"], expected)
-    layer.keep([torch.tensor([0, n - 1]) for n in lens])  # the first and the newest row of each head
+    layer.retain([torch.tensor([0, n - 1]) for n in lens])  # the first and the newest row of each head
     assert layer.lengths() == [2] * len(lens) and not layer.is_ragged
     assert torch.equal(layer.token_state["mark"], expected.view(-1)[
         torch.tensor([[s, s + n - 1] for s, n in zip([0, *torch.tensor(lens).cumsum(0)[:-1].tolist()], lens)])])

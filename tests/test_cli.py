@@ -181,7 +181,7 @@ def test_help_lists_methods_tasks_models_experiments(tmp_path):
 def test_full_cache_points_ignore_the_budget():
     from omegaconf import OmegaConf
 
-    from kvbench.cli import point_identity
+    from kvbench.run.identity import point_identity
 
     def point(method: str, budget: int) -> dict:
         return point_identity(OmegaConf.create({"model": {}, "task": {}, "method": {"name": method}, "budget": budget,

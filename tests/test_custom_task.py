@@ -16,11 +16,13 @@ from kvbench.tasks.ruler import Ruler
 from kvbench.tasks.scoring import SCORERS, score
 from kvbench.tasks.twostage_retr import TwoStageRetr
 
-from kvbench import export
-from kvbench.engine import EngineConfig, PromptBuilder, run_sample
-from kvbench.errors import KVBenchError
+from kvbench.cli import export
+from kvbench.core.errors import KVBenchError
+from kvbench.engine.config import EngineConfig
+from kvbench.engine.prompt import PromptBuilder
+from kvbench.engine.sample import run_sample
 from kvbench.methods import build_method
-from kvbench.results import to_jsonable
+from kvbench.results.store import to_jsonable
 
 
 def comparable(record: dict) -> dict:
@@ -273,7 +275,7 @@ def test_cli_refuses_row_too_long_for_the_model(tmp_path):
 def test_edited_data_file_is_a_new_point_not_a_resume(tmp_path):
     from omegaconf import OmegaConf
 
-    from kvbench.cli import point_identity
+    from kvbench.run.identity import point_identity
 
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD])
     cfg = OmegaConf.create({"model": {}, "task": {"path": str(path)}, "method": {"name": "snapkv"}, "budget": 1,

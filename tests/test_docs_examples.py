@@ -11,7 +11,7 @@ from conftest import random_ids
 from reference import reference_chunks
 from test_eviction_family import run_and_record
 
-from kvbench.engine import Session
+from kvbench.engine.session import Session
 from kvbench.methods import METHODS, build_method
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "adding-a-method.md"
@@ -56,9 +56,8 @@ def test_selection_and_layer_budget_examples(tiny_llama, doc_methods):
     class Layer:
         pass
 
-    layer, budgets = Layer(), []
-    layer.cache = Layer()
-    layer.cache.num_layers = 6
+    layer, step, budgets = Layer(), Layer(), []
+    step.num_layers = 6
     for layer.layer_idx in range(6):
-        budgets.append(namespace["Snippet"]().layer_budget(layer, 100))
+        budgets.append(namespace["Snippet"]().layer_budget(layer, 100, step))
     assert sum(budgets) == 600

@@ -7,8 +7,12 @@ import torch
 from kvbench.tasks.base import Sample, Turn
 from reference import kept_masks, reference_logits
 
-from kvbench.engine import EngineConfig, PromptBuilder, Session, resolve_budget, run_sample
-from kvbench.errors import KVBenchError
+from kvbench.core.budget import resolve_budget
+from kvbench.core.errors import KVBenchError
+from kvbench.engine.config import EngineConfig
+from kvbench.engine.prompt import PromptBuilder
+from kvbench.engine.sample import run_sample
+from kvbench.engine.session import Session
 from kvbench.methods import build_method
 
 
@@ -111,7 +115,7 @@ def test_min_new_tokens_blocks_immediate_stop(tiny_llama):
 
 
 def test_compression_ratio_keeps_kvpress_count_on_an_odd_prompt(tiny_llama):
-    from kvbench.engine import CompressionRatio
+    from kvbench.core.budget import CompressionRatio
 
     assert resolve_budget(CompressionRatio(0.5), 301) == 150  # int(301 * 0.5), kvpress's rounding
     assert resolve_budget(CompressionRatio(0.25), 301) == 225 and resolve_budget(CompressionRatio(0.0), 301) == 301

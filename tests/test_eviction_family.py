@@ -13,8 +13,10 @@ from conftest import random_ids
 from kvbench.tasks.base import Sample, Turn
 from reference import kept_masks, reference_chunks
 
-from kvbench.engine import EngineConfig, Session, run_sample
-from kvbench.errors import KVBenchError
+from kvbench.core.errors import KVBenchError
+from kvbench.engine.config import EngineConfig
+from kvbench.engine.sample import run_sample
+from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.methods.keydiff import keydiff_scores
 from kvbench.methods.pyramidkv import pyramid_budgets
@@ -263,10 +265,10 @@ def test_h2o_accumulator_equals_brute_force_sum_of_attention_rows(tiny):
     seen: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, float]] = []
     observe = method.observe
 
-    def spy(layer, queries):
+    def spy(layer, queries, step):
         view = layer.head_view()
         seen.append((layer.layer_idx, queries.clone(), view.keys.clone(), view.positions.clone(), layer.scaling))
-        observe(layer, queries)
+        observe(layer, queries, step)
 
     method.observe = spy
     session, *_ = run_and_record(tiny, method, 40, random_ids(150, seed=26), steps=8)
@@ -296,10 +298,10 @@ def test_tova_evicts_the_argmin_of_the_last_querys_group_mean_attention(tiny):
     seen = []
     keep = method.keep
 
-    def spy(layer, budget):
+    def spy(layer, budget, step):
         view = layer.head_view()
         seen.append((view.keys.clone(), view.positions.clone(), layer.queries[:, -1].clone(), layer.scaling))
-        return keep(layer, budget)
+        return keep(layer, budget, step)
 
     method.keep = spy
     budget = 40
@@ -327,7 +329,7 @@ def test_last_query_attention_is_the_models_attention_row(tiny):
     finally:
         tiny.model.set_attn_implementation("kvbench")
     session = Session(tiny, build_method("tova"), 10)
-    session.cache.query_window = 1
+    session.query_window = 1
     session.forward(ids)
     for layer, att in zip(session.cache.layers, attentions):
         expected = att[0, :, -1].float().view(layer.num_heads, -1, len(ids)).mean(1)

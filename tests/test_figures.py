@@ -11,7 +11,7 @@ import matplotlib.image
 import pandas as pd
 import pytest
 
-from kvbench.figures import efficiency_table, render
+from kvbench.reporting.efficiency import efficiency_table, render
 
 TINY = ["model=tiny_llama", "task.max_new_tokens=6", "profiler.warmup_steps=1"]
 PRESETS = {  # preset -> (layout, overrides shrinking its grid, rows expected in the figure's table)
@@ -53,7 +53,7 @@ def test_cpu_preset_runs_and_its_figure_comes_from_the_records(tmp_path, preset)
 def test_an_oom_point_is_marked_never_drawn_as_a_value(tmp_path):
     import json
 
-    from kvbench.results import RecordStore
+    from kvbench.results.store import RecordStore
 
     for i, (method, seq_len, oom) in enumerate([("full", 1024, False), ("full", 2048, True), ("omnikv", 2048, False)]):
         store = RecordStore(tmp_path / f"p{i}")

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,9 +18,12 @@ from conftest import model_cfg, random_ids
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from kvbench.attention import kvbench_attention
-from kvbench.cache import BatchedCache
-from kvbench.engine import EngineConfig, PromptBuilder, Session, run_group, run_sample
+from kvbench.attention.dispatch import kvbench_attention
+from kvbench.cache.batched import BatchedCache
+from kvbench.engine.config import EngineConfig
+from kvbench.engine.prompt import PromptBuilder
+from kvbench.engine.sample import run_group, run_sample
+from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.models import load_model
 
@@ -54,14 +58,17 @@ def test_batched_attention_equals_each_caches_own_attention(tiny):
     gen = torch.Generator().manual_seed(4)
     query = torch.randn(3, heads, 1, dim, generator=gen)
     keys, values = torch.randn(3, kv_heads, 1, dim, generator=gen), torch.randn(3, kv_heads, 1, dim, generator=gen)
+    module = SimpleNamespace(layer_idx=0)
     alone = []
     for b, session in enumerate(sessions):
-        layer = session.cache.clone().layers[0]
-        key, _ = layer.update(keys[b:b + 1], values[b:b + 1])
-        alone.append(kvbench_attention(None, query[b:b + 1], key, None, None, scaling=0.25)[0])
+        twin = session.twin()
+        key, _ = twin.cache.layers[0].update(keys[b:b + 1], values[b:b + 1])
+        alone.append(kvbench_attention(module, query[b:b + 1], key, None, None, scaling=0.25,
+                                       kvbench_steps=[twin.step_context()])[0])
     batched_layer = BatchedCache([s.cache for s in sessions]).layers[0]
     key, value = batched_layer.update(keys, values)
-    together, _ = kvbench_attention(None, query, key, value, None, scaling=0.25)
+    together, _ = kvbench_attention(module, query, key, value, None, scaling=0.25,
+                                    kvbench_steps=[s.step_context() for s in sessions])
     assert together.shape == (3, 1, heads, dim)
     for b in range(3):
         assert torch.equal(together[b:b + 1], alone[b])

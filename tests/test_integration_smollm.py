@@ -10,7 +10,10 @@ import pytest
 from kvbench.tasks.ruler import Ruler
 from reference import kept_masks, reference_logits
 
-from kvbench.engine import EngineConfig, PromptBuilder, Session, run_sample
+from kvbench.engine.config import EngineConfig
+from kvbench.engine.prompt import PromptBuilder
+from kvbench.engine.sample import run_sample
+from kvbench.engine.session import Session
 from kvbench.methods import build_method
 
 pytestmark = pytest.mark.integration

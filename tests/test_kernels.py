@@ -44,7 +44,7 @@ from kvbench.kernels.sparse_attention import (
     topk_attention_reference,
 )
 
-from kvbench.cache import KVBenchCache
+from kvbench.cache.kvcache import KVBenchCache
 
 pytestmark = pytest.mark.kernels
 DEVICE = os.environ.get("KVBENCH_KERNEL_DEVICE", "cpu")  # cpu: interpreted; cuda: compiled

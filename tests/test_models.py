@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import model_cfg
 
-from kvbench.errors import KVBenchError
+from kvbench.core.errors import KVBenchError
 from kvbench.models import check_supported, load_model, smollm2_gguf
 
 

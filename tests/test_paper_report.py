@@ -1,4 +1,4 @@
-"""Paper layouts from records (kvbench/paper_report.py): the expected grid, missing points shown as missing,
+"""Paper layouts from records (kvbench/reporting/): the expected grid, missing points shown as missing,
 suite and category means, deltas from the reference, and the files a report writes."""
 
 from __future__ import annotations
@@ -9,8 +9,19 @@ import matplotlib.image
 import pandas as pd
 import pytest
 
-from kvbench import paper_report as pr
-from kvbench.results import RecordStore, collect, load, point_hash
+from kvbench.reporting.paper import build
+from kvbench.reporting.paper_tables import (
+    MISSING,
+    ReportSpec,
+    Source,
+    expected_grid,
+    main_table,
+    missing_points,
+    norm,
+    point_scores,
+)
+from kvbench.results.collect import collect, load
+from kvbench.results.store import RecordStore, point_hash
 
 
 def write_point(root: Path, method: str, budget, scores: dict[str, list[float]], *, task: str = "suite",
@@ -30,45 +41,45 @@ def write_point(root: Path, method: str, budget, scores: dict[str, list[float]],
                           **({"meta": meta[i]} if meta is not None else {})})
 
 
-def source(root: Path, grid=None, **spec) -> pr.Source:
-    return pr.Source("t", root, pr.ReportSpec(title="t", **spec), grid)
+def source(root: Path, grid=None, **spec) -> Source:
+    return Source("t", root, ReportSpec(title="t", **spec), grid)
 
 
 def test_expected_grid_collapses_budget_for_methods_without_one() -> None:
-    grid = pr.expected_grid({"method": "full,snapkv", "budget": "64,128", "compress_question": "true,false"},
+    grid = expected_grid({"method": "full,snapkv", "budget": "64,128", "compress_question": "true,false"},
                             {"model": "m", "task": "suite", "method": "full", "budget": 1024, "compress_question": True})
     assert len(grid) == 2 + 4  # full once per mode, snapkv per budget and mode
     assert {p["budget"] for p in grid if p["method"] == "full"} == {"-"}
     assert {p["budget"] for p in grid if p["method"] == "snapkv"} == {"64", "128"}
-    assert pr.norm(64) == pr.norm("64") == pr.norm(64.0) == "64" and pr.norm(True) == pr.norm("true") == "true"
+    assert norm(64) == norm("64") == norm(64.0) == "64" and norm(True) == norm("true") == "true"
 
 
 def test_budget_table_suite_mean_and_missing_cells(tmp_path: Path) -> None:
     write_point(tmp_path, "full", None, {"a": [1.0, 1.0], "b": [1.0]})
     write_point(tmp_path, "snapkv", 64, {"a": [1.0, 0.0], "b": [1.0]})  # a: 50, b: 100 -> suite mean 75
-    grid = pr.expected_grid({"method": "full,snapkv", "budget": "64,128"},
+    grid = expected_grid({"method": "full,snapkv", "budget": "64,128"},
                             {"model": "m", "task": "suite", "method": "full", "budget": 64, "compress_question": True})
-    points, subtasks = pr.point_scores(collect(tmp_path))
-    table = pr.main_table(source(tmp_path, grid, rows=("method",)), points, subtasks).set_index("method")
+    points, subtasks = point_scores(collect(tmp_path))
+    table = main_table(source(tmp_path, grid, rows=("method",)), points, subtasks).set_index("method")
     assert list(table.columns) == ["64", "128"]
     assert table.loc["snapkv", "64"] == pytest.approx(75.0)  # the unweighted subtask mean, not 66.7
-    assert table.loc["snapkv", "128"] == pr.MISSING  # expected, never recorded: missing, not zero
+    assert table.loc["snapkv", "128"] == MISSING  # expected, never recorded: missing, not zero
     assert table.loc["full", "64"] == table.loc["full", "128"] == pytest.approx(100.0)
-    assert pr.missing_points(points, grid) == [{"model": "m", "task": "suite", "method": "snapkv", "budget": "128",
+    assert missing_points(points, grid) == [{"model": "m", "task": "suite", "method": "snapkv", "budget": "128",
                                                 "compress_question": "true"}]
 
 
 def test_subtask_and_category_tables_with_delta(tmp_path: Path) -> None:
     write_point(tmp_path, "full", None, {"qa1": [1.0], "qa2": [0.5], "code": [1.0]})
     write_point(tmp_path, "snapkv", 64, {"qa1": [0.0], "qa2": [0.5], "code": [1.0]})
-    points, subtasks = pr.point_scores(collect(tmp_path))
-    per_task = pr.main_table(source(tmp_path, columns="subtask", rows=("method",)), points, subtasks)
+    points, subtasks = point_scores(collect(tmp_path))
+    per_task = main_table(source(tmp_path, columns="subtask", rows=("method",)), points, subtasks)
     assert list(per_task.columns) == ["method", "qa1", "qa2", "code", "avg"]
     snap = per_task.set_index("method").loc["snapkv"]
     assert (snap["qa1"], snap["qa2"], snap["code"], snap["avg"]) == pytest.approx((0.0, 50.0, 100.0, 50.0))
     spec = {"columns": "category", "categories": {"QA": ["qa1", "qa2"], "Code": ["code"], "Summ": ["gov_report"]},
             "rows": ("method",), "delta": True}
-    cats = pr.main_table(source(tmp_path, **spec), points, subtasks).set_index("method")
+    cats = main_table(source(tmp_path, **spec), points, subtasks).set_index("method")
     assert cats.loc["full", "QA"] == pytest.approx(75.0) and cats.loc["full", "avg"] == pytest.approx(87.5)
     assert cats.loc["snapkv", "QA"] == pytest.approx(-50.0) and cats.loc["snapkv", "Code"] == pytest.approx(0.0)
     assert "Summ" not in cats.columns  # a category without any recorded subtask has no column
@@ -86,7 +97,7 @@ def test_build_writes_tables_figures_and_one_html_page(tmp_path: Path) -> None:
     for budget, score in ((64, 0.0), (128, 0.5)):
         write_point(results, "snapkv", budget, {"niah": [score] * 6}, meta=cells)
         write_point(results, "adakv", budget, {"niah": [score] * 6}, meta=cells, kept=[[budget - 8, budget + 8]])
-    out = pr.build(results, tmp_path / "report")
+    out = build(results, tmp_path / "report")
     assert {p.name for p in out["written"]} >= {"accuracy.png", "accuracy.pdf", "niah_heatmap.png",
                                                  "kept_tokens.png", "table.csv", "table.md", "table.tex",
                                                  "index.html", "report.md", "points.csv"}

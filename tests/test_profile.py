@@ -11,11 +11,13 @@ import torch
 from kvbench.tasks.synthetic import Synthetic
 from omegaconf import OmegaConf
 
-from kvbench.cli import _run_or_oom
-from kvbench.engine import EngineConfig, PromptBuilder, run_sample
+from kvbench.engine.config import EngineConfig
+from kvbench.engine.prompt import PromptBuilder
+from kvbench.engine.sample import run_sample
 from kvbench.methods import build_method
-from kvbench.profiler import PhaseProfiler, combine_repeats, is_out_of_memory
-from kvbench.roofline import phase_costs
+from kvbench.profiling.profiler import PhaseProfiler, combine_repeats, is_out_of_memory
+from kvbench.profiling.roofline import phase_costs
+from kvbench.run.policy import run_or_oom
 
 PROFILE_CFG = OmegaConf.create({"profile": True, "profiler": {"warmup_steps": 2, "repeats": 2}})
 
@@ -78,12 +80,12 @@ def test_out_of_memory_is_one_record_and_the_next_sample_runs(smollm2):
     short, long = synthetic(smollm2, [512, 8000], new=4)
     engine = EngineConfig(reuse_prefill=False, nll=False)
     method = build_method("full")
-    _run_or_oom(PROFILE_CFG, smollm2, method, 64, short, engine)  # allocator and caches warm
+    run_or_oom(PROFILE_CFG, smollm2, method, 64, short, engine)  # allocator and caches warm
     size = int(re.search(r"VmSize:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (size + 300 * 2**20, hard))
     try:
-        records = [_run_or_oom(PROFILE_CFG, smollm2, method, 64, sample, engine) for sample in (long, short)]
+        records = [run_or_oom(PROFILE_CFG, smollm2, method, 64, sample, engine) for sample in (long, short)]
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     assert records[0]["oom"] is True and records[0]["sample_id"] == long.id and records[0]["score"] is None
@@ -116,7 +118,7 @@ def test_profiled_kv_bytes_of_snapkv_vs_full_match_the_analytic_ratio(smollm2):
     are the analytic ratios within 2%."""
     sample = synthetic(smollm2, [1024], new=16)[0]
     engine = EngineConfig(reuse_prefill=False, nll=False, topk_recall=False)
-    full, snap = (_run_or_oom(PROFILE_CFG, smollm2, build_method(name), 64, sample, engine) for name in ("full", "snapkv"))
+    full, snap = (run_or_oom(PROFILE_CFG, smollm2, build_method(name), 64, sample, engine) for name in ("full", "snapkv"))
     prompt, steps = full["prompt_tokens"], full["new_tokens"] - 1
     assert full["kv_bytes_after_prefill"] / snap["kv_bytes_after_prefill"] == pytest.approx(prompt / 64, rel=0.02)
     # a decode step reads the cache as it stands: on average the prompt (or budget) plus half the new tokens

@@ -12,15 +12,11 @@ import pandas as pd
 import pytest
 from omegaconf import OmegaConf
 
-from kvbench.report import (
-    TASK_MEAN_LABEL,
-    PrintSweepSummary,
-    format_table,
-    main,
-    pivot_scores,
-    point_table,
-)
-from kvbench.results import RecordStore, collect, point_hash
+from kvbench.cli.report import main
+from kvbench.reporting.callback import PrintSweepSummary
+from kvbench.reporting.table import TASK_MEAN_LABEL, format_table, pivot_scores, point_table
+from kvbench.results.collect import collect
+from kvbench.results.store import RecordStore, point_hash
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 2**20

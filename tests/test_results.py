@@ -14,16 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvbench.results import (
-    RecordStore,
-    build_manifest,
-    git_state,
-    load_records,
-    point_hash,
-    summarize,
-    write_manifest,
-    write_summary,
-)
+from kvbench.results.manifest import build_manifest, git_state, write_manifest
+from kvbench.results.store import RecordStore, load_records, point_hash
+from kvbench.results.summary import summarize, write_summary
 
 
 def rec(sample_id: str, task: str = "qa", score: float = 1.0, **fields: object) -> dict:

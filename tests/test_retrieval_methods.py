@@ -13,7 +13,10 @@ from kvbench.tasks.base import Sample, Turn
 from omegaconf import OmegaConf
 from reference import reference_chunks
 
-from kvbench.engine import EngineConfig, Session, run_sample
+from kvbench.attention.hooks import evict_layer
+from kvbench.engine.config import EngineConfig
+from kvbench.engine.sample import run_sample
+from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.methods.ctkvr import build_index
 from kvbench.models import load_model
@@ -76,8 +79,8 @@ def test_ctkvr_rerank_is_a_subset_of_the_recall_of_size_rho_prime_and_dcu_replac
     select = method.select
     chosen = []
 
-    def spy_select(layer, q, view, plan, scaling):
-        sel = select(layer, q, view, plan, scaling)
+    def spy_select(layer, q, view, step, scaling):
+        sel = select(layer, q, view, step, scaling)
         ext_k, _, ext_valid = sel.external
         host = layer.aux["host"]
         rows = [int((host.keys[h] == ext_k[h, j]).all(-1).nonzero()[0]) for h in range(ext_k.shape[0])
@@ -139,15 +142,13 @@ def test_lse_merge_of_disjoint_partial_attentions_equals_attention_over_their_un
 
 def test_ctkvr_moves_the_middle_off_the_device_storage_without_a_second_copy(tiny_llama):
     session = Session(tiny_llama, build_method("ctkvr", **SMALL_CTKVR), 16, sequence_length=PROMPT + 20)
-    session.cache.query_window = 64
+    session.query_window = 64
     session.prefill(random_ids(PROMPT, seed=63), compress=False)  # dense, then the event by hand
     full_bytes = session.cache.kv_bytes()
     dense_keys = [weakref.ref(layer.buffers["keys"]) for layer in session.cache.layers]
+    step = session.step_context(evict=True)
     for layer in session.cache.layers:
-        session.cache.evict_now = True
-        from kvbench.cache import evict_layer
-
-        evict_layer(layer)
+        evict_layer(layer, step)
     gc.collect()
     assert all(ref() is None for ref in dense_keys), "the dense storage must be freed"
     for layer in session.cache.layers:
@@ -178,10 +179,10 @@ def test_omnikv_sparse_layers_attend_exactly_to_the_filter_layers_choice(deep_ll
     choices = []
     select = method.select
 
-    def spy(layer, q, view, plan, scaling):
-        out = select(layer, q, view, plan, scaling)
+    def spy(layer, q, view, step, scaling):
+        out = select(layer, q, view, step, scaling)
         if method.role(layer.layer_idx) == "filter":
-            choices[-1][layer.layer_idx] = layer.cache.shared["omnikv_selected"].clone()
+            choices[-1][layer.layer_idx] = step.shared["omnikv_selected"].clone()
         return out
 
     method.select = spy
@@ -263,7 +264,7 @@ def test_ctkvr_with_every_centroid_and_full_lists_chooses_what_flat_chooses_and_
     assert index.lists.numel() * index.lists.element_size() == layer.num_heads * centroids * rho * 4
     q = torch.randn(layer.num_heads, 2, layer.head_dim)
     with torch.inference_mode():  # as inside a forward pass: DCU updates the index in place
-        selection = method.select(layer, q, layer.head_view(), session.cache.plan, layer.scaling)
+        selection = method.select(layer, q, layer.head_view(), session.step_context(), layer.scaling)
     probs = torch.softmax(torch.einsum("hgd,hmd->hgm", q, host.keys) * layer.scaling, -1).amax(1)
     flat = probs.topk(budget, -1).indices
     chosen = selection.external[0]

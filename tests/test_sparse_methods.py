@@ -9,11 +9,13 @@ from kvbench.kernels.sparse_attention import topk_attention
 from kvbench.tasks.base import Sample, Turn
 from reference import kept_masks, reference_chunks
 
-from kvbench.engine import EngineConfig, Session, run_sample
+from kvbench.core.contract import Plan, Step
+from kvbench.engine.config import EngineConfig
+from kvbench.engine.sample import run_sample
+from kvbench.engine.session import Session
 from kvbench.methods import build_method
-from kvbench.methods.base import Plan
+from kvbench.methods.common.pages import PageSummary
 from kvbench.methods.hsa import hsa_select
-from kvbench.methods.pages import PageSummary
 from kvbench.methods.rocketkv import rocket_plan
 
 SPARSE = ["quest", "sparq", "hsa", "rocketkv", "rocketkv_mt", "exact_topk"]
@@ -81,7 +83,7 @@ def test_sparq_with_every_dimension_and_all_tokens_is_exact_attention(tiny_llama
     n = view.keys.shape[1]
     # r = D: the estimate is q.K exactly and the temperature sqrt(D), so with k = every token
     plan = Plan(None, 64, {"r": layer.head_dim, "k2": n - 1})
-    idx = session.method.select(layer, q, view, plan, layer.scaling)
+    idx = session.method.select(layer, q, view, Step(session.cache, session.method, plan), layer.scaling)
     exact_top = torch.softmax(torch.einsum("hgd,hld->hgl", q, view.keys) * layer.scaling, -1).mean(1).topk(n - 1).indices
     assert torch.equal(idx[:, 0].sort(-1).values, exact_top.sort(-1).values)
     every = torch.arange(n).expand(layer.num_heads, 2, n)
@@ -96,7 +98,7 @@ def test_sparq_reallocation_blends_the_mean_value_by_the_estimated_mass(tiny_lla
     layer = session.cache.layers[0]
     view = layer.head_view()
     q = torch.randn(layer.num_heads, 2, layer.head_dim)
-    selection = session.method.select(layer, q, view, session.cache.plan, layer.scaling)
+    selection = session.method.select(layer, q, view, session.step_context(), layer.scaling)
     assert selection.weight.shape == (layer.num_heads, 2, 1) and bool(((selection.weight > 0) & (selection.weight < 1)).all())
     torch.testing.assert_close(selection.fallback[:, 0], view.values.mean(1), atol=1e-6, rtol=1e-5)
     assert torch.equal(layer.aux["keys_t"].keys_t, view.keys.transpose(1, 2))  # K stored a second time
@@ -158,8 +160,8 @@ def test_rocketkv_mt_selects_from_the_full_history_and_keeps_it_while_rocketkv_s
     selections: list[dict[int, torch.Tensor]] = []
     keep = mt_method.keep
 
-    def spy(layer, budget):
-        out = keep(layer, budget)
+    def spy(layer, budget, step):
+        out = keep(layer, budget, step)
         if layer.layer_idx == 0 and "selected" in layer.aux:
             selections.append((layer.physical_length(), layer.aux["selected"].rows.clone()))
         return out
@@ -170,7 +172,7 @@ def test_rocketkv_mt_selects_from_the_full_history_and_keeps_it_while_rocketkv_s
 
     def record_prefill(self, ids, compress):
         out = prefill(self, ids, compress)
-        held.append((compress, [layer.lengths() for layer in self.cache.layers], self.cache.plan))
+        held.append((compress, [layer.lengths() for layer in self.cache.layers], self.plan))
         return out
 
     Session.prefill = record_prefill
@@ -234,8 +236,8 @@ def test_decode_logits_equal_attention_over_exactly_the_selected_tokens(tiny, na
     chosen: list[dict[int, torch.Tensor]] = []
     select = method.select
 
-    def spy(layer, q, view, plan, scaling):
-        idx = select(layer, q, view, plan, scaling)
+    def spy(layer, q, view, step, scaling):
+        idx = select(layer, q, view, step, scaling)
         if idx is not None:
             mask = torch.zeros(q.shape[0] * q.shape[1], layer.seen, dtype=torch.bool)
             positions = view.positions.repeat_interleave(q.shape[1], dim=0)

@@ -129,7 +129,7 @@ def test_engine_meter_with_an_hf_chat_template(bpe_tokenizer):
     """The engine's own meter (PromptBuilder.measure) sizes samples; its rendering is RULER's prompt."""
     from transformers import PreTrainedTokenizerFast
 
-    from kvbench.engine import PromptBuilder
+    from kvbench.engine.prompt import PromptBuilder
 
     hf = PreTrainedTokenizerFast(tokenizer_object=bpe_tokenizer, bos_token="<s>", eos_token="<|end|>")
     hf.chat_template = ("{% for m in messages %}<|user|>\n{{ m['content'] }}<|end|>\n{% endfor %}"

@@ -77,7 +77,7 @@ def test_offline_run_holds_config_records_and_metrics(tmp_path: Path) -> None:
 
 
 def test_report_publish_without_network_says_so_and_writes_the_static_report(tmp_path: Path) -> None:
-    from kvbench.results import RecordStore
+    from kvbench.results.store import RecordStore
 
     point = {"model": "m", "task": "qa", "method": "snapkv", "budget": 64}
     RecordStore(tmp_path / "p").append({"sample_id": "a", "task": "qa", "score": 1.0, "point": point,

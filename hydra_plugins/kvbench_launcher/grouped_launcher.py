@@ -3,8 +3,8 @@ decoding across sweep points.
 
 Hydra requires launchers to live in the `hydra_plugins` namespace package; the work is `kvbench.cli`'s.
 Before running the jobs one by one exactly as Hydra's basic launcher does, the launcher groups the points
-that share a model, a task's samples and engine settings (`kvbench.cli.group_key`) and records their samples
-together (`kvbench.cli.run_grouped`): one dense prefill per prompt, each point's compression, one batched
+that share a model, a task's samples and engine settings (`kvbench.run.group.group_key`) and records their samples
+together (`kvbench.run.group.run_grouped`): one dense prefill per prompt, each point's compression, one batched
 decode. Each job then finds its samples recorded (the ordinary resume path) and writes its summary, config
 and callbacks as usual. `hydra.launcher.max_group` bounds the points decoded together; 1 turns grouping off.
 """
@@ -45,7 +45,7 @@ class GroupedLauncher(Launcher):
         self.config, self.task_function, self.hydra_context = config, task_function, hydra_context
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from kvbench.cli import group_key, run_grouped
+        from kvbench.run.group import group_key, run_grouped
 
         setup_globals()
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None

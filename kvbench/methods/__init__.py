@@ -3,7 +3,7 @@
 import importlib
 import pkgutil
 
-from kvbench.errors import KVBenchError
+from kvbench.core.errors import KVBenchError
 from kvbench.methods.base import METHODS, Method, register_method
 
 __all__ = ["METHODS", "Method", "register_method", "build_method"]

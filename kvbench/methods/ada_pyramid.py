@@ -20,5 +20,5 @@ class AdaPyramid(AdaKV):
         super().__post_init__()
         check_beta(self.beta)
 
-    def layer_budget(self, layer, budget):
-        return pyramid_layer_budget(layer, budget, self.window, self.beta)
+    def layer_budget(self, layer, budget, step):
+        return pyramid_layer_budget(layer, budget, self.window, self.beta, step.num_layers)

@@ -99,7 +99,7 @@ class AdaKV(SnapKV):
             raise ValueError(f"alpha (the per-head floor, a fraction of the uniform budget) must be in [0, 1], "
                              f"got {self.alpha!r}")
 
-    def keep(self, layer, budget):
+    def keep(self, layer, budget, step):
         lens = layer.lengths()
         if budget * len(lens) >= sum(lens):
             return None

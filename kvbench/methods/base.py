@@ -6,24 +6,24 @@ Hooks (all optional; the engine, the cache and the attention function call them,
   `EvictionMethod` builds it from its `block_size` and `decode_every` fields: at the end of the compressed
   segment (one dense prefill, the Ada-KV / kvpress framework), after every prefill block of `block_size`
   tokens (KeyDiff's block prompt processing), and after every `decode_every`-th decode step.
-- `keep(layer, budget)`: at each eviction event, per layer. Returns, per head, the sorted indices of the
+- `keep(layer, budget, step)`: at each eviction event, per layer. Returns, per head, the sorted indices of the
   tokens to keep, or None to keep everything. The cache gathers keys, values, positions and the method's
   token state with them, so the rest is really freed. Scores read `layer.queries` (the last `obs_window`
   queries the layer attended with, kept by the cache across chunks and decode steps).
-- `layer_budget(layer, budget)`: the budget of one layer (PyramidKV's schedule); the identity by default.
-- `observe(layer, queries)`: after every attention call while eviction can still happen, for methods whose
+- `layer_budget(layer, budget, step)`: the budget of one layer (PyramidKV's schedule); the identity by default.
+- `observe(layer, queries, step)`: after every attention call while eviction can still happen, for methods whose
   state accumulates over every query (H2O). Set `observes = True`. State lives in `layer.token_tensor(name)`
   and is replaced, never modified in place.
 - `plan(budget, sequence_length=, new_tokens=, head_dim=)`: once per sample, before the prefill: what the eviction stage keeps, the
   per-step selection budget and any parameters derived from them (RocketKV's decomposition, Quest's page
   size); recorded with the sample.
-- `select(layer, q, view, plan, scaling)`: at every decode step for selection methods (`selects = True`).
+- `select(layer, q, view, step, scaling)`: at every decode step for selection methods (`selects = True`).
   Returns `[H_kv, G, k]` indices of the cached tokens each query head attends to (or a `Selection`, which
   may blend in a fallback output, SparQ's mean value), or None for all of them.
-- `build_aux(layer)`: derived per-layer state a selection reads (page summaries, a transposed key copy),
+- `build_aux(layer, step)`: derived per-layer state a selection reads (page summaries, a transposed key copy),
   built when the compressed segment ends and after an eviction; each state object's `append` / `truncate`
   keep it current as tokens are appended or rolled back, and the cache counts its bytes.
-- `step_traffic(layer, selection)`: elements of K/V and auxiliary state one decode step reads in this
+- `step_traffic(layer, selection, step)`: elements of K/V and auxiliary state one decode step reads in this
   layer, by the method's own cost model (dense attention reads every stored key and value).
 
 Budgets are tokens per KV head (the RocketKV / Ada-KV unit); for selection methods the per-step, per-KV-group
@@ -39,8 +39,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
+from kvbench.core.checks import is_int
+from kvbench.core.contract import HeadView, Plan, Schedule, Selection, Step
+
 if TYPE_CHECKING:
-    from kvbench.cache import HeadView, KVLayer
+    from kvbench.cache.layer import KVLayer
 
 METHODS: dict[str, type["Method"]] = {}
 
@@ -50,50 +53,10 @@ def register_method(cls: type["Method"]) -> type["Method"]:
     return cls
 
 
-@dataclass(frozen=True)
-class Schedule:
-    """When a method evicts. The engine owns the loop and follows this."""
-
-    block_size: int | None  # None: the segment is one dense forward, evicted at its end
-    decode_every: int  # evict after every N-th decode step; 0: the cache grows while decoding
-    every_turn: bool = False  # also at the end of each later turn's input (RocketKV re-compresses per turn)
-
-    @property
-    def events(self) -> tuple[str, ...]:
-        prefill = ("segment_end",) if self.block_size is None else ("prefill_block",)
-        return prefill + (("turn_end",) if self.every_turn else ()) + (("decode_step",) if self.decode_every else ())
 
 
-@dataclass(frozen=True)
-class Plan:
-    """A point's budget resolved for one sample."""
-
-    evict: int | None  # tokens per KV head the eviction hook keeps (None: nothing is ever evicted)
-    select: int | None  # per-step selection budget (None: every decode step attends to everything)
-    derived: dict[str, Any] = dataclasses.field(default_factory=dict)  # parameters derived from the budget
 
 
-@dataclass
-class Selection:
-    """What a decode step attends to: `idx` [H_kv, G, k], per query head, the rows of the layer's storage.
-
-    - `external`: (keys, values[, valid]) [H_kv, m, D] ([H_kv, m] bool) from outside the layer's storage
-      (CTKVR's host segment, OmniKV's context bank), attended by every query head of the group where the
-      rows live; the two attentions merge exactly by log-sum-exp (the token sets must be disjoint).
-    - `weight`, `fallback`: the output is blended, `weight * out + (1 - weight) * fallback` (SparQ's mean
-      value); weight [H_kv, G, 1], fallback [H_kv, G or 1, D].
-    - `recall`: the step's top-k attention recall when only the method sees every row (else measured by the
-      dispatcher over the storage); `moved_bytes`: bytes this step moved between host and device; `extra`:
-      the method's own per-step numbers (CTKVR's recall size), averaged over steps and layers in the record.
-    """
-
-    idx: torch.Tensor
-    weight: torch.Tensor | None = None
-    fallback: torch.Tensor | None = None
-    external: tuple[torch.Tensor, torch.Tensor] | None = None
-    recall: float | None = None
-    moved_bytes: int = 0
-    extra: dict[str, float] = dataclasses.field(default_factory=dict)  # method numbers, averaged in the record
 
 
 @dataclass
@@ -119,10 +82,10 @@ class Method:
         model's limit (RocketKV's S); `new_tokens`: the first turn's generation budget."""
         return Plan(evict=budget, select=budget if self.selects else None)
 
-    def layer_budget(self, layer: "KVLayer", budget: int) -> int:
+    def layer_budget(self, layer: "KVLayer", budget: int, step: Step) -> int:
         return budget
 
-    def build_aux(self, layer: "KVLayer") -> dict[str, Any]:
+    def build_aux(self, layer: "KVLayer", step: Step) -> dict[str, Any]:
         return {}
 
     def offloaded(self, layer: "KVLayer") -> Any:
@@ -130,7 +93,7 @@ class Method:
         chunk appended later (a question, a turn) attends to them too."""
         return None
 
-    def step_traffic(self, layer: "KVLayer", selection: "Selection | None") -> int:
+    def step_traffic(self, layer: "KVLayer", selection: "Selection | None", step: Step) -> int:
         """Elements one decode step reads in this layer: every stored key and value for dense attention, the
         distinct selected tokens of each KV group otherwise (the oracle's view: finding them is free)."""
         if selection is None:
@@ -139,14 +102,14 @@ class Method:
         distinct = sum(int(torch.unique(idx[h]).numel()) for h in range(idx.shape[0]))
         return 2 * layer.head_dim * distinct
 
-    def observe(self, layer: "KVLayer", queries: torch.Tensor) -> None:
+    def observe(self, layer: "KVLayer", queries: torch.Tensor, step: Step) -> None:
         return None
 
-    def keep(self, layer: "KVLayer", budget: int) -> list[torch.Tensor] | None:
+    def keep(self, layer: "KVLayer", budget: int, step: Step) -> list[torch.Tensor] | None:
         return None
 
     def select(
-        self, layer: "KVLayer", q: torch.Tensor, view: "HeadView", plan: Plan, scaling: float
+        self, layer: "KVLayer", q: torch.Tensor, view: HeadView, step: Step, scaling: float
     ) -> "torch.Tensor | Selection | None":
         return None
 
@@ -172,9 +135,9 @@ class EvictionMethod(Method):
     decode_every: int | None = None
 
     def __post_init__(self) -> None:
-        if self.block_size is not None and (not _is_int(self.block_size) or self.block_size < 1):
+        if self.block_size is not None and (not is_int(self.block_size) or self.block_size < 1):
             raise ValueError(f"block_size must be a positive number of tokens or null, got {self.block_size!r}")
-        if self.decode_every is not None and (not _is_int(self.decode_every) or self.decode_every < 0):
+        if self.decode_every is not None and (not is_int(self.decode_every) or self.decode_every < 0):
             raise ValueError(f"decode_every must be a number of decode steps >= 0 or null, got {self.decode_every!r}")
 
     def schedule(self) -> Schedule:
@@ -182,9 +145,6 @@ class EvictionMethod(Method):
         return Schedule(self.block_size, every, self.evicts_every_turn)
 
 
-def _is_int(value: Any) -> bool:
-    """An integer, and not a bool (True is an int to Python, not a token count to a user)."""
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def keep_top(scores: torch.Tensor, budget: int, recent: int = 0) -> list[torch.Tensor]:

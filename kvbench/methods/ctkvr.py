@@ -40,8 +40,10 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvbench.methods.base import Method, Plan, Schedule, Selection, _is_int, register_method
-from kvbench.methods.placement import HostSegment, recall_of
+from kvbench.core.checks import is_int
+from kvbench.core.contract import Plan, Schedule, Selection
+from kvbench.methods.base import Method, register_method
+from kvbench.methods.common.placement import HostSegment, recall_of
 
 
 @dataclass
@@ -132,18 +134,18 @@ class CTKVR(Method):
     def __post_init__(self) -> None:
         for name in ("max_centroids", "retrieved_centroids", "build_chunk"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in ("n_init", "n_local"):
             value = getattr(self, name)
-            if (value is not None or name == "n_init") and (not _is_int(value) or value < 0):
+            if (value is not None or name == "n_init") and (not is_int(value) or value < 0):
                 raise ValueError(f"{name} must be a number of tokens >= 0{' or null' if name == 'n_local' else ''}, "
                                  f"got {value!r}")
         if isinstance(self.list_ratio, bool) or not isinstance(self.list_ratio, (int, float)) or self.list_ratio < 1:
             raise ValueError(f"list_ratio (rho / rho') must be a number >= 1, got {self.list_ratio!r}")
         if self.turn_index not in ("dcu", "rebuild"):
             raise ValueError(f"turn_index must be dcu or rebuild, not {self.turn_index!r}")
-        if not isinstance(self.dense_layers, (list, tuple)) or not all(_is_int(x) and x >= 0 for x in self.dense_layers):
+        if not isinstance(self.dense_layers, (list, tuple)) or not all(is_int(x) and x >= 0 for x in self.dense_layers):
             raise ValueError(f"dense_layers must be a list of layer indices, got {self.dense_layers!r}")
 
     @property
@@ -165,12 +167,12 @@ class CTKVR(Method):
             "centroids": centroids, "n_init": self.n_init, "n_local": local})
 
     # -- prefill end (and turn ends with turn_index=rebuild): offload the middle, build the qcIVF -------------
-    def keep(self, layer, budget):
+    def keep(self, layer, budget, step):
         if layer.layer_idx in self.dense_layers:
             return None
         view = layer.head_view()
         positions = view.positions
-        first_local = layer.seen - layer.cache.plan.derived["n_local"]
+        first_local = layer.seen - step.plan.derived["n_local"]
         old = layer.aux.get("host")
         moving = (positions >= self.n_init) & (positions < first_local)
         if (old is None or old.positions.shape[1] == 0) and not bool(moving.any()):
@@ -192,7 +194,7 @@ class CTKVR(Method):
         return [resident] * layer.num_heads
 
     # -- decode ---------------------------------------------------------------------------------------------
-    def select(self, layer, q, view, plan, scaling):
+    def select(self, layer, q, view, step, scaling):
         host, index = layer.aux.get("host"), layer.aux.get("index")
         if host is None or index is None:
             return None
@@ -200,14 +202,14 @@ class CTKVR(Method):
         n_res = view.keys.shape[1]
         resident = torch.arange(n_res, device=q.device).expand(heads, group, n_res)
         # resident attention is launched first (on the accelerator) so the host work below overlaps it
-        top_lists = min(plan.derived["retrieved_centroids"], index.centroids.shape[1])
+        top_lists = min(step.plan.derived["retrieved_centroids"], index.centroids.shape[1])
         rows, valid = self._recall(q, index, top_lists)
         host_q = q.to(host.keys.device)
         recalled = host.keys.gather(1, rows.clamp(min=0).to(host.keys.device)[..., None].expand(-1, -1, dim))
         logits = torch.einsum("hgd,hrd->hgr", host_q.float(), recalled.float()) * scaling
         logits.masked_fill_(~valid.to(logits.device)[:, None, :], float("-inf"))
         score = torch.softmax(logits, dim=-1).amax(dim=1)  # [H, R]: softmax over the recalled set, max over group
-        rho_prime, rho = plan.derived["rho_prime"], index.lists.shape[2]
+        rho_prime, rho = step.plan.derived["rho_prime"], index.lists.shape[2]
         order = score.sort(dim=-1, descending=True, stable=True).indices
         ranked_rows, ranked_valid = rows.gather(1, order.to(rows.device)), valid.gather(1, order.to(valid.device))
         chosen, chosen_valid = ranked_rows[:, :rho_prime], ranked_valid[:, :rho_prime]
@@ -219,7 +221,7 @@ class CTKVR(Method):
             dcu = F.pad(dcu, (0, rho - dcu.shape[1]), value=-1)
         index.push(q.reshape(heads * group, dim).to(index.centroids.dtype), dcu)  # in place: clones fork it
         recall = None
-        if layer.cache.measure_recall:  # over every token: resident and host
+        if step.measure_recall:  # over every token: resident and host
             everything = torch.cat([view.keys, host.keys.to(q.device)], dim=1)
             rows = torch.cat([resident[:, 0], n_res + chosen.to(q.device)], dim=1)
             valid_rows = torch.cat([torch.ones_like(resident[:, 0], dtype=torch.bool), chosen_valid.to(q.device)], dim=1)
@@ -250,16 +252,16 @@ class CTKVR(Method):
     def offloaded(self, layer):
         return layer.aux.get("host")
 
-    def step_traffic(self, layer, selection):
+    def step_traffic(self, layer, selection, step):
         """The paper's work per step: centroid cosines, the recalled keys (rerank), the retrieved and resident
         K/V (attention). Section 3.1.2's rerank model: L_recall*d + 2*rho'*d instead of 2*L_recall*d."""
         if selection is None or selection.external is None:
-            return super().step_traffic(layer, None)
+            return super().step_traffic(layer, None, step)
         centroids = layer.aux["index"].centroids
         heads, dim = selection.idx.shape[0], layer.head_dim
         retrieved = selection.external[0].shape[1]
         return int(centroids.numel() + heads * dim * (selection.extra["recall_size"] + 2 * retrieved)
                    + 2 * dim * sum(layer.lengths()))
 
-    def build_aux(self, layer):
+    def build_aux(self, layer, step):
         return {}

@@ -28,8 +28,8 @@ class ExactTopK(Method):
         if self.granularity not in ("head", "group"):
             raise ValueError(f"granularity must be head or group, not {self.granularity!r}")
 
-    def select(self, layer, q, view, plan, scaling):
-        budget = plan.select
+    def select(self, layer, q, view, step, scaling):
+        budget = step.plan.select
         if budget >= view.keys.shape[1]:
             return None  # every token is in the top k: exactly full attention
         logits = torch.einsum("hgd,hld->hgl", q.float(), view.keys.float()) * scaling

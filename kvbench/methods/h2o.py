@@ -37,7 +37,7 @@ class H2O(EvictionMethod):
                 or not 0 <= self.recent_ratio <= 1:
             raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio!r}")
 
-    def observe(self, layer, queries):
+    def observe(self, layer, queries, step):
         view = layer.head_view()
         heads, width = view.positions.shape
         group = queries.shape[0] // heads
@@ -56,7 +56,7 @@ class H2O(EvictionMethod):
         delta = total if view.valid is None else total[view.valid]
         layer.token_state["h2o"] = layer.token_tensor("h2o") + delta  # a new tensor: clones share the old one
 
-    def keep(self, layer, budget):
+    def keep(self, layer, budget, step):
         length = layer.physical_length()
         if budget >= length:
             return None

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.core.contract import Plan, Selection
 from kvbench.kernels.page_summary import page_scores
-from kvbench.methods.base import Method, Plan, Selection, register_method
-from kvbench.methods.pages import PageSummary, layer_pages, page_tokens, top_tokens
+from kvbench.methods.base import Method, register_method
+from kvbench.methods.common.pages import PageSummary, layer_pages, page_tokens, top_tokens
 
 
 def hsa_parameters(compression: float, head_dim: int) -> dict[str, int]:
@@ -68,23 +69,23 @@ class HSAStage:
         """Layers that keep dense attention (RocketKV's `skip_layers`)."""
         return False
 
-    def build_aux(self, layer):
-        plan = layer.cache.plan
+    def build_aux(self, layer, step):
+        plan = step.plan
         if not plan.select or self.hsa_skips(layer):
             return {}
         return {"pages": PageSummary.of(layer.head_view().keys, plan.derived["page_size"])}
 
-    def select(self, layer, q, view, plan, scaling):
-        d = plan.derived
+    def select(self, layer, q, view, step, scaling):
+        d = step.plan.derived
         length = layer.physical_length()
         if self.hsa_skips(layer) or d["k2"] >= length:
             return None
         return hsa_select(q, layer_pages(layer, d["page_size"]), d["k1"], d["k2"], length)
 
-    def step_traffic(self, layer, selection):
+    def step_traffic(self, layer, selection, step):
         if selection is None:
-            return super().step_traffic(layer, None)
-        d = layer.cache.plan.derived
+            return super().step_traffic(layer, None, step)
+        d = step.plan.derived
         return hsa_traffic(layer, layer_pages(layer, d["page_size"]), d["k1"], selection)
 
 

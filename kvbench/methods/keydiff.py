@@ -73,7 +73,7 @@ class KeyDiff(EvictionMethod):
                 or not 0 <= self.window_ratio <= 1:
             raise ValueError(f"window_ratio must be in [0, 1], got {self.window_ratio!r}")
 
-    def keep(self, layer, budget):
+    def keep(self, layer, budget, step):
         if budget >= layer.physical_length():
             return None
         scores = keydiff_scores(layer.head_view().keys, self.anchor, self.metric)

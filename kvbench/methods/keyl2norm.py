@@ -13,7 +13,7 @@ from kvbench.methods.base import EvictionMethod, keep_top, register_method
 class KeyL2Norm(EvictionMethod):
     name = "keyl2norm"
 
-    def keep(self, layer, budget):
+    def keep(self, layer, budget, step):
         if budget >= layer.physical_length():
             return None
         return keep_top(-layer.head_view().keys.float().norm(dim=-1), budget)

@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench.methods.base import Method, Plan, Schedule, Selection, _is_int, register_method
-from kvbench.methods.placement import HostSegment, recall_of
+from kvbench.core.checks import is_int
+from kvbench.core.contract import Plan, Schedule, Selection
+from kvbench.methods.base import Method, register_method
+from kvbench.methods.common.placement import HostSegment, recall_of
 
 
 @register_method
@@ -39,10 +41,10 @@ class OmniKV(Method):
 
     def __post_init__(self) -> None:
         layers = self.filter_layers
-        if not isinstance(layers, (list, tuple)) or not layers or not all(_is_int(x) and x >= 0 for x in layers) \
+        if not isinstance(layers, (list, tuple)) or not layers or not all(is_int(x) and x >= 0 for x in layers) \
                 or list(layers) != sorted(set(layers)):
             raise ValueError(f"filter_layers must be increasing layer indices (0-based), got {layers!r}")
-        if not _is_int(self.wait_layers) or self.wait_layers < 0:
+        if not is_int(self.wait_layers) or self.wait_layers < 0:
             raise ValueError(f"wait_layers must be a number of layers >= 0, got {self.wait_layers!r}")
         if self.score_space not in ("logits", "softmax"):
             raise ValueError(f"score_space must be logits or softmax, not {self.score_space!r}")
@@ -67,8 +69,8 @@ class OmniKV(Method):
             return "wait"
         return "sparse"
 
-    def keep(self, layer, budget):
-        layer.cache.shared["omnikv_prompt"] = layer.seen
+    def keep(self, layer, budget, step):
+        step.shared["omnikv_prompt"] = layer.seen
         if not self.offload or self.role(layer.layer_idx) != "sparse":
             return None
         view = layer.head_view()
@@ -76,8 +78,8 @@ class OmniKV(Method):
                                            torch.arange(view.keys.shape[1]), layer.aux.get("bank"))
         return [torch.zeros(0, dtype=torch.long, device=view.keys.device)] * layer.num_heads
 
-    def select(self, layer, q, view, plan, scaling):
-        shared = layer.cache.shared
+    def select(self, layer, q, view, step, scaling):
+        shared = step.shared
         prompt = shared.get("omnikv_prompt")
         role = self.role(layer.layer_idx)
         if prompt is None or role in ("dense", "wait"):
@@ -87,7 +89,7 @@ class OmniKV(Method):
             if self.score_space == "softmax":
                 logits = torch.softmax(logits, dim=-1)
             score = logits.flatten(0, 1).amax(dim=0)  # max over every query head: one set for the layer
-            shared["omnikv_selected"] = score.topk(min(plan.derived["k"], prompt)).indices.sort().values
+            shared["omnikv_selected"] = score.topk(min(step.plan.derived["k"], prompt)).indices.sort().values
             return None
         chosen = shared["omnikv_selected"]
         heads, group, _ = q.shape
@@ -102,7 +104,7 @@ class OmniKV(Method):
             tail = torch.arange(prompt, view.keys.shape[1], device=q.device)
             moved, host = 0, None
         recall = None
-        if layer.cache.measure_recall:  # over every token the layer holds: storage (+ the bank)
+        if step.measure_recall:  # over every token the layer holds: storage (+ the bank)
             if host is None:
                 everything, rows = view.keys, torch.cat([chosen, tail])
             else:
@@ -114,8 +116,8 @@ class OmniKV(Method):
     def offloaded(self, layer):
         return layer.aux.get("bank")
 
-    def step_traffic(self, layer, selection):
+    def step_traffic(self, layer, selection, step):
         if selection is None or selection.external is None:
-            return super().step_traffic(layer, None)
+            return super().step_traffic(layer, None, step)
         heads = selection.idx.shape[0]
         return 2 * layer.head_dim * heads * (selection.idx.shape[-1] + selection.external[0].shape[1])

@@ -47,10 +47,10 @@ def check_beta(beta: object) -> None:
         raise ValueError(f"beta (the shallowest/deepest budget ratio) must be a positive integer, got {beta!r}")
 
 
-def pyramid_layer_budget(layer, budget: int, window: int, beta: int) -> int:
+def pyramid_layer_budget(layer, budget: int, window: int, beta: int, num_layers: int) -> int:
     """One layer's budget (window included) under the pyramid schedule of a uniform `budget`."""
     window = min(window, budget)
-    schedule = pyramid_budgets(layer.cache.num_layers, budget - window, layer.seen - window, beta)
+    schedule = pyramid_budgets(num_layers, budget - window, layer.seen - window, beta)
     return schedule[layer.layer_idx] + window
 
 
@@ -64,5 +64,5 @@ class PyramidKV(SnapKV):
         super().__post_init__()
         check_beta(self.beta)
 
-    def layer_budget(self, layer, budget):
-        return pyramid_layer_budget(layer, budget, self.window, self.beta)
+    def layer_budget(self, layer, budget, step):
+        return pyramid_layer_budget(layer, budget, self.window, self.beta, step.num_layers)

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.core.contract import Plan
 from kvbench.kernels.page_summary import page_scores
-from kvbench.methods.base import Method, Plan, register_method
-from kvbench.methods.pages import PageSummary, layer_pages, page_tokens, top_tokens
+from kvbench.methods.base import Method, register_method
+from kvbench.methods.common.pages import PageSummary, layer_pages, page_tokens, top_tokens
 
 
 @register_method
@@ -41,12 +42,12 @@ class Quest(Method):
         page = self.page_size or max(1, round(2 * sequence_length / budget))
         return Plan(evict=None, select=budget, derived={"page_size": page, "k2": budget // 2})
 
-    def build_aux(self, layer):
-        plan = layer.cache.plan
+    def build_aux(self, layer, step):
+        plan = step.plan
         return {"pages": PageSummary.of(layer.head_view().keys, plan.derived["page_size"])} if plan.select else {}
 
-    def select(self, layer, q, view, plan, scaling):
-        page, k2 = plan.derived["page_size"], plan.derived["k2"]
+    def select(self, layer, q, view, step, scaling):
+        page, k2 = step.plan.derived["page_size"], step.plan.derived["k2"]
         length = layer.physical_length()
         if k2 >= length:
             return None
@@ -57,8 +58,8 @@ class Quest(Method):
         idx = top_tokens(page_tokens(bound, page, length), k2)
         return idx[:, None, :].expand(heads, group, idx.shape[1])
 
-    def step_traffic(self, layer, selection):
+    def step_traffic(self, layer, selection, step):
         if selection is None:
-            return super().step_traffic(layer, None)
-        pages = layer_pages(layer, layer.cache.plan.derived["page_size"])
+            return super().step_traffic(layer, None, step)
+        pages = layer_pages(layer, step.plan.derived["page_size"])
         return selection.idx.shape[0] * 2 * layer.head_dim * (pages.pages + selection.idx.shape[-1])

@@ -29,7 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
-from kvbench.methods.base import Plan, register_method
+from kvbench.core.contract import Plan
+from kvbench.methods.base import register_method
 from kvbench.methods.hsa import HSAStage
 from kvbench.methods.snapkv import SnapKV
 
@@ -76,8 +77,8 @@ class RocketKV(HSAStage, SnapKV):
         derived = rocket_plan(sequence_length, budget, head_dim, new_tokens, self.split)
         return Plan(evict=derived["prompt_budget"], select=budget, derived=derived)
 
-    def keep(self, layer, budget):
-        return None if layer.layer_idx < self.skip_layers else super().keep(layer, budget)
+    def keep(self, layer, budget, step):
+        return None if layer.layer_idx < self.skip_layers else super().keep(layer, budget, step)
 
     def hsa_skips(self, layer):
         return layer.layer_idx < self.skip_layers

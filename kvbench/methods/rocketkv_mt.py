@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.methods.base import register_method
+from kvbench.methods.common.pages import PageSummary
 from kvbench.methods.hsa import hsa_select
-from kvbench.methods.pages import PageSummary
 from kvbench.methods.rocketkv import RocketKV
 
 
@@ -61,19 +61,19 @@ class RocketKVMT(RocketKV):
     name = "rocketkv_mt"
     window: int = 128  # SCBench, the multi-turn benchmark it is for (single-turn RocketKV: 32)
 
-    def keep(self, layer, budget):
+    def keep(self, layer, budget, step):
         layer.aux.pop("selected", None)
-        chosen = super().keep(layer, budget)
+        chosen = super().keep(layer, budget, step)
         if chosen is not None:
             rows = torch.stack(chosen)  # uniform: SnapKV keeps `budget` tokens in every KV head
-            layer.aux["selected"] = Selected.of(layer, rows, layer.cache.plan.derived["page_size"])
+            layer.aux["selected"] = Selected.of(layer, rows, step.plan.derived["page_size"])
         return None  # the full history stays
 
-    def select(self, layer, q, view, plan, scaling):
+    def select(self, layer, q, view, step, scaling):
         selected = layer.aux.get("selected")
         if selected is None:  # nothing was filtered (the history fits the stage-1 budget): plain HSA
-            return super().select(layer, q, view, plan, scaling)
-        d = plan.derived
+            return super().select(layer, q, view, step, scaling)
+        d = step.plan.derived
         heads, group, _ = q.shape
         n = selected.rows.shape[1]
         if d["k2"] >= n:
@@ -81,13 +81,13 @@ class RocketKVMT(RocketKV):
         local = hsa_select(q, selected.pages, d["k1"], d["k2"], n)[:, 0]
         return selected.rows.gather(1, local)[:, None, :].expand(heads, group, local.shape[1])
 
-    def step_traffic(self, layer, selection):
+    def step_traffic(self, layer, selection, step):
         selected = layer.aux.get("selected")
         if selection is None or selected is None:
-            return super().step_traffic(layer, selection)
+            return super().step_traffic(layer, selection, step)
         heads = selection.idx.shape[0]
-        return heads * (selected.pages.pages * layer.cache.plan.derived["k1"] + 2 * layer.head_dim * selection.idx.shape[-1])
+        return heads * (selected.pages.pages * step.plan.derived["k1"] + 2 * layer.head_dim * selection.idx.shape[-1])
 
-    def build_aux(self, layer):
-        return {} if "selected" in layer.aux else super().build_aux(layer)
+    def build_aux(self, layer, step):
+        return {} if "selected" in layer.aux else super().build_aux(layer, step)
 

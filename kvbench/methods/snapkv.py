@@ -27,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvbench.methods.base import EvictionMethod, _is_int, register_method
+from kvbench.core.checks import is_int
+from kvbench.methods.base import EvictionMethod, register_method
 
 
 def window_scores(
@@ -96,9 +97,9 @@ class SnapKV(EvictionMethod):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.granularity = self.granularity or "group"
-        if not _is_int(self.window) or self.window < 1:
+        if not is_int(self.window) or self.window < 1:
             raise ValueError(f"window must be a positive number of observation queries, got {self.window!r}")
-        if not _is_int(self.kernel) or self.kernel < 1 or self.kernel % 2 == 0:
+        if not is_int(self.kernel) or self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be a positive odd pooling width (1: no pooling), got {self.kernel!r}")
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"pooling must be max or avg, not {self.pooling!r}")
@@ -134,7 +135,7 @@ class SnapKV(EvictionMethod):
             out[h, : n - window] = pool_scores(head, self.pooling, self.kernel)[0]
         return out
 
-    def keep(self, layer, budget):
+    def keep(self, layer, budget, step):
         length = layer.physical_length()
         n_q = layer.queries.shape[0]
         if self.granularity == "head":

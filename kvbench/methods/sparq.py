@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.core.contract import Plan, Selection
 from kvbench.kernels.reduced_scores import reduced_scores, reduced_scores_reference
-from kvbench.methods.base import Method, Plan, Selection, register_method
-from kvbench.methods.pages import top_tokens
+from kvbench.methods.base import Method, register_method
+from kvbench.methods.common.pages import top_tokens
 
 
 @dataclass(frozen=True)
@@ -80,16 +81,16 @@ class SparQ(Method):
         r = max(1, min(head_dim, round(head_dim / compression)))
         return Plan(evict=None, select=budget, derived={"r": r, "k2": max(1, round(budget / 2))})
 
-    def build_aux(self, layer):
-        return {"keys_t": TransposedKeys.of(layer)} if layer.cache.plan.select else {}
+    def build_aux(self, layer, step):
+        return {"keys_t": TransposedKeys.of(layer)} if step.plan.select else {}
 
     def _state(self, layer) -> TransposedKeys:
         if "keys_t" not in layer.aux:
             layer.aux["keys_t"] = TransposedKeys.of(layer)
         return layer.aux["keys_t"]
 
-    def select(self, layer, q, view, plan, scaling):
-        r, k = plan.derived["r"], plan.derived["k2"]
+    def select(self, layer, q, view, step, scaling):
+        r, k = step.plan.derived["r"], step.plan.derived["k2"]
         state = self._state(layer)
         length = state.length
         if k >= length:
@@ -117,11 +118,11 @@ class SparQ(Method):
         mass = s_hat.gather(-1, idx).sum(-1, keepdim=True)  # [H, G, 1]
         return Selection(idx, weight=mass, fallback=(state.value_sum / length)[:, None, :])
 
-    def step_traffic(self, layer, selection):
+    def step_traffic(self, layer, selection, step):
         if selection is None:
-            return super().step_traffic(layer, None)
-        state, r = self._state(layer), layer.cache.plan.derived["r"]
+            return super().step_traffic(layer, None, step)
+        state, r = self._state(layer), step.plan.derived["r"]
         heads, group = selection.idx.shape[:2]
         estimate = heads * (group if self.granularity == "head" else 1) * r * state.length
         mean_value = heads * layer.head_dim if self.reallocation else 0
-        return estimate + super().step_traffic(layer, selection) + mean_value
+        return estimate + super().step_traffic(layer, selection, step) + mean_value

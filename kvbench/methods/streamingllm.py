@@ -27,7 +27,7 @@ class StreamingLLM(EvictionMethod):
         if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
             raise ValueError(f"n_sink must be a number of tokens >= 0, got {self.n_sink!r}")
 
-    def keep(self, layer, budget):
+    def keep(self, layer, budget, step):
         length = layer.physical_length()
         if budget >= length:
             return None

@@ -46,7 +46,7 @@ class TOVA(EvictionMethod):
     def obs_window(self) -> int:
         return 1
 
-    def keep(self, layer, budget):
+    def keep(self, layer, budget, step):
         length = layer.physical_length()
         if budget >= length:
             return None

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from kvbench.kernels.page_summary import page_minmax
 
 

@@ -36,7 +36,7 @@ def log_point(cfg: DictConfig, summary: dict[str, Any], run_dir: Path) -> None:
     """Log one finished point: resolved config, per-sample records (a table), summary metrics and profile."""
     import wandb
 
-    from kvbench.results import collect
+    from kvbench.results.collect import collect
 
     lcfg = cfg.logger
     config = OmegaConf.to_container(cfg, resolve=True)

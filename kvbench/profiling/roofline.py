@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
+from kvbench.core.devices import DTYPES, sync
 from kvbench.models import cache_root
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _device_name(device: torch.device) -> str:
@@ -34,19 +33,16 @@ def _device_name(device: torch.device) -> str:
     return platform.processor() or "cpu"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _best_seconds(fn, device: torch.device, repeats: int = 5) -> float:
     fn()
     best = float("inf")
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - start)
     return best
 

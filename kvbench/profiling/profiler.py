@@ -28,6 +28,8 @@ import numpy as np
 import torch
 
 _STATUS = Path("/proc/self/status")
+
+
 _CLEAR_REFS = Path("/proc/self/clear_refs")
 
 

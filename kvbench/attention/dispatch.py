@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from kvbench.cache import HeadView, KVLayer, active_layers, evict_layer
+from kvbench.attention.hooks import evict_layer
+from kvbench.attention.selected import selected_attention
+from kvbench.cache.layer import KVLayer
+from kvbench.core.contract import Selection, Step
 from kvbench.kernels.ragged_attention import ragged_decode_attention
-from kvbench.kernels.sparse_attention import merge_attention, topk_attention
-from kvbench.methods.base import Selection
 
 ATTENTION_NAME = "kvbench"
 
@@ -45,17 +46,32 @@ def kvbench_attention(
             raise NotImplementedError(f"kvbench attention does not implement {unsupported}")
     if attention_mask is not None:
         raise NotImplementedError("kvbench attention runs without padding masks (each batch row is its own cache)")
-    layers = active_layers(key)
-    if layers is None:
-        raise RuntimeError("kvbench attention needs a KVBenchCache: pass past_key_values=KVBenchCache(...)")
+    steps = kwargs.get("kvbench_steps")
+    if steps is None:
+        raise RuntimeError("kvbench attention needs the forward's steps: run the model through kvbench.engine.Session "
+                           "(model(..., past_key_values=cache, kvbench_steps=[session.step_context()]))")
+    if len(steps) != query.shape[0]:
+        raise RuntimeError(f"{len(steps)} kvbench steps for a batch of {query.shape[0]} rows")
     scaling = scaling if scaling is not None else module.head_dim**-0.5
-    if len(layers) == 1:
-        return _attend(layers[0], query, scaling), None
+    if len(steps) == 1:
+        return _attend(_layer(steps[0], module), steps[0], query, scaling), None
     # a batch of caches (BatchedCache): every row attends over its own layer
-    return torch.cat([_attend(layer, query[b:b + 1], scaling) for b, layer in enumerate(layers)]), None
+    return torch.cat([_attend(_layer(step, module), step, query[b:b + 1], scaling)
+                      for b, step in enumerate(steps)]), None
 
 
-def _attend(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+def _layer(step: Step, module: torch.nn.Module) -> KVLayer:
+    """The layer this forward just updated. A forward that silently used a cache of its own (transformers
+    creates a DynamicCache when none is passed) updated none of ours, and fails here."""
+    layer = step.cache.layers[module.layer_idx]
+    if not layer.fresh:
+        raise RuntimeError(f"layer {module.layer_idx} of the step's KVBenchCache was not updated by this forward: "
+                           "pass past_key_values=the session's cache")
+    layer.fresh = False
+    return layer
+
+
+def _attend(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """One row: the chunk's attention over the layer, then the method's per-chunk work. [1, q, H_q, D]."""
     q_len = query.shape[2]
     layer.scaling = scaling
@@ -63,38 +79,36 @@ def _attend(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor
         out = F.scaled_dot_product_attention(query, layer.keys, layer.values, scale=scaling, is_causal=True,
                                              enable_gqa=True)
     elif q_len == 1:
-        out = _decode(layer, query, scaling)
+        out = _decode(layer, step, query, scaling)
     else:
-        out = _continuation(layer, query, scaling)
-    _after_attention(layer, query)
+        out = _continuation(layer, step, query, scaling)
+    _after_attention(layer, step, query)
     return out.transpose(1, 2).contiguous()
 
 
-def _after_attention(layer: KVLayer, query: torch.Tensor) -> None:
+def _after_attention(layer: KVLayer, step: Step, query: torch.Tensor) -> None:
     """The method's per-chunk work, right after this layer attended (so the chunk's output saw every entry):
-    keep the queries its scores read, let it observe the attention, and evict when the engine says so."""
-    cache = layer.cache
-    if cache.query_window:
-        layer.remember_queries(query[0], cache.query_window)
-    if cache.observing:
-        cache.method.observe(layer, query[0])
-    if cache.evict_now:
-        evict_layer(layer)
+    keep the queries its scores read, let it observe the attention, and evict when the step says so."""
+    if step.query_window:
+        layer.remember_queries(query[0], step.query_window)
+    if step.observe:
+        step.method.observe(layer, query[0], step)
+    if step.evict:
+        evict_layer(layer, step)
 
 
-def _decode(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    cache = layer.cache
-    method = cache.method
-    if method is not None and method.selects and cache.plan is not None and cache.plan.select is not None:
+def _decode(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    method, plan = step.method, step.plan
+    if method is not None and method.selects and plan is not None and plan.select is not None:
         view = layer.head_view()
         q = query[0, :, 0, :].view(view.keys.shape[0], -1, query.shape[-1])  # [H_kv, G, D]
-        selection = method.select(layer, q, view, cache.plan, scaling)
+        selection = method.select(layer, q, view, step, scaling)
         if selection is not None:
             selection = selection if isinstance(selection, Selection) else Selection(selection)
-            out = _selected_attention(layer, q, view, selection, scaling)
+            out = selected_attention(layer, step, q, view, selection, scaling)
             return out.reshape(1, -1, 1, out.shape[-1])
     if method is not None:
-        cache.stats.add(layer, method.step_traffic(layer, None), None)
+        layer.cache.stats.add(layer, method.step_traffic(layer, None, step), None)
     if not layer.is_ragged:
         return F.scaled_dot_product_attention(query, layer.keys, layer.values, scale=scaling, enable_gqa=True)
     q = query[0, :, 0, :].view(layer.num_heads, -1, query.shape[-1])  # packed GQA: [H_kv, G, D]
@@ -102,49 +116,7 @@ def _decode(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor
     return out.reshape(1, -1, 1, out.shape[-1])
 
 
-def _selected_attention(layer: KVLayer, q: torch.Tensor, view: HeadView, selection: Selection, scaling: float) -> torch.Tensor:
-    """Attention of each query head over what the method selected (storage rows, rows from outside merged by
-    log-sum-exp, a blended fallback), and the step's accounting. Returns [H_kv, G, D]."""
-    cache = layer.cache
-    if selection.external is None:
-        out = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid)
-    else:
-        out, lse = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid, return_lse=True)
-        out, _ = merge_attention(out, lse, *_external_attention(q, selection.external, scaling))
-    if selection.weight is not None:
-        out = (selection.weight * out.float() + (1 - selection.weight) * selection.fallback.float()).to(q.dtype)
-    recall = None
-    if cache.measure_recall:
-        recall = selection.recall if selection.recall is not None else attention_recall(q, view, selection.idx, scaling)
-    cache.stats.add(layer, cache.method.step_traffic(layer, selection), recall, selection.moved_bytes, selection.extra)
-    return out
-
-
-def _external_attention(
-    q: torch.Tensor, external: tuple, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention over rows outside the layer's storage, computed where they live (CTKVR's host rows on the
-    CPU; rows a method moved to the device there), with its log-sum-exp, returned on q's device."""
-    keys, values, valid = external if len(external) == 3 else (*external, None)
-    every = torch.arange(keys.shape[1], device=keys.device).expand(q.shape[0], q.shape[1], -1)
-    out, lse = topk_attention(q.to(keys.device), keys, values, every, scaling, valid, return_lse=True)
-    return out.to(q.device), lse.to(q.device)
-
-
-def attention_recall(q: torch.Tensor, view: HeadView, idx: torch.Tensor, scaling: float) -> float:
-    """Top-k attention-mass recall of a selection: the exact attention mass on the selected tokens over the
-    mass of the exact top-|selected| tokens, per query head, averaged (1 for Exact-TopK). Over the tokens the
-    layer holds at this step, so after an eviction stage it is measured on what survived."""
-    logits = torch.einsum("hgd,hld->hgl", q.float(), view.keys.float()) * scaling
-    if view.valid is not None:
-        logits.masked_fill_(~view.valid[:, None, :], float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    chosen = probs.gather(-1, idx).sum(-1)
-    best = probs.topk(idx.shape[-1], dim=-1).values.sum(-1)
-    return float((chosen / best).mean())
-
-
-def _continuation(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+def _continuation(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> torch.Tensor:
     """A multi-token chunk on top of a cache: every stored token is in the past, the chunk is causal.
 
     The chunk's tokens are the last `q_len` of each head, so the mask is bottom-right aligned per head
@@ -154,7 +126,7 @@ def _continuation(layer: KVLayer, query: torch.Tensor, scaling: float) -> torch.
     view = layer.head_view()
     keys, values = view.keys, view.values
     lens = torch.tensor(layer.lengths(), device=query.device)
-    outside = layer.cache.method.offloaded(layer) if layer.cache.method is not None else None
+    outside = step.method.offloaded(layer) if step.method is not None else None
     if outside is not None:  # rows a method moved off the device are in this chunk's past too (a dense chunk)
         keys = torch.cat([outside.keys.to(keys.device), keys], dim=1)
         values = torch.cat([outside.values.to(values.device), values], dim=1)

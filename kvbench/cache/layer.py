@@ -46,47 +46,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import threading
-import weakref
 from collections.abc import MutableMapping
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-if TYPE_CHECKING:
-    from kvbench.methods.base import Method, Plan
-
-_active = threading.local()
-
-
-def active_layers(key: torch.Tensor) -> "list[KVLayer] | None":
-    """The layers whose `update` returned `key`, one per batch row: the layers the model is attending with
-    right now (one layer for a `KVBenchCache`, one per row's cache for a `BatchedCache`).
-
-    The identity check catches a forward that silently used a cache of its own (transformers creates a
-    DynamicCache when none is passed): the pointer would otherwise refer to stale layers.
-    """
-    layers = getattr(_active, "layers", None)
-    returned = getattr(_active, "key", None)
-    if layers is None or returned is None or returned() is not key:
-        return None
-    return layers
-
-
-def _set_active(layers: "list[KVLayer]", key: torch.Tensor) -> None:
-    _active.layers, _active.key = layers, weakref.ref(key)
-
-
-@dataclass
-class HeadView:
-    """A padded `[H, L_max, D]` view of a layer plus a validity mask (None when no padding)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    positions: torch.Tensor  # [H, L_max], -1 on padding
-    valid: torch.Tensor | None  # [H, L_max] bool
+from kvbench.core.contract import HeadView
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -94,7 +60,11 @@ def _nbytes(t: torch.Tensor | None) -> int:
 
 
 FIXED_FIELDS = ("keys", "values", "positions")
+
+
 GROWTH = 0.25  # slack added when an append finds no room: a quarter of the longest head (amortised O(1))
+
+
 MIN_SLACK = 16
 
 
@@ -133,7 +103,7 @@ class KVLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, layer_idx: int, cache: "KVBenchCache"):
+    def __init__(self, layer_idx: int, cache: Cache):
         # not CacheLayerMixin.__init__: it assigns `keys`/`values`, which are views of `buffers` here
         self.is_initialized = False
         self.layer_idx = layer_idx
@@ -157,6 +127,7 @@ class KVLayer(CacheLayerMixin):
         self.evictions = 0  # eviction events that removed tokens
         self.peak_len = 0  # most tokens any head held at any moment
         self.relayouts = 0  # appends that found no room and copied the layer
+        self.fresh = False  # updated by the forward in flight and not yet attended
 
     # -- transformers' layer protocol -------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -188,9 +159,8 @@ class KVLayer(CacheLayerMixin):
         self.aux = {name: state.append(self, q) for name, state in self.aux.items()}
         self.peak_len = max(self.peak_len, self.physical_length())
         self.cache._account(self.kv_nbytes() - before)
-        keys = self.keys
-        _set_active([self], keys)
-        return keys, self.values
+        self.fresh = True  # the attention function checks that the forward it serves updated this layer
+        return self.keys, self.values
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -349,7 +319,7 @@ class KVLayer(CacheLayerMixin):
             self.buffers[name] = torch.zeros(positions.shape[0], dtype=dtype, device=positions.device)
         return self.token_state[name]
 
-    def keep(self, indices: list[torch.Tensor]) -> None:
+    def retain(self, indices: list[torch.Tensor]) -> None:
         """Keep, per head, the tokens at `indices[h]` (sorted positions in the head's current storage).
 
         `G * H` index lists split every head into G copies, copy `i` reading head `i // G` (per-query-head
@@ -376,7 +346,7 @@ class KVLayer(CacheLayerMixin):
         keep = [torch.nonzero((p >= 0) & (p < logical_length)).flatten() for p in view.positions]
         if any(int(ix.numel()) != n for ix, n in zip(keep, self.lengths())):
             evictions, aux = self.evictions, self.aux
-            self.keep(keep)
+            self.retain(keep)
             self.evictions, self.aux = evictions, aux  # a rollback is not an eviction: the state truncates
         self.seen = logical_length  # before the derived state truncates: it reads what is left
         self.aux = {name: cut for name, state in self.aux.items() if (cut := state.truncate(self)) is not None}
@@ -407,7 +377,7 @@ class KVLayer(CacheLayerMixin):
         queries = [t for t in (self.queries, self.query_positions) if t is not None]
         return [*self.buffers.values(), *queries]
 
-    def clone_into(self, cache: "KVBenchCache") -> "KVLayer":
+    def clone_into(self, cache: Cache) -> "KVLayer":
         """A layer for `cache` that shares this layer's buffers: rows are never rewritten, and an append
         writes in place only into slack nobody else claimed (see `claimed`)."""
         twin = KVLayer(self.layer_idx, cache)
@@ -418,218 +388,3 @@ class KVLayer(CacheLayerMixin):
         # immutable derived state is shared; state that updates in place (CTKVR's index) is forked
         twin.aux = {name: state.fork() if hasattr(state, "fork") else state for name, state in self.aux.items()}
         return twin
-
-
-class KVBenchCache(Cache):
-    """A transformers Cache whose layers implement kvbench's storage and run the method's hooks.
-
-    The engine owns the loop and decides when an eviction event happens: it sets `evict_now` around the
-    forward pass that ends one (the compressed segment, a prefill block, every N-th decode step). The
-    attention function then, on each layer right after that layer's attention, records the queries the
-    method's scores need (`query_window`), lets the method observe the attention (`observing`, H2O) and, when
-    `evict_now`, runs `KVLayer.evict`: at peak only one layer holds its uncompressed KV plus the chunk, as in
-    the reference implementations. A dense snapshot instead keeps `query_window` queries per layer and
-    evicts later through `compress`, which lets one dense prefill serve many methods and budgets.
-    """
-
-    def __init__(self, num_layers: int, method: "Method | None" = None, plan: "Plan | None" = None):
-        super().__init__(layers=[KVLayer(i, self) for i in range(num_layers)])
-        self.method = method
-        self.plan = plan  # the method's budgets for this sample (None: no method, nothing is evicted)
-        self.evict_now = False
-        self.query_window = 0
-        self.observing = False
-        self.shared: dict[str, Any] = {}  # method-owned state shared by the layers of one step (OmniKV)
-        self.measure_recall = False  # selection methods: top-k attention-mass recall of every decode step
-        self.stats = DecodeStats()
-        self._kv_bytes = 0
-        self.kv_peak_bytes = 0  # the most K/V bytes held at any moment
-        self.track_method_state(method is not None and method.schedule() is not None)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.layers)
-
-    def _account(self, delta: int) -> None:
-        self._kv_bytes += delta
-        self.kv_peak_bytes = max(self.kv_peak_bytes, self._kv_bytes)
-
-    def track_method_state(self, live: bool) -> None:
-        """Keep (and feed) the method's state only while an eviction event can still happen; free it after."""
-        method = self.method if live else None
-        self.observing = method is not None and method.observes
-        self.query_window = method.obs_window if method is not None else 0
-        for layer in self.layers:
-            if not live:
-                layer.drop_token_state()
-            if layer.queries is not None and layer.queries.shape[1] > self.query_window:
-                keep = layer.queries.shape[1] - self.query_window
-                layer.queries = layer.queries[:, keep:].clone() if self.query_window else None
-                layer.query_positions = layer.query_positions[keep:].clone() if self.query_window else None
-
-    @property
-    def budget(self) -> int | None:
-        """Tokens per KV head the eviction hook keeps (None: nothing is evicted)."""
-        return self.plan.evict if self.plan is not None else None
-
-    def end_segment(self) -> None:
-        """The compressed segment is done: the method's state lives on only if later events still evict, and
-        its derived state is built over what the layers now hold."""
-        schedule = self.method.schedule() if self.method is not None else None
-        self.track_method_state(bool(schedule and (schedule.decode_every or schedule.every_turn)))
-        if self.method is not None:
-            for layer in self.layers:
-                if not layer.aux and layer.keys is not None:
-                    layer.aux = self.method.build_aux(layer)
-
-    def nbytes(self) -> int:
-        """Bytes of the distinct storages this cache holds: what eviction really freed, not a mask count."""
-        seen: dict[int, int] = {}
-        for layer in self.layers:
-            for t in layer.tensors():
-                storage = t.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
-        return sum(seen.values())
-
-    def kv_bytes(self) -> int:
-        """Bytes of the keys and values of the tokens held (without positions or method state)."""
-        return sum(layer.kv_nbytes() for layer in self.layers)
-
-    def kv_capacity_bytes(self) -> int:
-        """Bytes of the key and value buffers, the slack reserved for appends included."""
-        return sum(layer.kv_capacity_nbytes() for layer in self.layers)
-
-    def reserve(self, tokens: int) -> None:
-        """Room for `tokens` more tokens in every layer, so that decoding them copies no layer."""
-        for layer in self.layers:
-            layer.reserve(tokens)
-
-    def method_state_bytes(self) -> int:
-        """Bytes of the method's own state: per-token tensors and the kept observation queries."""
-        return sum(layer.method_state_nbytes() for layer in self.layers)
-
-    def kept_per_head(self) -> list[list[int]]:
-        return [layer.lengths() for layer in self.layers]
-
-    def peak_entries_per_head(self) -> int:
-        """The most tokens any head of any layer held at any moment (prefill blocks and decode included)."""
-        return max((layer.peak_len for layer in self.layers), default=0)
-
-    def evictions(self) -> int:
-        """Eviction events that removed tokens (the most over layers)."""
-        return max((layer.evictions for layer in self.layers), default=0)
-
-    def truncate(self, logical_length: int) -> None:
-        for layer in self.layers:
-            layer.truncate(logical_length)
-        self._kv_bytes = sum(layer.kv_nbytes() for layer in self.layers)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.layers[layer_idx].seen if self.layers else 0
-
-    def compress(self) -> None:
-        """Deferred eviction at the end of a dense segment: the method's hook on every layer, from the kept
-        queries, exactly as it would have run inline."""
-        for layer in self.layers:
-            evict_layer(layer)
-        self.end_segment()
-
-    def clone(self) -> "KVBenchCache":
-        """A copy that shares the (never mutated in place) tensors: costs no memory until it diverges. Its
-        decode statistics start empty."""
-        twin = KVBenchCache(0, self.method, self.plan)
-        twin.layers = [layer.clone_into(twin) for layer in self.layers]
-        for key in ("evict_now", "query_window", "observing", "measure_recall", "_kv_bytes", "kv_peak_bytes"):
-            setattr(twin, key, getattr(self, key))
-        twin.shared = dict(self.shared)
-        return twin
-
-
-@dataclass
-class DecodeStats:
-    """What the decode steps of one cache read, by the method's own cost model, and how well selections
-    recalled the exact top-k attention mass (both summed over layers; divide by `layer_steps`)."""
-
-    layer_steps: int = 0
-    read_elements: int = 0  # K/V and auxiliary elements read, all heads
-    moved_bytes: int = 0  # between host and device
-    extra_sums: dict[str, float] = field(default_factory=dict)  # a method's own per-step numbers
-    extra_steps: int = 0
-    read_token_equivalents: float = 0.0  # read_elements / (2 D) per KV group: comparable to a token budget
-    recall_sum: float = 0.0
-    recall_steps: int = 0
-
-    def add(self, layer: "KVLayer", elements: int, recall: float | None, moved_bytes: int = 0,
-            extra: dict[str, float] | None = None) -> None:
-        self.layer_steps += 1
-        self.read_elements += elements
-        self.moved_bytes += moved_bytes
-        if extra:
-            self.extra_steps += 1
-            for key, value in extra.items():
-                self.extra_sums[key] = self.extra_sums.get(key, 0.0) + value
-        self.read_token_equivalents += elements / (2 * layer.head_dim * layer.model_kv_heads)
-        if recall is not None:
-            self.recall_sum += recall
-            self.recall_steps += 1
-
-
-def evict_layer(layer: KVLayer) -> None:
-    """One eviction event on one layer: the method picks, per head, what to keep of the layer's budget."""
-    cache = layer.cache
-    if cache.method is None or cache.budget is None:
-        return
-    layer.budget = cache.method.layer_budget(layer, cache.budget)
-    keep = cache.method.keep(layer, layer.budget)
-    if keep is not None:
-        layer.keep(keep)
-
-
-class BatchedCache(Cache):
-    """Several `KVBenchCache`s decoded as one batch: row b of every forward is `caches[b]`.
-
-    Each row keeps its own storage (uniform or ragged), method, plan, hooks, statistics and accounting; the
-    model's dense layers run once over all rows, so a decode step reads the weights once for all of them,
-    and the attention function attends row by row, each on its own layer (`active_layers`). Rows may hold
-    different lengths (positions are passed per row).
-    """
-
-    def __init__(self, caches: list[KVBenchCache]):
-        if not caches or len({c.num_layers for c in caches}) != 1:
-            raise ValueError("a batch needs one or more caches of the same model")
-        super().__init__(layers=[_BatchedLayer([c.layers[i] for c in caches]) for i in range(caches[0].num_layers)])
-        self.caches = caches
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return max(c.get_seq_length(layer_idx) for c in self.caches)
-
-
-class _BatchedLayer(CacheLayerMixin):
-    is_compileable = False
-    is_sliding = False
-    is_croppable = False
-
-    def __init__(self, rows: list[KVLayer]):
-        super().__init__()
-        self.rows = rows
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        return None
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if key_states.shape[0] != len(self.rows):
-            raise ValueError(f"a batch of {key_states.shape[0]} rows for {len(self.rows)} caches")
-        for b, layer in enumerate(self.rows):
-            layer.update(key_states[b:b + 1], value_states[b:b + 1])
-        _set_active(self.rows, key_states)  # the attention function reads each row's own layer
-        return key_states, value_states
-
-    def get_seq_length(self) -> int:
-        return max(layer.seen for layer in self.rows)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return max(layer.physical_length() for layer in self.rows), 0
-
-    def get_max_length(self) -> int:
-        return -1

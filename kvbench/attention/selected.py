@@ -1,0 +1,52 @@
+"""attention/selected.py"""
+
+from __future__ import annotations
+
+import torch
+
+from kvbench.cache.layer import KVLayer
+from kvbench.core.contract import HeadView, Selection, Step
+from kvbench.kernels.sparse_attention import merge_attention, topk_attention
+
+
+def selected_attention(layer: KVLayer, step: Step, q: torch.Tensor, view: HeadView, selection: Selection,
+                       scaling: float) -> torch.Tensor:
+    """Attention of each query head over what the method selected (storage rows, rows from outside merged by
+    log-sum-exp, a blended fallback), and the step's accounting. Returns [H_kv, G, D]."""
+    if selection.external is None:
+        out = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid)
+    else:
+        out, lse = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid, return_lse=True)
+        out, _ = merge_attention(out, lse, *_external_attention(q, selection.external, scaling))
+    if selection.weight is not None:
+        out = (selection.weight * out.float() + (1 - selection.weight) * selection.fallback.float()).to(q.dtype)
+    recall = None
+    if step.measure_recall:
+        recall = selection.recall if selection.recall is not None else attention_recall(q, view, selection.idx, scaling)
+    layer.cache.stats.add(layer, step.method.step_traffic(layer, selection, step), recall, selection.moved_bytes,
+                          selection.extra)
+    return out
+
+
+def _external_attention(
+    q: torch.Tensor, external: tuple, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over rows outside the layer's storage, computed where they live (CTKVR's host rows on the
+    CPU; rows a method moved to the device there), with its log-sum-exp, returned on q's device."""
+    keys, values, valid = external if len(external) == 3 else (*external, None)
+    every = torch.arange(keys.shape[1], device=keys.device).expand(q.shape[0], q.shape[1], -1)
+    out, lse = topk_attention(q.to(keys.device), keys, values, every, scaling, valid, return_lse=True)
+    return out.to(q.device), lse.to(q.device)
+
+
+def attention_recall(q: torch.Tensor, view: HeadView, idx: torch.Tensor, scaling: float) -> float:
+    """Top-k attention-mass recall of a selection: the exact attention mass on the selected tokens over the
+    mass of the exact top-|selected| tokens, per query head, averaged (1 for Exact-TopK). Over the tokens the
+    layer holds at this step, so after an eviction stage it is measured on what survived."""
+    logits = torch.einsum("hgd,hld->hgl", q.float(), view.keys.float()) * scaling
+    if view.valid is not None:
+        logits.masked_fill_(~view.valid[:, None, :], float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    chosen = probs.gather(-1, idx).sum(-1)
+    best = probs.topk(idx.shape[-1], dim=-1).values.sum(-1)
+    return float((chosen / best).mean())

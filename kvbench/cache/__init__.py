@@ -1,0 +1,7 @@
+"""KV storage: per-head row buffers with append slack, copy on write between clones, byte accounting."""
+
+from kvbench.cache.batched import BatchedCache
+from kvbench.cache.kvcache import DecodeStats, KVBenchCache
+from kvbench.cache.layer import KVLayer
+
+__all__ = ["BatchedCache", "DecodeStats", "KVBenchCache", "KVLayer"]

@@ -1,0 +1,59 @@
+"""cache/batched.py"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from kvbench.cache.kvcache import KVBenchCache
+from kvbench.cache.layer import KVLayer
+
+
+class BatchedCache(Cache):
+    """Several `KVBenchCache`s decoded as one batch: row b of every forward is `caches[b]`.
+
+    Each row keeps its own storage (uniform or ragged), statistics and accounting (and, through its `Step`,
+    its own method, plan and hooks); the
+    model's dense layers run once over all rows, so a decode step reads the weights once for all of them,
+    and the attention function attends row by row, each on its own layer (the `Step` of its row). Rows may hold
+    different lengths (positions are passed per row).
+    """
+
+    def __init__(self, caches: list[KVBenchCache]):
+        if not caches or len({c.num_layers for c in caches}) != 1:
+            raise ValueError("a batch needs one or more caches of the same model")
+        super().__init__(layers=[_BatchedLayer([c.layers[i] for c in caches]) for i in range(caches[0].num_layers)])
+        self.caches = caches
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return max(c.get_seq_length(layer_idx) for c in self.caches)
+
+
+class _BatchedLayer(CacheLayerMixin):
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, rows: list[KVLayer]):
+        super().__init__()
+        self.rows = rows
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        return None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if key_states.shape[0] != len(self.rows):
+            raise ValueError(f"a batch of {key_states.shape[0]} rows for {len(self.rows)} caches")
+        for b, layer in enumerate(self.rows):
+            layer.update(key_states[b:b + 1], value_states[b:b + 1])
+        return key_states, value_states
+
+    def get_seq_length(self) -> int:
+        return max(layer.seen for layer in self.rows)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return max(layer.physical_length() for layer in self.rows), 0
+
+    def get_max_length(self) -> int:
+        return -1

@@ -1,0 +1,87 @@
+"""cli/report.py"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pandas as pd
+
+from kvbench.core.errors import KVBenchError
+from kvbench.reporting.paper import build, skipped_line
+from kvbench.reporting.paper_tables import resolve
+from kvbench.reporting.table import _split, format_table, pivot_scores, point_table
+from kvbench.results.collect import collect
+
+
+def _argv_with_options(argv: Sequence[str]) -> list[str]:
+    """Accept the Hydra-style spellings too: `out=DIR`, `wandb.publish=true`, `wandb.project=P`."""
+    spelled = {"out": "--out", "wandb.project": "--wandb-project", "wandb.entity": "--wandb-entity"}
+    out: list[str] = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in spelled:
+            out += [spelled[key], value]
+        elif sep and key == "wandb.publish":
+            out += ["--publish"] if value.lower() in ("true", "1", "yes") else []
+        else:
+            out.append(arg)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print a results table and write the full report; exit status 1 when there are no records."""
+    parser = argparse.ArgumentParser(
+        prog="kvbench report", description="Tables, figures and an HTML page from stored records.",
+        epilog="SOURCE: experiment=NAME (a preset: its results_dir, layout and expected grid) or RESULTS_DIR "
+               "(any results tree). Writes <results_dir>/report/ (index.html, table.md/.csv/.tex, points.csv, "
+               "figures as PNG and PDF); see kvbench/reporting/paper.py.")
+    parser.add_argument("source", metavar="SOURCE|RESULTS_DIR", help="experiment=NAME, or a results directory")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="with experiment=NAME: the overrides the sweep ran with (results_dir=..., budget=64,128)")
+    parser.add_argument("--out", type=Path, help="report directory (default: <results_dir>/report)")
+    parser.add_argument("--no-files", action="store_true", help="only print the table")
+    parser.add_argument("--publish", action="store_true",
+                        help="also build a W&B report (wandb.publish=true); without network: says so, static report only")
+    parser.add_argument("--wandb-project", default="kvbench")
+    parser.add_argument("--wandb-entity", default=None)
+    parser.add_argument("--csv", type=Path,
+                        help="also write the full point table (unrounded, not pivoted) to this file")
+    parser.add_argument("--markdown", action="store_true", help="print a markdown table")
+    parser.add_argument("--pivot", help="comma-separated point fields to spread across columns, e.g. method,budget")
+    args = parser.parse_args(_argv_with_options(list(sys.argv[1:] if argv is None else argv)))
+    try:
+        root = resolve(args.source, args.overrides).root
+    except KVBenchError as err:
+        parser.error(str(err))
+    table = point_table(collect(root)) if root.is_dir() else pd.DataFrame()
+    if args.csv is not None:
+        table.to_csv(args.csv, index=False)
+    if not table.empty:
+        try:
+            shown = pivot_scores(table, _split(args.pivot)) if args.pivot else table
+        except ValueError as err:
+            parser.error(str(err))
+        print(format_table(shown, markdown=args.markdown))
+    else:
+        print(f"no records under {root}", file=sys.stderr)
+    experiment = args.source.startswith("experiment=") or not Path(args.source).is_dir()
+    if args.no_files or (table.empty and not experiment):
+        return 0 if not table.empty else 1
+    result = build(args.source, args.out, args.overrides)
+    if result["source"].spec.not_in_kvbench:
+        print(skipped_line(result["source"].name, result["source"].spec))
+    if result["missing"]:
+        print(f"{len(result['missing'])} expected points have no records (shown as 'missing')")
+    print(f"report: {result['out_dir'] / 'index.html'} ({len(result['figures'])} figures)")
+    if args.publish:
+        from kvbench.reporting.wandb import publish_report
+
+        print(publish_report(result, project=args.wandb_project, entity=args.wandb_entity))
+    return 0 if not table.empty else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

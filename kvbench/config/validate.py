@@ -1,0 +1,100 @@
+"""config/validate.py"""
+
+from __future__ import annotations
+
+from omegaconf import DictConfig
+
+from kvbench.config.paths import GROUPS, _default_choice, _settings, choices
+from kvbench.core.checks import is_int
+from kvbench.core.errors import KVBenchError
+from kvbench.models import LoadedModel
+
+
+def validate(cfg: DictConfig) -> None:
+    """Every top-level, engine and generic task setting, before anything runs: one line naming the setting and
+    what it accepts. (Method parameters are checked where the method is built; model ones where it loads.)"""
+    budget, ratio = cfg.budget, cfg.get("compression_ratio")
+    if ratio is not None:
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:
+            raise KVBenchError(f"compression_ratio must be a fraction of the tokens removed in [0, 1) (kvpress's "
+                               f"convention), got {ratio!r}")
+    elif isinstance(budget, bool) or not isinstance(budget, (int, float)) or budget <= 0:
+        raise KVBenchError(f"budget must be a positive number of tokens per KV head (or a ratio in (0, 1)), got {budget!r}")
+    elif isinstance(budget, float) and budget >= 1 and not budget.is_integer():
+        raise KVBenchError(f"budget {budget} is neither a token count nor a ratio in (0, 1)")
+    if not is_int(cfg.seed):
+        raise KVBenchError(f"seed must be an integer, got {cfg.seed!r}")
+    for key in ("compress_question", "show_progress"):
+        if not isinstance(cfg[key], bool):
+            raise KVBenchError(f"{key} must be true or false, got {cfg[key]!r}")
+    engine = cfg.engine
+    for key in ("reuse_prefill", "nll", "chat_template", "topk_recall"):
+        if key in engine and not isinstance(engine[key], bool):
+            raise KVBenchError(f"engine.{key} must be true or false, got {engine[key]!r}")
+    for key, low in (("snapshot_window", 1), ("snapshot_cache_mb", 0)):
+        if key in engine and (not is_int(engine[key]) or engine[key] < low):
+            raise KVBenchError(f"engine.{key} must be an integer >= {low}, got {engine[key]!r}")
+    if engine.get("system_prompt") is not None and not isinstance(engine.system_prompt, str):
+        raise KVBenchError(f"engine.system_prompt must be text or null, got {engine.system_prompt!r}")
+    num_samples = cfg.task.get("num_samples")
+    if num_samples is not None and (not is_int(num_samples) or num_samples < 1):
+        raise KVBenchError(f"task.num_samples must be a positive integer (or null for every sample where the task "
+                           f"allows it), got {num_samples!r}")
+    seq_len = cfg.task.get("seq_len")
+    if seq_len is not None and (not is_int(seq_len) or seq_len < 1):
+        raise KVBenchError(f"task.seq_len must be a positive number of tokens, got {seq_len!r}")
+
+
+def check_length(cfg: DictConfig, lm: "LoadedModel") -> None:
+    """A task longer than the model allows: say how long this model goes and the ways out."""
+    seq_len = cfg.task.get("seq_len")
+    if seq_len and seq_len > lm.max_positions:
+        raise KVBenchError(
+            f"task {cfg.task.name} asks for {seq_len} tokens (task.seq_len) but {lm.name} allows at most "
+            f"{lm.max_positions} positions: run it with task.seq_len={lm.max_positions} or less (e.g. "
+            f"task=ruler_4k / ruler_8k, or task.seq_len=4096), or on a long-context model "
+            f"(model=llama3.1_8b_instruct, 128K)"
+        )
+
+
+def check_group_overrides(argv: list[str]) -> None:
+    """Name an unknown model/method/task/experiment in one line, before Hydra's search-path dump."""
+    for arg in argv:
+        key, sep, value = arg.lstrip("+~").partition("=")
+        if not sep or key not in GROUPS:
+            continue
+        values = value.split(",") if "," in value and not value.startswith(("[", "choice(", "range(")) else [value]
+        known = choices(key)
+        for v in values:
+            if v not in known:
+                raise KVBenchError(f"unknown {key} {v!r}; available: {', '.join(known)}")
+
+
+def check_settings(argv: list[str]) -> list[str]:
+    """Name a `model.`, `method.` or `task.` setting that the chosen config lacks, in one line, and let
+    `method.KEY=VALUE` set a parameter that several swept methods share.
+
+    Hydra composes a sweep's base config with the default method (`full`), so a parameter it lacks
+    (`-m method=snapkv,adakv method.pooling=avg`) would be refused before any job runs; `++method.KEY=VALUE`
+    sets it in each job's method instead. With an experiment preset the chosen configs come from the preset,
+    so the check is left to the jobs (a method then names an unknown parameter when it is built).
+    """
+    chosen: dict[str, list[str]] = {}
+    for arg in argv:
+        key, sep, value = arg.lstrip("+").partition("=")
+        if key in ("model", "method", "task") and sep:
+            chosen[key] = value.split(",") if "," in value and not value.startswith(("[", "choice(")) else [value]
+    preset = any(arg.lstrip("+").startswith("experiment=") for arg in argv)
+    out = []
+    for arg in argv:
+        key = arg.split("=", 1)[0]
+        group, _, setting = key.partition(".")
+        if "=" in arg and group in ("model", "method", "task") and setting and not preset:
+            for name in chosen.get(group, [_default_choice(group)]):
+                settings = _settings(group, name)
+                if setting.split(".")[0] not in settings:
+                    raise KVBenchError(f"{key} is not a setting of {group} {name} (its settings: "
+                                       f"{', '.join(settings) or 'none'}); set it only where it exists")
+        out.append("++" + arg if group == "method" and setting and "=" in arg and not arg.startswith(("+", "~"))
+                   else arg)
+    return out

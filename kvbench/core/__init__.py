@@ -1,0 +1,1 @@
+"""The contract every layer shares: schedules, plans, selections, the per-step context, errors, checks."""

@@ -1,0 +1,94 @@
+"""core/contract.py"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When a method evicts. The engine owns the loop and follows this."""
+
+    block_size: int | None  # None: the segment is one dense forward, evicted at its end
+    decode_every: int  # evict after every N-th decode step; 0: the cache grows while decoding
+    every_turn: bool = False  # also at the end of each later turn's input (RocketKV re-compresses per turn)
+
+    @property
+    def events(self) -> tuple[str, ...]:
+        prefill = ("segment_end",) if self.block_size is None else ("prefill_block",)
+        return prefill + (("turn_end",) if self.every_turn else ()) + (("decode_step",) if self.decode_every else ())
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A point's budget resolved for one sample."""
+
+    evict: int | None  # tokens per KV head the eviction hook keeps (None: nothing is ever evicted)
+    select: int | None  # per-step selection budget (None: every decode step attends to everything)
+    derived: dict[str, Any] = dataclasses.field(default_factory=dict)  # parameters derived from the budget
+
+
+@dataclass
+class Selection:
+    """What a decode step attends to: `idx` [H_kv, G, k], per query head, the rows of the layer's storage.
+
+    - `external`: (keys, values[, valid]) [H_kv, m, D] ([H_kv, m] bool) from outside the layer's storage
+      (CTKVR's host segment, OmniKV's context bank), attended by every query head of the group where the
+      rows live; the two attentions merge exactly by log-sum-exp (the token sets must be disjoint).
+    - `weight`, `fallback`: the output is blended, `weight * out + (1 - weight) * fallback` (SparQ's mean
+      value); weight [H_kv, G, 1], fallback [H_kv, G or 1, D].
+    - `recall`: the step's top-k attention recall when only the method sees every row (else measured by the
+      dispatcher over the storage); `moved_bytes`: bytes this step moved between host and device; `extra`:
+      the method's own per-step numbers (CTKVR's recall size), averaged over steps and layers in the record.
+    """
+
+    idx: torch.Tensor
+    weight: torch.Tensor | None = None
+    fallback: torch.Tensor | None = None
+    external: tuple[torch.Tensor, torch.Tensor] | None = None
+    recall: float | None = None
+    moved_bytes: int = 0
+    extra: dict[str, float] = dataclasses.field(default_factory=dict)  # method numbers, averaged in the record
+
+
+@dataclass
+class HeadView:
+    """A padded `[H, L_max, D]` view of a layer plus a validity mask (None when no padding)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor  # [H, L_max], -1 on padding
+    valid: torch.Tensor | None  # [H, L_max] bool
+
+
+@dataclass
+class Step:
+    """One forward pass over one cache, as the attention function and the method's hooks see it.
+
+    The session builds one for every forward (and for the hooks it runs between forwards) and hands it to
+    the model as `kvbench_steps` (one per batch row), which transformers passes through to the registered
+    attention function; nothing about a step is stored on the cache. `cache` and `method` are the
+    `KVBenchCache` and `Method` (typed loosely: this module sits below both).
+    """
+
+    cache: Any
+    method: Any = None
+    plan: Plan | None = None
+    evict: bool = False  # an eviction event: every layer evicts right after its attention
+    observe: bool = False  # the method observes every attention call (H2O), while eviction can still happen
+    query_window: int = 0  # queries each layer keeps for the method's scores (its observation window)
+    measure_recall: bool = False  # selection methods: top-k attention-mass recall of this decode step
+    shared: dict[str, Any] = dataclasses.field(default_factory=dict)  # the layers' common state (OmniKV)
+
+    @property
+    def num_layers(self) -> int:
+        return self.cache.num_layers
+
+    @property
+    def budget(self) -> int | None:
+        """Tokens per KV head the eviction hook keeps (None: nothing is evicted)."""
+        return self.plan.evict if self.plan is not None else None

@@ -1,0 +1,270 @@
+"""engine/session.py"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import torch
+
+from kvbench.attention.hooks import evict_layer
+from kvbench.cache.batched import BatchedCache
+from kvbench.cache.kvcache import KVBenchCache
+from kvbench.core.contract import Plan, Step
+from kvbench.core.devices import sync
+from kvbench.methods.base import Method
+from kvbench.models import LoadedModel, model_head_dim
+
+log = logging.getLogger(__name__)
+
+
+class Session:
+    """One conversation on one cache: prefill, append, decode, roll back, all with logical positions.
+
+    The session owns the loop and fires the method's eviction events (its `schedule()`): the compressed
+    segment is one forward evicted at its end, or blocks of `block_size` tokens each evicted after it; decode
+    steps evict every `decode_every` steps. Teacher forcing follows the same schedule on a copy of the cache.
+    Every forward gets a `Step` (`step_context`): what the attention function and the method's hooks need
+    to know about it, handed over explicitly rather than set on the cache.
+    """
+
+    def __init__(
+        self,
+        lm: LoadedModel,
+        method: Method | None,
+        budget: int | Plan | None,
+        cache: KVBenchCache | None = None,
+        sequence_length: int | None = None,
+    ):
+        """`budget`: the method's `Plan` for this sample, or a token budget to plan from (`sequence_length`
+        is the prompt plus the tokens to generate, which selection methods derive their parameters from).
+        A given `cache` (a clone) comes with no method state tracked; the caller says what to track."""
+        self.lm = lm
+        self.method = method
+        self.schedule = method.schedule() if method is not None else None
+        if isinstance(budget, int) and method is not None:
+            budget = method.plan(budget, sequence_length=sequence_length or lm.max_positions, new_tokens=0,
+                                 head_dim=model_head_dim(lm))
+        self.plan: Plan | None = budget if method is not None else None
+        self.query_window = 0  # queries each layer keeps for the method's scores
+        self.observe = False  # the method observes every attention call (H2O)
+        self.measure_recall = False  # selection methods: top-k attention-mass recall of every decode step
+        self.shared: dict[str, Any] = {}  # method state shared by the cache's layers (OmniKV)
+        self.cache = cache if cache is not None else KVBenchCache(lm.model.config.num_hidden_layers)
+        if cache is None:
+            self.track_method_state(self.schedule is not None)
+        self.position = self.cache.get_seq_length()
+        self.decode_steps = 0
+
+    def step_context(self, evict: bool = False) -> Step:
+        return Step(self.cache, self.method, self.plan, evict=evict, observe=self.observe,
+                    query_window=self.query_window, measure_recall=self.measure_recall, shared=self.shared)
+
+    def track_method_state(self, live: bool) -> None:
+        """Keep (and feed) the method's state only while an eviction event can still happen; free it after."""
+        method = self.method if live else None
+        self.observe = method is not None and method.observes
+        self.query_window = method.obs_window if method is not None else 0
+        self.cache.trim_method_state(self.query_window, drop_token_state=not live)
+
+    def end_segment(self) -> None:
+        """The compressed segment is done: the method's state lives on only if later events still evict, and
+        its derived state is built over what the layers now hold."""
+        schedule = self.schedule
+        self.track_method_state(bool(schedule and (schedule.decode_every or schedule.every_turn)))
+        if self.method is not None:
+            step = self.step_context()
+            for layer in self.cache.layers:
+                if not layer.aux and layer.keys is not None:
+                    layer.aux = self.method.build_aux(layer, step)
+
+    def evict_deferred(self) -> None:
+        """Eviction at the end of a dense segment run earlier (a shared prefill snapshot): the method's hook
+        on every layer, from the queries the layers kept, exactly as it would have run inline."""
+        step = self.step_context(evict=True)
+        for layer in self.cache.layers:
+            evict_layer(layer, step)
+        self.end_segment()
+
+    @torch.inference_mode()
+    def forward(self, ids: list[int], logits_to_keep: int = 1, evict: bool = False) -> torch.Tensor:
+        """One forward pass over `ids`; with `evict`, every layer runs the method's eviction right after its
+        attention (an eviction event)."""
+        device = self.lm.device
+        out = self.lm.model(
+            input_ids=torch.tensor([ids], device=device),
+            position_ids=torch.arange(self.position, self.position + len(ids), device=device)[None],
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=logits_to_keep,
+            kvbench_steps=[self.step_context(evict)],
+        )
+        self.position += len(ids)
+        return out.logits[0, -logits_to_keep:].float()
+
+    def step(self, token: int) -> torch.Tensor:
+        """One decode step; an eviction event every `decode_every` steps of the method's schedule."""
+        return self.forward([token], evict=self.next_step_evicts())[-1]
+
+    def next_step_evicts(self) -> bool:
+        """Count a decode step and say whether the method's schedule evicts at it."""
+        self.decode_steps += 1
+        every = self.schedule.decode_every if self.schedule is not None else 0
+        return bool(every) and self.decode_steps % every == 0
+
+    def twin(self) -> "Session":
+        """A session on a copy of this one's cache (shared storage until it diverges), at the same step."""
+        twin = Session(self.lm, self.method, self.plan, self.cache.clone())
+        twin.query_window, twin.observe, twin.measure_recall = self.query_window, self.observe, self.measure_recall
+        twin.shared = dict(self.shared)
+        twin.position, twin.decode_steps = self.position, self.decode_steps
+        return twin
+
+    def prefill(self, ids: list[int], compress: bool) -> tuple[torch.Tensor, float]:
+        """Prefill a chunk. With `compress` it is the segment to compress: one forward evicted at its end, or
+        the method's blocks, each evicted after its forward (the cache never holds more than budget + block).
+        A chunk appended later (the question, a turn) goes token by token through the decode path when the
+        method retrieves at every step (`steps_through_chunks`)."""
+        block = self.schedule.block_size if compress and self.schedule is not None else None
+        stepwise = self.method is not None and self.method.steps_through_chunks and self.position > 0
+        if stepwise:  # an appended chunk goes token by token through the method's decode path (CTKVR)
+            block = 1
+        chunks = [ids[i:i + block] for i in range(0, len(ids), block)] if block else [ids]
+        sync(self.lm.device)
+        start = time.perf_counter()
+        for i, chunk in enumerate(chunks):
+            # block-wise: an eviction event after every block; stepwise: one at the end of the chunk
+            logits = self.forward(chunk, evict=compress and (not stepwise or i == len(chunks) - 1))[-1]
+        sync(self.lm.device)
+        if compress:
+            self.end_segment()
+        return logits, time.perf_counter() - start
+
+    def decode(
+        self,
+        logits: torch.Tensor,
+        max_new_tokens: int,
+        stop_ids: set[int],
+        stop_strings: list[str],
+        min_new_tokens: int = 0,
+    ) -> tuple[list[int], list[float], str]:
+        """Greedy decoding (`decode_batch` with this session alone): the new tokens, the wall time of each
+        decode forward, and why it stopped."""
+        return decode_batch([self], [logits], [max_new_tokens], stop_ids, [stop_strings], [min_new_tokens])[0]
+
+    def teacher_forced_nll(self, logits: torch.Tensor, target: list[int]) -> float:
+        """Mean NLL of `target` continuing the current state (`teacher_forced_nll_batch` alone)."""
+        return teacher_forced_nll_batch([self], [logits], [target])[0]
+
+    def rollback(self, logical_length: int) -> None:
+        self.cache.truncate(logical_length)
+        self.position = logical_length
+
+
+@torch.inference_mode()
+def step_batch(sessions: list[Session], tokens: list[int], max_rows: int = 1) -> list[torch.Tensor]:
+    """One decode step of several sessions in one forward (a `BatchedCache`: the dense layers read the
+    weights once for all rows, each row attends over its own cache and runs its own hooks), in batches of at
+    most `max_rows` (1: each row alone, bitwise a lone run). One session takes `Session.step`, so an
+    ungrouped run is exactly what it always was."""
+    if len(sessions) == 1:
+        return [sessions[0].step(tokens[0])]
+    lm = sessions[0].lm
+    if len(sessions) > max_rows:
+        return [logits for start in range(0, len(sessions), max_rows)
+                for logits in step_batch(sessions[start:start + max_rows], tokens[start:start + max_rows], max_rows)]
+    out = lm.model(
+        input_ids=torch.tensor(tokens, device=lm.device)[:, None],
+        position_ids=torch.tensor([s.position for s in sessions], device=lm.device)[:, None],
+        past_key_values=BatchedCache([s.cache for s in sessions]),
+        use_cache=True,
+        logits_to_keep=1,
+        kvbench_steps=[s.step_context(s.next_step_evicts()) for s in sessions],
+    )
+    for session in sessions:
+        session.position += 1
+    return list(out.logits[:, -1].float())
+
+
+def decode_batch(
+    sessions: list[Session],
+    logits: list[torch.Tensor],
+    max_new_tokens: list[int],
+    stop_ids: set[int],
+    stop_strings: list[list[str]],
+    min_new_tokens: list[int],
+    max_rows: int = 1,
+) -> list[tuple[list[int], list[float], str]]:
+    """Greedy decoding of several sessions together, each with its own limits and stopping, `max_rows` per
+    forward. Per session: the new tokens, its share of the wall time of each decode forward it took part in
+    (its own time when it decodes alone), and why it stopped.
+
+    Before `min_new_tokens` tokens, EOS is masked and stop strings are not checked (LongBench's samsum
+    protocol, which would otherwise stop on an immediate newline). A finished session leaves the batch.
+    """
+    n = len(sessions)
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    step_times: list[list[float]] = [[] for _ in range(n)]
+    reasons = ["max_new_tokens"] * n
+    tokenizer = sessions[0].lm.tokenizer
+    device = sessions[0].lm.device
+    for session, limit in zip(sessions, max_new_tokens):
+        session.cache.reserve(limit - 1)  # the steps below then append without copying a layer
+    blocked = torch.tensor(sorted(stop_ids), device=logits[0].device, dtype=torch.long)
+    current = list(logits)
+    active = [r for r in range(n) if max_new_tokens[r] > 0]
+    while active:
+        stepping = []
+        for r in active:
+            row_logits = current[r]
+            if len(tokens[r]) < min_new_tokens[r] and len(blocked):
+                row_logits = row_logits.index_fill(0, blocked, float("-inf"))
+            token = int(torch.argmax(row_logits))
+            tokens[r].append(token)
+            early = len(tokens[r]) <= min_new_tokens[r]
+            if token in stop_ids:
+                reasons[r] = "eos"
+            elif stop_strings[r] and not early and any(s in tokenizer.decode(tokens[r]) for s in stop_strings[r]):
+                reasons[r] = "stop_string"
+            elif len(tokens[r]) < max_new_tokens[r]:
+                stepping.append(r)
+        active = stepping
+        if not active:
+            break
+        for first in range(0, len(active), max_rows):  # each forward timed alone, its time shared by its rows
+            rows = active[first:first + max_rows]
+            sync(device)
+            start = time.perf_counter()
+            new_logits = step_batch([sessions[r] for r in rows], [tokens[r][-1] for r in rows], max_rows)
+            sync(device)
+            share = (time.perf_counter() - start) / len(rows)
+            for r, row_logits in zip(rows, new_logits):
+                current[r] = row_logits
+                step_times[r].append(share)
+    return [(tokens[r], step_times[r], reasons[r]) for r in range(n)]
+
+
+def teacher_forced_nll_batch(sessions: list[Session], logits: list[torch.Tensor], targets: list[list[int]],
+                             max_rows: int = 1) -> list[float]:
+    """Mean NLL of each session's `target` continuing its current state, one decode step per token on a
+    copy of its cache, the sessions stepping together.
+
+    The copy shares storage until it diverges and the steps go through the same decode path (selection and
+    decode-time eviction included), so this measures the compressed cache the method would really decode
+    with. NaN for an empty target.
+    """
+    twins = [session.twin() for session in sessions]
+    for twin, target in zip(twins, targets):
+        twin.cache.reserve(len(target) - 1)
+    totals = [0.0] * len(sessions)
+    current = list(logits)
+    for i in range(max((len(t) for t in targets), default=0)):
+        for r, target in enumerate(targets):
+            if i < len(target):
+                totals[r] -= float(torch.log_softmax(current[r], dim=-1)[target[i]])
+        rows = [r for r, target in enumerate(targets) if i + 1 < len(target)]
+        if rows:
+            for r, row_logits in zip(rows, step_batch([twins[r] for r in rows], [targets[r][i] for r in rows], max_rows)):
+                current[r] = row_logits
+    return [total / len(target) if target else float("nan") for total, target in zip(totals, targets)]

@@ -1,0 +1,67 @@
+"""reporting/callback.py"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
+
+from kvbench.reporting.table import _split, report_text
+
+log = logging.getLogger(__name__)
+
+
+class PrintSweepSummary(Callback):
+    """Hydra callback printing the results table of a multirun sweep when it ends.
+
+    Hydra's sweepers raise once a batch of jobs contains a failed one, and then never call
+    ``on_multirun_end``; so the table is also printed at interpreter exit if the sweep did not end normally,
+    with the failed jobs that local launchers reported (remote launchers run ``on_job_end`` on the nodes).
+    Rendering errors are logged, never raised: the results are on disk either way, and a reporting bug must
+    not turn a finished sweep into a failed one.
+    """
+
+    def __init__(self, markdown: bool = False, pivot: str | None = None) -> None:
+        self.markdown = markdown
+        self.pivot = _split(pivot) if pivot else None
+        self.sweep_dir: Path | None = None
+        self.failed: list[str] = []
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+        skipped = (config.get("report") or {}).get("not_in_kvbench")
+        if skipped:  # a paper's methods that kvbench lacks: said once, never silently absent
+            name = config.hydra.runtime.choices.get("experiment") or self.sweep_dir.name
+            print(f"{name}: skipping methods not in kvbench: {', '.join(skipped)}", flush=True)
+        atexit.register(self._print, aborted=True)
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if job_return.status == JobStatus.FAILED:
+            self.failed.append(" ".join(job_return.overrides or []))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        atexit.unregister(self._print)
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+        self._print(aborted=False)
+
+    def _print(self, aborted: bool) -> None:
+        if self.sweep_dir is None:
+            return
+        try:
+            text = report_text(self.sweep_dir, markdown=self.markdown, pivot=self.pivot)
+        except Exception:  # see the class docstring
+            log.exception("could not summarise sweep %s", self.sweep_dir)
+            return
+        header = f"Results of sweep {self.sweep_dir}"
+        if aborted:
+            header += " (sweep did not finish: partial results)"
+        print(f"\n{header}\n{text}")
+        for overrides in self.failed:
+            print(f"FAILED: {overrides}")
+        sys.stdout.flush()

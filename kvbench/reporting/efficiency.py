@@ -1,0 +1,200 @@
+"""The papers' efficiency figures from stored profiled records (`profile=true` points).
+
+    python -m kvbench.figures results/rocketkv_fig7_cpu --layout rocketkv_fig7 [--out DIR]
+
+Layouts (each preset's comment names its own):
+
+- `rocketkv_fig7`: decode speedup over Full-KV and peak-memory saving vs token budget, one line per
+  sequence length (RocketKV Fig. 7).
+- `omnikv_fig4`: decode latency per token and time to first token vs context length, one line per method;
+  a point that ran out of memory is drawn as an "OOM" mark, never as a value (OmniKV Fig. 4).
+- `keydiff_latency`: time to first token of block-wise prefill, and its peak memory, vs cache budget (KeyDiff
+  Figs 7 and 17).
+- `ctkvr_throughput`: decode tokens/s (new tokens over decode time, CTKVR's measure) and peak memory per
+  method and setting, with the speedup over Full KV (CTKVR's throughput results, at batch 1).
+
+Each writes `<layout>.png`, `<layout>.pdf`, `<layout>.csv` and `<layout>.md` (the table behind the figure,
+with roofline utilisations where the records have them) into `--out` (default: the results directory).
+Points are aggregated over their samples (medians); a missing point is absent from the figure, not zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from kvbench.results.collect import collect
+
+MiB = 2**20
+
+
+COLUMNS = {  # table column <- record column (profile fields flattened by `collect`)
+    "decode_ms": "profile.decode_ms_median",
+    "decode_ms_p90": "profile.decode_ms_p90",
+    "ttft_s": "profile.ttft_s",
+    "tokens_per_s": "profile.tokens_per_s",
+    "peak_prefill_MiB": "profile.peak_bytes_prefill",
+    "peak_decode_MiB": "profile.peak_bytes_decode",
+    "kv_end_MiB": "kv_bytes_end",
+    "state_peak_MiB": "profile.state_peak_bytes",
+    "prefill_compute_util": "roofline.prefill_compute_util",
+    "decode_bandwidth_util": "roofline.decode_bandwidth_util",
+}
+
+
+def efficiency_table(results_root: Path) -> pd.DataFrame:
+    """One row per profiled point: its label, budget and length, medians of the profile fields over its
+    samples, and whether any sample ran out of memory."""
+    df = collect(results_root)
+    if df.empty or "profile.decode_ms_median" not in df.columns and "oom" not in df.columns:
+        return pd.DataFrame()
+    df = df.copy()
+    df["oom"] = df["oom"].fillna(False).astype(bool) if "oom" in df.columns else False
+    df["label"] = _labels(df)
+    rows = []
+    for (label, budget, seq_len), points in df.groupby(["label", "budget", "seq_len"], dropna=False, sort=True):
+        ok = points[~points["oom"]]
+        row = {"label": label, "method": points["method"].iloc[0], "budget": budget, "seq_len": seq_len,
+               "n": len(ok), "oom": bool(points["oom"].any())}
+        for name, column in COLUMNS.items():
+            value = pd.to_numeric(ok[column], errors="coerce").median() if column in ok and len(ok) else None
+            row[name] = value / MiB if value is not None and name.endswith("MiB") else value
+        row["decode_tokens_per_s"] = 1e3 / row["decode_ms"] if row["decode_ms"] else None  # CTKVR's measure
+        row["dtype"] = points["dtype"].iloc[0] if "dtype" in points else None
+        # the peak a figure compares: CUDA's allocator peak; on CPU weights, K/V peak and method state (its
+        # indexes and host rows) from exact accounting,
+        # since the process RSS carries the allocator's history across the points of one process
+        cuda = "profile.memory_kind" in ok and (ok["profile.memory_kind"] == "cuda_allocator").any()
+        row["memory_basis"] = "cuda allocator peak" if cuda else "weights + K/V peak + method state"
+        row["peak_MiB"] = (max((v for v in (row["peak_prefill_MiB"], row["peak_decode_MiB"]) if pd.notna(v)),
+                               default=None) if cuda else row["state_peak_MiB"])
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def _labels(df: pd.DataFrame) -> pd.Series:
+    """The method name, plus the method parameters that differ between points of that method."""
+    params = [c for c in df.columns if c.startswith("method_params.")]
+    labels = df["method"].astype(str).copy()
+    for method, rows in df.groupby("method"):
+        varying = [c for c in params if rows[c].astype(str).nunique() > 1]
+        for index, row in rows.iterrows():
+            extra = ", ".join(f"{c.split('.', 1)[1]}={row[c]}" for c in varying)
+            labels[index] = f"{method} ({extra})" if extra else str(method)
+    return labels
+
+
+def _with_full(table: pd.DataFrame, key: str) -> pd.DataFrame:
+    """Rows of the compressed methods with Full-KV's decode time and peak at the same `key` value."""
+    full = table[table["method"] == "full"].set_index(key)
+    out = table[table["method"] != "full"].copy()
+    out["full_decode_ms"] = out[key].map(full["decode_ms"]) if len(full) else None
+    out["full_peak_MiB"] = out[key].map(full["peak_MiB"]) if len(full) else None
+    return out
+
+
+def _log2_ticks(ax: plt.Axes, values: pd.Series) -> None:
+    ax.set_xscale("log", base=2)
+    ticks = sorted({float(v) for v in values.dropna()})
+    ax.set_xticks(ticks, [f"{v:g}" for v in ticks])
+    ax.minorticks_off()
+
+
+def rocketkv_fig7(table: pd.DataFrame, axes: Sequence[plt.Axes]) -> pd.DataFrame:
+    rows = _with_full(table, "seq_len")
+    rows["speedup"] = rows["full_decode_ms"] / rows["decode_ms"]
+    rows["memory_saving_pct"] = 100 * (1 - rows["peak_MiB"] / rows["full_peak_MiB"])
+    for (label, seq_len), line in rows.groupby(["label", "seq_len"]):
+        line = line.sort_values("budget")
+        axes[0].plot(line["budget"], line["speedup"], marker="o", label=f"{label} @ {seq_len}")
+        axes[1].plot(line["budget"], line["memory_saving_pct"], marker="o", label=f"{label} @ {seq_len}")
+    for ax, ylabel in zip(axes, ("decode speedup over Full-KV (x)", "peak memory saving (%)")):
+        _log2_ticks(ax, rows["budget"])
+        ax.set_xlabel("token budget")
+        ax.set_ylabel(ylabel)
+    axes[0].axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    return rows
+
+
+def omnikv_fig4(table: pd.DataFrame, axes: Sequence[plt.Axes]) -> pd.DataFrame:
+    for ax, column, ylabel in ((axes[0], "decode_ms", "decode latency (ms/token)"),
+                               (axes[1], "ttft_s", "time to first token (s)")):
+        for label, line in table.groupby("label"):
+            line = line.sort_values("seq_len")
+            done = line[~line["oom"]]
+            (drawn,) = ax.plot(done["seq_len"], done[column], marker="o", label=label)
+            for seq_len in line[line["oom"]]["seq_len"]:  # OOM: a mark at the top, never a value
+                ax.plot([seq_len], [1], marker="x", color=drawn.get_color(), transform=ax.get_xaxis_transform(),
+                        clip_on=False)
+                ax.annotate("OOM", (seq_len, 1), xycoords=("data", "axes fraction"), ha="center", va="bottom",
+                            color=drawn.get_color(), fontsize=8)
+        _log2_ticks(ax, table["seq_len"])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(ylabel)
+    return table
+
+
+def keydiff_latency(table: pd.DataFrame, axes: Sequence[plt.Axes]) -> pd.DataFrame:
+    for label, line in table.groupby("label"):
+        line = line.sort_values("budget")
+        axes[0].plot(line["budget"], line["ttft_s"], marker="o", label=label)
+        axes[1].plot(line["budget"], line["peak_MiB"], marker="o", label=label)
+    for ax, ylabel in zip(axes, ("time to first token (s)", "peak memory (MiB)")):
+        ax.set_xlabel("cache budget (tokens per head)")
+        ax.set_ylabel(ylabel)
+    return table
+
+
+def ctkvr_throughput(table: pd.DataFrame, axes: Sequence[plt.Axes]) -> pd.DataFrame:
+    rows = table.sort_values(["seq_len", "label"]).copy()
+    full = rows[rows["method"] == "full"].set_index("seq_len")["decode_tokens_per_s"]
+    rows["speedup_vs_full"] = rows["decode_tokens_per_s"] / rows["seq_len"].map(full) if len(full) else None
+    names = [f"{label}\n@{seq_len}" for label, seq_len in zip(rows["label"], rows["seq_len"])]
+    axes[0].bar(range(len(rows)), rows["decode_tokens_per_s"].fillna(0), tick_label=names,
+                color=["grey" if m == "full" else "tab:blue" for m in rows["method"]])
+    for i, oom in enumerate(rows["oom"]):
+        if oom:
+            axes[0].annotate("OOM", (i, 0), ha="center", va="bottom")
+    axes[0].set_ylabel("decode throughput (tokens/s, batch 1)")
+    axes[1].bar(range(len(rows)), rows["peak_MiB"].fillna(0), tick_label=names,
+                color=["grey" if m == "full" else "tab:blue" for m in rows["method"]])
+    axes[1].set_ylabel("peak memory (MiB)")
+    return rows
+
+
+LAYOUTS: dict[str, Callable[[pd.DataFrame, Sequence[plt.Axes]], pd.DataFrame]] = {
+    "rocketkv_fig7": rocketkv_fig7,
+    "omnikv_fig4": omnikv_fig4,
+    "keydiff_latency": keydiff_latency,
+    "ctkvr_throughput": ctkvr_throughput,
+}
+
+
+def render(results_root: Path, layout: str, out_dir: Path | None = None) -> list[Path]:
+    """Write the layout's figure (PNG, PDF) and table (CSV, markdown); returns the paths written."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r}; layouts: {', '.join(LAYOUTS)}")
+    table = efficiency_table(results_root)
+    if table.empty:
+        raise ValueError(f"no profiled records under {results_root} (run the preset with profile=true)")
+    out_dir = Path(out_dir or results_root)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    shown = LAYOUTS[layout](table, axes)
+    handles = {label: h for ax in axes for h, label in zip(*ax.get_legend_handles_labels())}
+    if handles:
+        fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(4, len(handles)), fontsize=8,
+                   frameon=False)
+    notes = [", ".join(sorted(str(d) for d in table[c].dropna().unique())) for c in ("dtype", "memory_basis")]
+    fig.suptitle(f"{layout}: {results_root} ({'; memory: '.join(n for n in notes if n)})", fontsize=10)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    paths = [out_dir / f"{layout}.{ext}" for ext in ("png", "pdf", "csv", "md")]
+    fig.savefig(paths[0], dpi=120)
+    fig.savefig(paths[1])
+    plt.close(fig)
+    shown.to_csv(paths[2], index=False)
+    paths[3].write_text(shown.to_markdown(index=False, floatfmt=".4g") + "\n")
+    return paths

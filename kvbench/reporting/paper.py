@@ -1,0 +1,154 @@
+"""reporting/paper.py"""
+
+from __future__ import annotations
+
+import base64
+import html
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from kvbench.reporting.efficiency import efficiency_table, render
+from kvbench.reporting.paper_figures import (
+    accuracy_figure,
+    efficiency_figure,
+    kept_tokens_figure,
+    niah_heatmap_figure,
+    storage_traffic_figure,
+)
+from kvbench.reporting.paper_tables import (
+    IDENTITY,
+    MISSING,
+    ReportSpec,
+    Source,
+    _row_fields,
+    main_table,
+    math_table,
+    missing_points,
+    point_scores,
+    resolve,
+    storage_traffic_table,
+)
+from kvbench.results.collect import collect
+
+log = logging.getLogger(__name__)
+
+
+def _display(table: pd.DataFrame, float_format: str = "{:.1f}") -> pd.DataFrame:
+    return table.apply(lambda col: col.map(
+        lambda v: float_format.format(v) if isinstance(v, (float, np.floating)) and not np.isnan(v)
+        else ("-" if isinstance(v, (float, np.floating)) else str(v))))
+
+
+def build(source: str | Path, out_dir: Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Write the report of `source` (see the module docstring); returns what was written and found."""
+    src = resolve(source, overrides)
+    df = collect(src.root)
+    out = Path(out_dir) if out_dir is not None else src.root / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    if df.empty:
+        points = pd.DataFrame(columns=["score", "n", *IDENTITY])
+        subtasks = pd.DataFrame(columns=["subtask", "score", "n"])
+    else:
+        points, subtasks = point_scores(df)
+    missing = missing_points(points, src.grid)
+    spec = src.spec
+    efficiency = efficiency_table(src.root) if len(points) else pd.DataFrame()
+    if spec.efficiency_layout and len(points):  # synthetic prompts, no scores: the profile is the table
+        table = efficiency
+    elif spec.kind == "storage_traffic" and len(points):
+        table = storage_traffic_table(points)
+    elif spec.kind == "math" and len(points):
+        table = math_table(points, _row_fields(spec, points, src.grid))
+    else:
+        table = main_table(src, points, subtasks)
+    figures: dict[str, plt.Figure | None] = {}
+    figure_paths: dict[str, Path] = {}
+    if len(points):
+        if spec.kind == "accuracy" and points["score"].notna().any():
+            figures["accuracy"] = accuracy_figure(src, points)
+        if spec.kind == "storage_traffic":
+            figures["storage_traffic"] = storage_traffic_figure(table, spec)
+        figures["niah_heatmap"] = niah_heatmap_figure(df, spec)
+        figures["kept_tokens"] = kept_tokens_figure(df, spec)
+        figures["efficiency"] = efficiency_figure(efficiency, spec)
+    if spec.efficiency_layout and len(points):
+        png, pdf, csv, md = render(src.root, spec.efficiency_layout, out)
+        figure_paths[spec.efficiency_layout] = png
+        written += [png, pdf, csv, md]
+    for name, fig in figures.items():
+        if fig is None:
+            continue
+        png, pdf = out / f"{name}.png", out / f"{name}.pdf"
+        fig.savefig(png, dpi=120)
+        fig.savefig(pdf)
+        plt.close(fig)
+        figure_paths[name] = png
+        written += [png, pdf]
+    precise = spec.kind in ("storage_traffic", "math") or spec.efficiency_layout
+    shown = _display(table, "{:.4g}" if precise else "{:.1f}")
+    table.to_csv(out / "table.csv", index=False)
+    (out / "table.md").write_text(shown.to_markdown(index=False, disable_numparse=True) + "\n")
+    (out / "table.tex").write_text(shown.to_latex(index=False, caption=spec.title, label=f"tab:{src.name}"))
+    if len(subtasks):
+        subtasks.to_csv(out / "points.csv", index=False)
+        written.append(out / "points.csv")
+    written += [out / "table.csv", out / "table.md", out / "table.tex"]
+    skipped = skipped_line(src.name, spec)
+    facts = {"points": len(points), "records": len(df), "missing": missing, "skipped": skipped}
+    (out / "report.md").write_text(_markdown(src, shown, figure_paths, facts))
+    (out / "index.html").write_text(_html(src, shown, figure_paths, facts))
+    written += [out / "report.md", out / "index.html"]
+    return {"out_dir": out, "written": written, "figures": figure_paths, "table": table, "missing": missing,
+            "points": points, "source": src}
+
+
+def skipped_line(name: str, spec: ReportSpec) -> str | None:
+    """One line naming the paper's methods that kvbench lacks (their rows are skipped)."""
+    if not spec.not_in_kvbench:
+        return None
+    return f"{name}: skipping methods not in kvbench: {', '.join(spec.not_in_kvbench)}"
+
+
+def _markdown(src: Source, shown: pd.DataFrame, figures: Mapping[str, Path], facts: Mapping[str, Any]) -> str:
+    lines = [f"# {src.spec.title}", "", f"Records under `{src.root}`: {facts['points']} points, "
+             f"{facts['records']} records.", ""]
+    if facts["skipped"]:
+        lines += [facts["skipped"], ""]
+    if facts["missing"]:
+        lines += [f"{len(facts['missing'])} expected points have no records (shown as `{MISSING}`):", ""]
+        lines += [f"- {', '.join(f'{k}={v}' for k, v in p.items())}" for p in facts["missing"]] + [""]
+    lines += [shown.to_markdown(index=False, disable_numparse=True), ""]
+    lines += [f"![{name}]({path.name})" for name, path in figures.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _html(src: Source, shown: pd.DataFrame, figures: Mapping[str, Path], facts: Mapping[str, Any]) -> str:
+    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(src.spec.title)}</title>",
+             "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;font-size:13px}"
+             "td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}img{max-width:100%}</style></head><body>",
+             f"<h1>{html.escape(src.spec.title)}</h1>",
+             f"<p>Records under <code>{html.escape(str(src.root))}</code>: {facts['points']} points, "
+             f"{facts['records']} records.</p>"]
+    if facts["skipped"]:
+        parts.append(f"<p>{html.escape(facts['skipped'])}</p>")
+    if facts["missing"]:
+        items = "".join(f"<li>{html.escape(', '.join(f'{k}={v}' for k, v in p.items()))}</li>"
+                        for p in facts["missing"])
+        parts.append(f"<p>{len(facts['missing'])} expected points have no records (shown as "
+                     f"<em>{MISSING}</em>):</p><ul>{items}</ul>")
+    parts.append("<h2>Table</h2>" + shown.to_html(index=False, escape=True))
+    parts.append("<p>Also as <a href='table.csv'>CSV</a>, <a href='table.tex'>LaTeX</a>, "
+                 "<a href='table.md'>markdown</a>; every point and subtask: <a href='points.csv'>points.csv</a>.</p>")
+    for name, path in figures.items():
+        data = base64.b64encode(path.read_bytes()).decode()
+        parts.append(f"<h2>{name}</h2><img alt='{name}' src='data:image/png;base64,{data}'>"
+                     f"<p><a href='{path.stem}.pdf'>PDF</a></p>")
+    parts.append("</body></html>")
+    return "\n".join(parts) + "\n"

@@ -1,0 +1,143 @@
+"""results/collect.py"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+import json
+import logging
+import os
+from collections import defaultdict
+from pathlib import Path
+
+from kvbench.config.paths import experiment_config, experiments
+from kvbench.results.store import RECORDS_FILE, load_records
+from kvbench.results.summary import _is_number
+
+log = logging.getLogger(__name__)
+
+
+# Record fields that are not table columns: structure, or renamed (a record's `task` is its subtask).
+_NESTED_RECORD_FIELDS = ("point", "turns", "task")
+
+
+# Dict fields that are not flattened into columns: per-sample task data (needle offsets, ...).
+_UNFLATTENED_RECORD_FIELDS = ("point", "meta")
+
+
+# Sections and keys of a run directory's config.yaml that become columns (`method.window`, `task.seq_len`, ...):
+# the names a sweep overrides, so a preset's grid can be matched against the records.
+CONFIG_COLUMNS = ("model", "method", "task", "engine", "budget", "compression_ratio", "compress_question", "seed",
+                  "profile", "profiler")
+
+
+# Per-sample task data kept as columns: NIAH's cell (length, depth), Math-500's generation limit.
+META_COLUMNS = ("length", "depth", "seq_len")
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, Any]) -> None:
+    """Flatten nested dicts into dotted columns; lists become JSON text so they can be group keys."""
+    if isinstance(value, dict):
+        for key, sub in value.items():
+            _flatten(f"{prefix}.{key}" if prefix else str(key), sub, out)
+    elif isinstance(value, list):
+        out[prefix] = json.dumps(value)
+    else:
+        out[prefix] = value
+
+
+def _run_config(run_dir: Path) -> dict[str, Any]:
+    """The run directory's resolved config (config.yaml), flattened; empty when it has none."""
+    import yaml
+
+    path = run_dir / "config.yaml"
+    try:
+        cfg = yaml.safe_load(path.read_text(encoding="utf-8")) if path.exists() else None
+    except (OSError, yaml.YAMLError) as err:
+        log.warning("%s: unreadable config (%s); its config columns are left empty", path, err)
+        cfg = None
+    flat: dict[str, Any] = {}
+    for key in CONFIG_COLUMNS:
+        if isinstance(cfg, dict) and key in cfg:
+            _flatten(key, cfg[key], flat)
+    # the config files the point was composed from (`method=snapkv_head` is SnapKV with per-head selection):
+    # what a sweep names, so what a report matches and shows
+    hydra_file = run_dir / ".hydra" / "hydra.yaml"
+    if hydra_file.exists():
+        try:
+            choices = (yaml.safe_load(hydra_file.read_text(encoding="utf-8")) or {}).get("hydra", {}).get(
+                "runtime", {}).get("choices", {})
+        except (OSError, yaml.YAMLError):
+            choices = {}
+        flat.update({f"choice.{k}": v for k, v in choices.items() if k in ("model", "method", "task", "experiment")})
+    return flat
+
+
+def collect(results_root: Path) -> "pd.DataFrame":
+    """One row per record under `results_root`: its fields, its point's identity, its run's config and its
+    subtask. Reading never modifies a run directory (see `load_records`), so it is safe on a live sweep.
+
+    A record's ``task`` is its subtask (``subtask`` column); the point's ``task`` is the task config (a suite
+    name for suites). ``attrs["point_columns"]`` lists the columns that came from point identities. Nested
+    record fields are dotted columns (``profile.ttft_s``); the run's config adds ``method.window``,
+    ``task.seq_len``, ... where no record field has that name; per-head lists stay JSON text.
+    """
+    import pandas as pd
+
+    root = Path(results_root)
+    rows: list[dict[str, Any]] = []
+    point_columns: dict[str, None] = {}  # ordered set
+    for path in sorted(root.rglob(RECORDS_FILE)):
+        run_dir = path.parent
+        config = _run_config(run_dir)
+        for rec in load_records(run_dir):
+            row = {k: v for k, v in rec.items() if k not in _NESTED_RECORD_FIELDS and not isinstance(v, (dict, list))}
+            for key, value in rec.items():  # e.g. budget_plan.k1, eviction_schedule.block_size
+                if isinstance(value, dict) and key not in _UNFLATTENED_RECORD_FIELDS:
+                    _flatten(key, value, row)
+                elif isinstance(value, list) and key not in _NESTED_RECORD_FIELDS:
+                    row[key] = json.dumps(value)
+            extra: dict[str, list[float]] = defaultdict(list)  # a task's secondary metrics (Math-500 exact match)
+            for turn in rec.get("turns") or []:
+                for name, value in (turn.get("extra_scores") or {}).items():
+                    if _is_number(value):
+                        extra[name].append(float(value))
+            row.update({f"extra.{name}": sum(v) / len(v) for name, v in extra.items()})
+            meta = rec.get("meta") or {}
+            row.update({f"meta.{k}": meta[k] for k in META_COLUMNS if k in meta})
+            row["subtask"] = rec.get("task")
+            row["n_turns"] = len(rec.get("turns") or [])
+            point: dict[str, Any] = {}
+            _flatten("", rec.get("point") or {}, point)
+            point_columns.update(dict.fromkeys(point))
+            row.update(point)
+            for key, value in config.items():
+                row.setdefault(key, value)
+            row["run_dir"] = str(run_dir.relative_to(root))
+            rows.append(row)
+    df = pd.DataFrame(rows)
+    df.attrs["point_columns"] = list(point_columns)
+    df.attrs["root"] = str(root)
+    return df
+
+
+def results_root(source: str | os.PathLike[str]) -> Path:
+    """The results directory of `source`: a directory as given, or an experiment preset's ``results_dir``."""
+    from kvbench.core.errors import KVBenchError
+
+    path = Path(source)
+    if path.is_dir():
+        return path
+    if str(source) in experiments():
+        return Path(experiment_config(str(source)).results_dir)
+    raise KVBenchError(f"{source}: neither a results directory nor an experiment (experiments: "
+                       f"{', '.join(experiments())})")
+
+
+def load(source: str | os.PathLike[str]) -> "pd.DataFrame":
+    """All records of an experiment preset (``load("adakv_fig4")``, read from its ``results_dir``) or of a
+    results directory, one row per record with the point's config flattened into columns (see `collect`)."""
+    return collect(results_root(source))

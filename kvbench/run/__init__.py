@@ -1,0 +1,1 @@
+"""Experiment points: identity, running one (or a group decoded together), out-of-memory and profiling policy."""

@@ -1,0 +1,89 @@
+"""run/caches.py"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import logging
+import random
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench.core.errors import KVBenchError
+from kvbench.engine.prompt import PromptBuilder
+from kvbench.models import LoadedModel
+from kvbench.tasks.base import Sample
+
+log = logging.getLogger("kvbench")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+_MODELS: dict[str, Any] = {}
+
+
+def cached_model(model_cfg: DictConfig) -> "LoadedModel":
+    """Models are loaded once per process: a local multirun reuses them across points."""
+    from kvbench.models import load_model
+
+    key = OmegaConf.to_yaml(model_cfg)
+    if key not in _MODELS:
+        _MODELS.clear()
+        log.info("loading model %s (%s, %s)", model_cfg.name, model_cfg.dtype, model_cfg.device)
+        _MODELS[key] = load_model(model_cfg)
+    return _MODELS[key]
+
+
+_SAMPLES: dict[tuple, list] = {}
+
+
+def cached_samples(cfg: DictConfig, lm: "LoadedModel", builder: "PromptBuilder") -> list["Sample"]:
+    """Samples depend on the task, the tokenizer (lengths are measured in it), the template and the seed, not on
+    the method: a local sweep generates them once per process."""
+    key = (OmegaConf.to_yaml(cfg.task), lm.name, cfg.seed, OmegaConf.to_yaml(cfg.engine))
+    if key not in _SAMPLES:
+        _SAMPLES.clear()
+        try:
+            task = instantiate(cfg.task, _convert_="all")
+            if task.max_positions is None:
+                task.max_positions = lm.max_positions
+            log.info("%s: building samples (lengths measured in %s's tokenizer)", cfg.task.name, lm.name)
+            start = time.perf_counter()
+            _SAMPLES[key] = task.samples(builder.measure, seed=cfg.seed)
+            log.info("%s: %d samples in %.1f s", cfg.task.name, len(_SAMPLES[key]), time.perf_counter() - start)
+        except (ValueError, InstantiationException) as exc:  # a task's word on its settings
+            log.debug("task %s failed", cfg.task.name, exc_info=True)
+            cause = exc.__cause__ if isinstance(exc, InstantiationException) and exc.__cause__ else exc
+            raise KVBenchError(f"task {cfg.task.name}: {cause}") from exc
+    return _SAMPLES[key]
+
+
+def _libc_trim() -> Any:
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+_MALLOC_TRIM = _libc_trim()
+
+
+def release_host_memory() -> None:
+    """Hand freed KV tensors back to the OS between samples.
+
+    glibc keeps freed heap pages of the cache's per-step reallocations, so without this a CPU run's RSS grew
+    by ~300 MB per 4K-token SmolLM2 sample (measured: 1.5 -> 3.0 GiB over 6 samples; 1.24 GiB flat with it).
+    """
+    gc.collect()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)

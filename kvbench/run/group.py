@@ -1,0 +1,68 @@
+"""run/group.py"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from kvbench.core.errors import KVBenchError
+from kvbench.run.caches import release_host_memory
+from kvbench.run.policy import run_rows
+from kvbench.run.prepare import PreparedPoint, prepare_point
+
+log = logging.getLogger("kvbench")
+
+
+def group_key(cfg: DictConfig) -> str | None:
+    """Points with equal keys share a model, samples and engine settings, so their samples can decode as one
+    batch (`run_grouped`); None for a point that runs alone (profiled points: their timings and peaks must be
+    their own)."""
+    if cfg.get("profile"):
+        return None
+    parts = [OmegaConf.to_yaml(cfg[k], resolve=True) for k in ("model", "task", "engine")]
+    return "\n".join([*parts, str(cfg.compress_question), str(cfg.seed)])
+
+
+def run_grouped(points: list[tuple[DictConfig, Path]], max_group: int) -> None:
+    """Record the samples of several points that share a `group_key`, decoding each sample's points together.
+
+    Per sample: every point still missing it joins one batch (at most `max_group` rows): its own prefill
+    and compression (one shared dense prefill through the snapshots), then one batched decode and NLL
+    (`engine.run_group`); each point's record is appended to its own store as soon as the sample is done, so
+    an interrupted group resumes at the samples each point lacks. Points that fail to prepare are left to
+    their own job, which reports the error.
+    """
+    from kvbench.results.store import point_lock
+
+    with contextlib.ExitStack() as locks:
+        prepared = []
+        for cfg, run_dir in {run_dir: (cfg, run_dir) for cfg, run_dir in points}.values():  # a point swept twice
+            if not locks.enter_context(point_lock(run_dir, wait=False)):
+                log.info("%s is being run by another process; its job waits for it", run_dir)
+                continue
+            try:
+                prepared.append(prepare_point(cfg, run_dir))
+            except KVBenchError as exc:
+                log.info("%s runs alone: %s", run_dir, exc)
+        if len(prepared) >= 2:
+            _run_group_samples(prepared, max_group)
+
+
+def _run_group_samples(prepared: list[PreparedPoint], max_group: int) -> None:
+    samples = prepared[0].samples
+    todo = {p.run_dir: {s.id for s in p.todo()} for p in prepared}
+    pending = [s for s in samples if any(s.id in ids for ids in todo.values())]
+    log.info("decoding %d points together, %d samples to run", len(prepared), len(pending))
+    bar = tqdm(pending, desc=f"group of {len(prepared)} points, {prepared[0].cfg.task.name}", unit="sample",
+               disable=not prepared[0].cfg.show_progress or not pending)
+    for sample in bar:
+        rows = [p for p in prepared if sample.id in todo[p.run_dir]]
+        for start in range(0, len(rows), max_group):
+            run_rows(prepared[0], [(point, sample) for point in rows[start:start + max_group]])
+        release_host_memory()
+
+

@@ -1,0 +1,82 @@
+"""`python -m kvbench`: one experiment point per Hydra job; `-m` sweeps.
+
+A point is (model, task, method, budget, mode, engine settings, seed). Its run directory is derived from the
+point itself (no timestamps), so re-running an interrupted command finds the records already written and
+only computes the missing samples.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+from tqdm.auto import tqdm
+
+from kvbench.run.caches import release_host_memory
+from kvbench.run.policy import run_rows
+from kvbench.run.prepare import PreparedPoint, prepare_point
+
+log = logging.getLogger("kvbench")
+
+
+
+
+
+
+def run_point(cfg: DictConfig) -> dict[str, Any]:
+    """Run (or resume) one experiment point and return its summary."""
+    from kvbench.results.store import point_lock
+
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    with point_lock(run_dir):
+        return _run_prepared(prepare_point(cfg, run_dir))
+
+
+def _run_prepared(prepared: PreparedPoint) -> dict[str, Any]:
+    from kvbench.results.summary import summarize, write_summary
+
+    cfg = prepared.cfg
+    todo = prepared.todo()
+    if len(todo) < len(prepared.samples):
+        log.info("resuming %s: %d of %d samples already recorded", prepared.run_dir,
+                 len(prepared.samples) - len(todo), len(prepared.samples))
+    bar = tqdm(total=len(todo), desc=f"{cfg.method.name} b={prepared.budget} {cfg.task.name}", unit="sample",
+               disable=not cfg.show_progress or not todo)
+    batch = 1 if cfg.profile else max(1, int(prepared.engine_cfg.sample_batch))
+    for start in range(0, len(todo), batch):
+        for record in run_rows(prepared, [(prepared, sample) for sample in todo[start:start + batch]]):
+            if record.get("score") is not None:
+                bar.set_postfix(score=f"{record['score']:.2f}")
+        bar.update(len(todo[start:start + batch]))
+        release_host_memory()
+    bar.close()
+    records = prepared.store.records()
+    summary = summarize(records)
+    summary.update(point=prepared.point_fields, point_hash=prepared.phash, run_dir=str(prepared.run_dir))
+    suite = records[0].get("meta", {}).get("suite") if records else None
+    if suite and suite.get("skipped"):  # e.g. RULER without its QA data: say the average is partial
+        summary["suite_skipped"] = suite["skipped"]
+    write_summary(prepared.run_dir, summary)
+    _print_summary(summary)
+    return summary
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    point = summary["point"]
+    budget = "-" if point["budget"] is None else point["budget"]
+    score = "-" if summary["score"] is None else f"{summary['score']:.2f}"
+    lines = [f"{point['method']} budget={budget} on {point['task']} ({point['model']}): "
+             f"score {score} over {summary['n_samples']} samples"]
+    if summary.get("suite_skipped"):
+        lines.append(f"  (mean of {len(summary['tasks'])} subtasks; skipped for missing data: "
+                     f"{', '.join(summary['suite_skipped'])})")
+    if len(summary["tasks"]) > 1:
+        for task, value in sorted(summary["tasks"].items()):
+            lines.append(f"  {task:<32} {value['score']:7.2f}  (n={value['n']})")
+    for key in ("nll", "kept_tokens_mean", "kv_bytes_after_prefill", "prefill_s", "decode_ms_per_token"):
+        if summary["metrics"].get(key) is not None:
+            lines.append(f"  {key:<32} {summary['metrics'][key]:.4g}")
+    print("\n".join(lines), flush=True)

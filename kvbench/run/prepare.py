@@ -1,0 +1,85 @@
+"""A point made ready to run: validated, its model and samples loaded, its directory and record store set up."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from kvbench.config.validate import check_length, validate
+from kvbench.engine.config import EngineConfig
+from kvbench.engine.prompt import PromptBuilder
+from kvbench.models import LoadedModel
+from kvbench.results.store import point_hash
+from kvbench.run.caches import cached_model, cached_samples, seed_everything
+from kvbench.run.identity import point_identity
+from kvbench.tasks.base import Sample
+
+log = logging.getLogger("kvbench")
+
+
+@dataclass
+class PreparedPoint:
+    """An experiment point ready to run: its directory, identity, method, model, samples and record store."""
+
+    cfg: DictConfig
+    run_dir: Path
+    point: dict[str, Any]
+    phash: str
+    method: Any
+    lm: "LoadedModel"
+    engine_cfg: "EngineConfig"
+    samples: list["Sample"]
+    store: Any
+    point_fields: dict[str, Any]
+    budget: Any
+
+    def todo(self) -> list["Sample"]:
+        done = self.store.completed_ids()
+        return [s for s in self.samples if s.id not in done]
+
+    def append(self, record: dict[str, Any]) -> None:
+        record.update(point=self.point_fields, point_hash=self.phash, method_params=self.method.params())
+        self.store.append(record)
+
+
+def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
+    """Validate a point, load its model and samples, and set up its directory (manifest, config, records)."""
+    from kvbench.core.budget import CompressionRatio
+    from kvbench.engine.config import EngineConfig
+    from kvbench.methods import build_method
+    from kvbench.results.manifest import build_manifest, write_manifest
+    from kvbench.results.store import RecordStore
+
+    validate(cfg)
+    point = point_identity(cfg)
+    phash = point_hash(point)
+    seed_everything(cfg.seed)
+    method_params = {k: v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items() if k != "name"}
+    method = build_method(cfg.method.name, **method_params)
+    lm = cached_model(cfg.model)
+    check_length(cfg, lm)
+    engine_cfg = EngineConfig(compress_question=cfg.compress_question, **OmegaConf.to_container(cfg.engine))
+    if cfg.profile:  # every sample's own prefill (the peaks are real) and no fidelity measurement in the timings
+        engine_cfg.reuse_prefill, engine_cfg.topk_recall = False, False
+    samples = cached_samples(cfg, lm, PromptBuilder(lm.tokenizer, engine_cfg.chat_template, engine_cfg.system_prompt))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    store = RecordStore(run_dir)
+    write_manifest(run_dir, build_manifest(cfg.seed, {"point_hash": phash, "point": point, "dtype": str(lm.dtype)}))
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    point_fields = {
+        "model": lm.name,
+        "task": cfg.task.name,
+        "method": cfg.method.name,
+        "budget": point["budget"],
+        "compression_ratio": point.get("compression_ratio"),
+        "seq_len": cfg.task.get("seq_len"),
+        "compress_question": cfg.compress_question,
+        "dtype": str(lm.dtype).replace("torch.", ""),
+        "seed": cfg.seed,
+    }
+    budget = CompressionRatio(point["compression_ratio"]) if point.get("compression_ratio") is not None else cfg.budget
+    return PreparedPoint(cfg, run_dir, point, phash, method, lm, engine_cfg, samples, store, point_fields, budget)
