@@ -1,4 +1,5 @@
-"""attention/selected.py"""
+"""Attention over what a selection method chose: storage rows, rows kept outside the storage (merged by
+log-sum-exp), a blended fallback; the step's traffic accounting and top-k attention-mass recall."""
 
 from __future__ import annotations
 

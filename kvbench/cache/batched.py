@@ -1,4 +1,4 @@
-"""cache/batched.py"""
+"""`BatchedCache`: several `KVBenchCache`s decoded in one forward, one per batch row."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""cache/kvcache.py"""
+"""`KVBenchCache`: the layers of one sequence, their byte accounting, clones that share storage, and the
+decode statistics (`DecodeStats`) the attention function adds to."""
 
 from __future__ import annotations
 

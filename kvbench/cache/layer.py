@@ -1,4 +1,4 @@
-"""The KV cache: per-layer storage in which every KV head may hold a different set of tokens.
+"""`KVLayer`: one layer of the KV cache, a per-head row store in which every KV head may hold its own tokens.
 
 Storage (batch size 1, as in the Ada-KV and RocketKV reference code): every per-token field of a layer
 (keys, values, positions, a method's token state) is one flat row buffer `[R, ...]`; head h's tokens are
@@ -19,13 +19,13 @@ gather the kept rows with `index_select` into new compact buffers, so the old st
 would keep it alive). `kv_bytes` counts the tokens held, `kv_capacity_bytes` the buffers with their slack.
 
 `H` is the model's KV heads, unless a method split every KV head into one copy per query head (SnapKV per
-query head, RocketKV's baseline): `keep` with G index lists per KV head does that, new tokens are then
+query head, RocketKV's baseline): `retain` with G index lists per KV head does that, new tokens are then
 appended to every copy, and the attention paths see a GQA group of 1. The storage that costs is counted.
 
 Per-token state travels with the tokens. `positions` (each stored token's logical position; RoPE is
 already applied to the keys) and a method's `token_state` tensors (H2O's accumulated attention) share one
 row layout, so eviction, appends and rollback move all of them with one set of row indices and no method
-keeps a side table that could drift from the cache. A layer also keeps the last `cache.query_window`
+keeps a side table that could drift from the cache. A layer also keeps the last `Step.query_window`
 queries it attended with (`queries`, `query_positions`): the observation window of SnapKV-like scores,
 whether eviction runs at the end of a segment, after a prefill block or during decoding.
 

@@ -1,4 +1,4 @@
-"""cli/figures.py"""
+"""`python -m kvbench.figures RESULTS_DIR --layout NAME`: a paper's efficiency figure and table."""
 
 from __future__ import annotations
 

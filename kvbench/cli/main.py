@@ -1,4 +1,4 @@
-"""cli/main.py"""
+"""`python -m kvbench` / `kvbench`: argument checks, then one Hydra job per experiment point (`-m` sweeps)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""cli/report.py"""
+"""`kvbench report SOURCE`: the point table, and the preset's paper layout written under <results_dir>/report/."""
 
 from __future__ import annotations
 

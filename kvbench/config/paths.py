@@ -1,4 +1,4 @@
-"""config/paths.py"""
+"""Where the Hydra config tree lives and what it offers: config groups and their choices, presets, composition."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""config/validate.py"""
+"""The one set of argument checks: every top-level, engine and generic task setting, the chosen groups and
+their settings, and prompt lengths against the model, each refused with one line naming the setting."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""core/budget.py"""
+"""Budget units: tokens per KV head, a ratio of the compressed segment, or kvpress's compression ratio."""
 
 from __future__ import annotations
 

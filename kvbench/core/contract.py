@@ -1,4 +1,6 @@
-"""core/contract.py"""
+"""The contract types every layer shares: when a method evicts (`Schedule`), its budgets for a sample (`Plan`),
+what a decode step attends to (`Selection`), a padded view of a layer (`HeadView`), and the per-forward
+context handed to the attention function and the hooks (`Step`)."""
 
 from __future__ import annotations
 

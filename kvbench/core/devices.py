@@ -1,4 +1,4 @@
-"""core/devices.py"""
+"""Device helpers shared by the engine and the profilers."""
 
 from __future__ import annotations
 

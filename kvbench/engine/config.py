@@ -1,4 +1,4 @@
-"""engine/config.py"""
+"""Engine settings: the knobs of one sample's run that the `engine:` config group sets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""engine/prompt.py"""
+"""Prompt building: the chat template split into context and question ids (the same tokens in both
+compression modes), multi-turn histories with gold answers, prompt limits and stop tokens."""
 
 from __future__ import annotations
 

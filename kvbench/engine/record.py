@@ -1,4 +1,5 @@
-"""engine/record.py"""
+"""The record of one sample (the schema every results table reads): metrics, timings, memory, traffic and
+storage accounting, predictions."""
 
 from __future__ import annotations
 

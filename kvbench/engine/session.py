@@ -1,4 +1,5 @@
-"""engine/session.py"""
+"""`Session`: one conversation on one cache (prefill, eviction events, decode, rollback), and greedy decoding
+and teacher-forced NLL of several sessions together."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""engine/snapshots.py"""
+"""Dense prefills kept for reuse: eviction after a dense prefill does not change it, so one prefill per prompt
+serves every method and budget of a sweep."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""reporting/callback.py"""
+"""The Hydra callback that prints a sweep's results table when the sweep ends (or is aborted)."""
 
 from __future__ import annotations
 

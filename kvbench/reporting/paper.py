@@ -1,4 +1,4 @@
-"""reporting/paper.py"""
+"""`build`: a preset's whole report from its records: tables (md/csv/tex), figures (PNG/PDF) and one HTML page."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""reporting/paper_figures.py"""
+"""The papers' figures drawn from point tables: accuracy vs budget, NIAH heatmaps, kept tokens, efficiency and
+storage/traffic (matplotlib, files only)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""results/collect.py"""
+"""Reading a results tree as a table: one row per record with its point's identity and run config as columns."""
 
 from __future__ import annotations
 

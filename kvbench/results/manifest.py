@@ -1,4 +1,4 @@
-"""results/manifest.py"""
+"""The environment a point was computed in (versions, git sha, hardware, seed); resumes elsewhere are appended."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""results/summary.py"""
+"""A point's summary: score means (the unweighted mean of subtask means), metric means, per-turn scores."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""run/caches.py"""
+"""Process-wide reuse across the points of a local sweep: the loaded model and the built samples; seeding;
+handing freed host memory back between samples."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""run/group.py"""
+"""Points decoded together: a local multirun groups points that share model, samples and engine settings."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""run/identity.py"""
+"""A point's identity: what decides its numbers, hashed into its directory name (the `kvbench_point_dir`
+resolver Hydra's run and sweep directories use)."""
 
 from __future__ import annotations
 

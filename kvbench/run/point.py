@@ -1,4 +1,4 @@
-"""`python -m kvbench`: one experiment point per Hydra job; `-m` sweeps.
+"""Running (or resuming) one experiment point: one Hydra job of `python -m kvbench`.
 
 A point is (model, task, method, budget, mode, engine settings, seed). Its run directory is derived from the
 point itself (no timestamps), so re-running an interrupted command finds the records already written and

@@ -1,4 +1,5 @@
-"""run/policy.py"""
+"""Running rows of points: one alone, several decoded together, an out-of-memory sample recorded as such,
+profiled samples repeated and given roofline ratios."""
 
 from __future__ import annotations
 
