@@ -32,3 +32,27 @@ def test_tasks_and_kernels_import_only_the_bottom_layer(folder):
                 if name.startswith("kvbench") and not name.startswith(allowed):
                     wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {name}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycle_among_kvbench_modules():
+    """import-linter's layers contract forbids imports up the layers; this also catches a cycle inside one
+    layer (TYPE_CHECKING imports included: grimp counts them)."""
+    grimp = pytest.importorskip("grimp")
+    graph = grimp.build_graph("kvbench")
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    cycles: list[str] = []
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        # a self-edge is grimp's reading of `import kvbench.conf` (a folder outside kvbench/), not a cycle
+        for target in sorted(graph.find_modules_directly_imported_by(module) - {module}):
+            if state.get(target) == 1:
+                cycles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(graph.modules):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
