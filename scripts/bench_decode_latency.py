@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from kvbench.core.devices import sync
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import _prefill_segment
+from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.methods import build_method
 from kvbench.models import load_model
 
@@ -71,6 +72,7 @@ def main() -> None:
     config = lm.model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     engine = EngineConfig(reuse_prefill=True, snapshot_cache_mb=1 << 16)
+    shared = PrefillSnapshots(engine.snapshot_cache_mb)  # one dense prefill for every method
     print(f"{lm.name} on {lm.device} ({torch.get_num_threads()} threads), {lm.dtype}, {args.length} prompt tokens, "
           f"budget t = {args.budget}, {args.steps} timed steps after {args.warmup} warm-up")
     print(f"{'method':<14} {'ms/token':>9} {'p90':>7} {'vs full':>8} {'KV MiB':>8} {'read tok/group/step':>20}")
@@ -80,7 +82,7 @@ def main() -> None:
         plan = method.plan(args.budget, sequence_length=args.length + new_tokens, new_tokens=new_tokens,
                            head_dim=head_dim)
         start = time.perf_counter()
-        session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine)
+        session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine, shared)
         prefill_s = time.perf_counter() - start
         median, p90 = time_decode(lm, session, logits, args.warmup, args.steps)
         baseline = baseline or median

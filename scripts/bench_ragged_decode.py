@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from kvbench.cache.kvcache import KVBenchCache
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import _prefill_segment
+from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.methods import build_method
 from kvbench.models import load_model
 
@@ -72,7 +73,7 @@ def cache_micro(heads: int, group: int, dim: int) -> None:
         dense_us = _median_us(lambda: F.scaled_dot_product_attention(
             q.view(1, heads * group, 1, dim), dense.keys, dense.values, scale=0.1, enable_gqa=True), 30)
         ragged_us = _median_us(lambda: ragged_decode_attention(
-            q, ragged.keys, ragged.values, ragged._offsets(), ragged.head_lens, 0.1), 30)
+            q, ragged.keys, ragged.values, ragged._offsets(), ragged.lengths(), 0.1), 30)
         print(f"{length:>11} {row[0]:>20.1f} {row[1]:>19.1f} {dense_us:>14.1f} {ragged_us:>15.1f} "
               f"{ragged_us / dense_us:>13.2f}")
 
@@ -86,13 +87,14 @@ def model_decode(args: argparse.Namespace) -> None:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(100, lm.model.config.vocab_size - 100, (args.length,), generator=gen).tolist()
     engine = EngineConfig(reuse_prefill=True, snapshot_cache_mb=1 << 16)
+    shared = PrefillSnapshots(engine.snapshot_cache_mb)  # one dense prefill for every method
     print(f"\n{lm.name} on {lm.device} ({torch.get_num_threads()} threads), {lm.dtype}, {args.length} prompt "
           f"tokens, budget {args.budget} per head, {args.steps} timed steps after {args.warmup} warm-up")
     results = {}
     for name in ("snapkv", "adakv"):
         method = build_method(name)
         plan = method.plan(args.budget, sequence_length=args.length + args.steps, new_tokens=args.steps, head_dim=64)
-        session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine)
+        session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine, shared)
         ragged = sum(layer.is_ragged for layer in session.cache.layers)
         kept = sum(sum(layer.lengths()) for layer in session.cache.layers)
         results[name] = time_decode(lm, session, logits, args.warmup, args.steps)

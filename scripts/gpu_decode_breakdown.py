@@ -49,6 +49,7 @@ def main() -> int:
     from kvbench.core.devices import sync
     from kvbench.engine.config import EngineConfig
     from kvbench.engine.sample import _prefill_segment
+    from kvbench.engine.snapshots import PrefillSnapshots
     from kvbench.methods import build_method
     from kvbench.models import load_model
 
@@ -63,6 +64,7 @@ def main() -> int:
     new_tokens = args.warmup + args.steps + args.profiled + 1
     ids = torch.randint(4, lm.model.config.vocab_size, (args.length,), generator=gen).tolist()
     engine = EngineConfig(reuse_prefill=True, snapshot_cache_mb=1 << 16)
+    shared = PrefillSnapshots(engine.snapshot_cache_mb)  # one dense prefill for every method
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{name}: {args.layers} layers, {args.length} prompt tokens, budget {args.budget}, cuDNN SDPA "
@@ -73,7 +75,7 @@ def main() -> int:
         method = build_method(method_name)
         plan = method.plan(args.budget, sequence_length=args.length + new_tokens, new_tokens=new_tokens,
                            head_dim=128)
-        session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine)
+        session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine, shared)
         token = int(logits.argmax())
         wall = []
         for step in range(args.warmup + args.steps):

@@ -62,7 +62,7 @@ def test_unreserved_appends_copy_the_layer_a_logarithmic_number_of_times(tiny, m
 def test_clones_share_buffers_and_copy_on_write(tiny, method, budget, ragged):
     original, logits = _compressed(tiny, method, budget)
     original.cache.reserve(4)
-    twin = original.twin()
+    twin = original.fork()
     twin.position = original.position
     shared = original.cache.layers[0].buffers["keys"].data_ptr()
     assert twin.cache.layers[0].buffers["keys"].data_ptr() == shared

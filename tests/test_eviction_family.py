@@ -17,10 +17,12 @@ from kvbench.core.errors import KVBenchError
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
+from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.methods import build_method
 from kvbench.methods.keydiff import keydiff_scores
 from kvbench.methods.pyramidkv import pyramid_budgets
 from kvbench.methods.tova import last_query_attention
+from kvbench.run.caches import prefill_snapshots
 
 PROMPT = 300
 SMALL = {"window": 8}  # SnapKV-family windows that fit a 48-token budget
@@ -377,12 +379,28 @@ def test_methods_that_are_not_one_dense_pass_do_not_use_the_shared_prefill(tiny_
     inline = EngineConfig(reuse_prefill=False)
     for name, params, shared in [("keydiff", {}, False), ("h2o", {}, False), ("tova", {"block_size": 32}, False),
                                  ("keydiff", {"block_size": None}, True), ("tova", {"decode_every": 1}, True)]:
-        run_sample(tiny_llama, build_method("full"), 64, sample, cfg)  # a snapshot of this prompt exists
-        record = run_sample(tiny_llama, build_method(name, **params), 64, sample, cfg)
+        store = PrefillSnapshots(cfg.snapshot_cache_mb)
+        run_sample(tiny_llama, build_method("full"), 64, sample, cfg, snapshots=store)  # a snapshot of this prompt
+        record = run_sample(tiny_llama, build_method(name, **params), 64, sample, cfg, snapshots=store)
         assert record["prefill_reused"] is shared, name
         alone = run_sample(tiny_llama, build_method(name, **params), 64, sample, inline)
         assert record["turns"][0]["prediction"] == alone["turns"][0]["prediction"]
         assert record["nll"] == alone["nll"] and record["layer_budgets"] == alone["layer_budgets"]
+
+
+def test_the_run_layer_keeps_one_prefill_store_per_process_and_size_limit():
+    """What the points of a local multirun share (the engine keeps no store of its own)."""
+    assert prefill_snapshots(64) is prefill_snapshots(64)
+    assert prefill_snapshots(32) is not prefill_snapshots(64)
+
+
+def test_a_run_sample_without_a_store_reuses_no_prefill(tiny_llama):
+    sample = Sample(id="s0", task="synthetic", context="".join(random.Random(2).choices("abcdefgh ", k=300)),
+                    turns=[Turn("Which letter?", ["a"], max_new_tokens=4, metric="string_match_all")])
+    first = run_sample(tiny_llama, build_method("snapkv"), 64, sample, EngineConfig())
+    again = run_sample(tiny_llama, build_method("snapkv"), 64, sample, EngineConfig())
+    assert not first["prefill_reused"] and not again["prefill_reused"]
+    assert first["turns"][0]["prediction"] == again["turns"][0]["prediction"] and first["nll"] == again["nll"]
 
 
 @pytest.mark.parametrize(

@@ -61,7 +61,7 @@ def test_batched_attention_equals_each_caches_own_attention(tiny):
     module = SimpleNamespace(layer_idx=0)
     alone = []
     for b, session in enumerate(sessions):
-        twin = session.twin()
+        twin = session.fork()
         key, _ = twin.cache.layers[0].update(keys[b:b + 1], values[b:b + 1])
         alone.append(kvbench_attention(module, query[b:b + 1], key, None, None, scaling=0.25,
                                        kvbench_steps=[twin.step_context()])[0])

@@ -14,6 +14,7 @@ from kvbench.engine.config import EngineConfig
 from kvbench.engine.prompt import PromptBuilder
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
+from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.methods import build_method
 
 pytestmark = pytest.mark.integration
@@ -77,8 +78,9 @@ def test_adakv_eviction_matches_dense_reference_on_smollm(smollm2, niah_samples)
 
 def test_compression_frees_kv_memory_and_keeps_the_record_honest(smollm2, niah_samples):
     sample = niah_samples[0]
-    full = run_sample(smollm2, build_method("full"), 1024, sample, EngineConfig())
-    ada = run_sample(smollm2, build_method("adakv"), 128, sample, EngineConfig())
+    cfg, shared = EngineConfig(), PrefillSnapshots(EngineConfig().snapshot_cache_mb)  # as a sweep's points share
+    full = run_sample(smollm2, build_method("full"), 1024, sample, cfg, snapshots=shared)
+    ada = run_sample(smollm2, build_method("adakv"), 128, sample, cfg, snapshots=shared)
     assert ada["compressed"] and ada["kept_tokens_mean"] == 128
     n_layers, n_kv, dim = 30, 3, 64
     assert full["kv_bytes_after_compress"] == 2 * n_layers * n_kv * dim * 4 * full["prompt_tokens"]

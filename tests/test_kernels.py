@@ -360,7 +360,7 @@ def test_ragged_dispatcher_matches_the_padded_sdpa_decode_path():
     reference = ragged_decode_attention_reference(q, layer.keys, layer.values, layer._offsets(), lens, 0.25)
     for name in ("keys", "values"):  # slack rows: the decode path must never read them
         layer.buffers[name][torch.tensor([7, 8, 13, 58])] = float("nan")
-    out = ragged_decode_attention(q, layer.keys, layer.values, layer._offsets(), layer.head_lens, 0.25)
+    out = ragged_decode_attention(q, layer.keys, layer.values, layer._offsets(), layer.lengths(), 0.25)
     torch.testing.assert_close(out.reshape(1, -1, 1, dim), sdpa.reshape(1, -1, 1, dim), **FP32_TOL)
     torch.testing.assert_close(out, reference, **FP32_TOL)
 

@@ -16,7 +16,7 @@ import pytest
 
 from kvbench.results.manifest import build_manifest, git_state, write_manifest
 from kvbench.results.store import RecordStore, load_records, point_hash
-from kvbench.results.summary import summarize, write_summary
+from kvbench.results.summary import mean_of_subtasks, summarize, write_summary
 
 
 def rec(sample_id: str, task: str = "qa", score: float = 1.0, **fields: object) -> dict:
@@ -232,6 +232,13 @@ def test_summarize_single_task_and_turns() -> None:
     assert s["score"] == s["score_micro"] == pytest.approx(75.0)
     assert s["tasks"]["kv"]["turn_scores"] == pytest.approx([100.0, 50.0, 100.0])
     assert summarize([])["score"] is None and summarize([])["n_samples"] == 0
+
+
+def test_mean_of_subtasks_leaves_out_subtasks_without_a_value() -> None:
+    """The one rule behind a summary's score, the point table's task mean row and the paper tables' scores."""
+    assert mean_of_subtasks([50.0, None, 100.0]) == 75.0
+    assert mean_of_subtasks([None, None]) is None and mean_of_subtasks([]) is None
+    assert np.isnan(mean_of_subtasks([], empty=float("nan")))
 
 
 def test_summarize_rejects_mixed_points() -> None:

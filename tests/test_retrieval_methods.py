@@ -60,7 +60,7 @@ def test_ctkvr_retrieving_everything_equals_full_attention(tiny):
     method = build_method("ctkvr", **SMALL_CTKVR, retrieved_centroids=64, list_ratio=1.0)
     session = Session(tiny, method, PROMPT - 8 - 48, sequence_length=PROMPT + 50)  # rho' = every host row
     outs = decode(session, session.prefill(ids, compress=True)[0], 6)
-    assert session.cache.layers[0].aux["host"].keys.shape[1] == PROMPT - 8 - 48
+    assert session.cache.layers[0].derived["host"].keys.shape[1] == PROMPT - 8 - 48
     for ours, theirs in zip(outs, dense(tiny, ids, 6)):
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-5)
 
@@ -82,7 +82,7 @@ def test_ctkvr_rerank_is_a_subset_of_the_recall_of_size_rho_prime_and_dcu_replac
     def spy_select(layer, q, view, step, scaling):
         sel = select(layer, q, view, step, scaling)
         ext_k, _, ext_valid = sel.external
-        host = layer.aux["host"]
+        host = layer.derived["host"]
         rows = [int((host.keys[h] == ext_k[h, j]).all(-1).nonzero()[0]) for h in range(ext_k.shape[0])
                 for j in range(ext_k.shape[1]) if ext_valid[h, j]]
         chosen.append((layer.layer_idx, q.clone(), rows, ext_k.shape[1]))
@@ -92,7 +92,7 @@ def test_ctkvr_rerank_is_a_subset_of_the_recall_of_size_rho_prime_and_dcu_replac
     budget = 16
     session = Session(tiny_llama, method, budget, sequence_length=PROMPT + 20)
     logits, _ = session.prefill(random_ids(PROMPT, seed=62), compress=True)
-    index0 = session.cache.layers[0].aux["index"]
+    index0 = session.cache.layers[0].derived["index"]
     before = index0.centroids.clone()
     outs = decode(session, logits, 3)
     for (rows, valid), (_, _, picked, width) in zip(seen, chosen):
@@ -100,7 +100,7 @@ def test_ctkvr_rerank_is_a_subset_of_the_recall_of_size_rho_prime_and_dcu_replac
         assert set(picked) <= recalled  # rerank picks only recalled rows
         assert width == min(budget, int(valid.sum(dim=1).max()))  # rho' (or the recall size when smaller)
     # DCU: decode query i sits in slot i (the oldest centroids go first); the others are untouched
-    index = session.cache.layers[0].aux["index"]
+    index = session.cache.layers[0].derived["index"]
     layer0_queries = [q for idx, q, _, _ in chosen if idx == 0]
     for i, q in enumerate(layer0_queries):
         assert torch.equal(index.centroids[:, i], q.reshape(-1, q.shape[-1]))
@@ -152,13 +152,13 @@ def test_ctkvr_moves_the_middle_off_the_device_storage_without_a_second_copy(tin
     gc.collect()
     assert all(ref() is None for ref in dense_keys), "the dense storage must be freed"
     for layer in session.cache.layers:
-        host = layer.aux["host"]
+        host = layer.derived["host"]
         assert layer.lengths() == [8 + 48] * layer.num_heads
         assert host.keys.shape[1] == PROMPT - 8 - 48
         positions = set(layer.positions[0].tolist())
         assert positions == set(range(8)) | set(range(PROMPT - 48, PROMPT))
         assert set(host.positions[0].tolist()).isdisjoint(positions)
-    host_kv = sum(2 * layer.aux["host"].keys.numel() * 4 for layer in session.cache.layers)
+    host_kv = sum(2 * layer.derived["host"].keys.numel() * 4 for layer in session.cache.layers)
     assert session.cache.kv_bytes() + host_kv == full_bytes  # one copy of every token, wherever it lives
 
 
@@ -168,7 +168,7 @@ def test_ctkvr_host_rows_are_in_pinned_host_memory_on_cuda():
     session = Session(lm, build_method("ctkvr", **SMALL_CTKVR), 16, sequence_length=PROMPT + 20)
     session.prefill(random_ids(PROMPT, seed=64), compress=True)
     for layer in session.cache.layers:
-        host = layer.aux["host"]
+        host = layer.derived["host"]
         assert host.keys.device.type == "cpu" and host.keys.is_pinned() and layer.keys.device.type == "cuda"
     assert torch.isfinite(session.step(5)).all()
 
@@ -216,7 +216,7 @@ def test_omnikv_offload_equals_no_offload_bit_for_bit_and_keeps_the_bank_on_the_
     (plain, outs_plain), (banked, outs_banked) = results[False], results[True]
     assert all(torch.equal(a, b) for a, b in zip(outs_plain, outs_banked))
     sparse = banked.cache.layers[5]
-    assert sparse.aux["bank"].keys.shape[1] == PROMPT and sparse.lengths() == [8, 8]  # the generated tail only
+    assert sparse.derived["bank"].keys.shape[1] == PROMPT and sparse.lengths() == [8, 8]  # the generated tail only
     assert banked.cache.kv_bytes() < plain.cache.kv_bytes()
 
 
@@ -258,7 +258,7 @@ def test_ctkvr_with_every_centroid_and_full_lists_chooses_what_flat_chooses_and_
     session = Session(tiny_llama, method, budget, sequence_length=PROMPT + 10)
     session.prefill(random_ids(PROMPT, seed=67), compress=True)
     layer = session.cache.layers[1]
-    index, host = layer.aux["index"], layer.aux["host"]
+    index, host = layer.derived["index"], layer.derived["host"]
     centroids, rho = index.centroids.shape[1], index.lists.shape[2]
     assert rho == host.keys.shape[1] and index.lists.dtype == torch.int32
     assert index.lists.numel() * index.lists.element_size() == layer.num_heads * centroids * rho * 4

@@ -101,7 +101,7 @@ def test_sparq_reallocation_blends_the_mean_value_by_the_estimated_mass(tiny_lla
     selection = session.method.select(layer, q, view, session.step_context(), layer.scaling)
     assert selection.weight.shape == (layer.num_heads, 2, 1) and bool(((selection.weight > 0) & (selection.weight < 1)).all())
     torch.testing.assert_close(selection.fallback[:, 0], view.values.mean(1), atol=1e-6, rtol=1e-5)
-    assert torch.equal(layer.aux["keys_t"].keys_t, view.keys.transpose(1, 2))  # K stored a second time
+    assert torch.equal(layer.derived["keys_t"].keys_t, view.keys.transpose(1, 2))  # K stored a second time
 
 
 @pytest.mark.parametrize("name", ["quest", "hsa", "rocketkv"])
@@ -112,7 +112,7 @@ def test_incremental_page_summaries_equal_a_rebuild(tiny, name):
 
     def check():
         for layer in session.cache.layers:
-            pages = layer.aux["pages"]
+            pages = layer.derived["pages"]
             rebuilt = PageSummary.of(layer.head_view().keys, pages.page_size)
             assert pages.length == rebuilt.length == layer.physical_length()
             assert torch.equal(pages.kmin, rebuilt.kmin) and torch.equal(pages.kmax, rebuilt.kmax)
@@ -135,7 +135,7 @@ def test_quest_page_bound_never_below_the_true_page_maximum(tiny_llama):
     for layer in session.cache.layers:
         keys = layer.head_view().keys
         q = torch.randn(layer.num_heads, 2, layer.head_dim)
-        pages = layer.aux["pages"]
+        pages = layer.derived["pages"]
         dims = torch.arange(layer.head_dim).expand(layer.num_heads, -1)
         bound = page_scores(q, pages.kmin, pages.kmax, dims, q > 0)  # [H, G, P]
         logits = torch.einsum("hgd,hld->hgl", q, keys)
@@ -162,8 +162,8 @@ def test_rocketkv_mt_selects_from_the_full_history_and_keeps_it_while_rocketkv_s
 
     def spy(layer, budget, step):
         out = keep(layer, budget, step)
-        if layer.layer_idx == 0 and "selected" in layer.aux:
-            selections.append((layer.physical_length(), layer.aux["selected"].rows.clone()))
+        if layer.layer_idx == 0 and "selected" in layer.derived:
+            selections.append((layer.physical_length(), layer.derived["selected"].rows.clone()))
         return out
 
     mt_method.keep = spy

@@ -112,7 +112,7 @@ def _decode(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> 
     if not layer.is_ragged:
         return F.scaled_dot_product_attention(query, layer.keys, layer.values, scale=scaling, enable_gqa=True)
     q = query[0, :, 0, :].view(layer.num_heads, -1, query.shape[-1])  # packed GQA: [H_kv, G, D]
-    out = ragged_decode_attention(q, layer.keys, layer.values, layer._offsets(), layer.head_lens, scaling)
+    out = ragged_decode_attention(q, layer.keys, layer.values, layer._offsets(), layer.lengths(), scaling)
     return out.reshape(1, -1, 1, out.shape[-1])
 
 

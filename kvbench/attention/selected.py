@@ -8,6 +8,7 @@ import torch
 from kvbench.cache.layer import KVLayer
 from kvbench.core.contract import HeadView, Selection, Step
 from kvbench.kernels.sparse_attention import merge_attention, topk_attention
+from kvbench.methods.common.placement import mass_recall
 
 
 def selected_attention(layer: KVLayer, step: Step, q: torch.Tensor, view: HeadView, selection: Selection,
@@ -48,6 +49,4 @@ def attention_recall(q: torch.Tensor, view: HeadView, idx: torch.Tensor, scaling
     if view.valid is not None:
         logits.masked_fill_(~view.valid[:, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    chosen = probs.gather(-1, idx).sum(-1)
-    best = probs.topk(idx.shape[-1], dim=-1).values.sum(-1)
-    return float((chosen / best).mean())
+    return mass_recall(probs, probs.gather(-1, idx).sum(-1), idx.shape[-1])

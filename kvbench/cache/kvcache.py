@@ -91,10 +91,10 @@ class KVBenchCache(Cache):
     def clone(self) -> "KVBenchCache":
         """A copy that shares the (never mutated in place) tensors: costs no memory until it diverges. Its
         decode statistics start empty."""
-        twin = KVBenchCache(0)
-        twin.layers = [layer.clone_into(twin) for layer in self.layers]
-        twin._kv_bytes, twin.kv_peak_bytes = self._kv_bytes, self.kv_peak_bytes
-        return twin
+        copy = KVBenchCache(0)
+        copy.layers = [layer.clone_into(copy) for layer in self.layers]
+        copy._kv_bytes, copy.kv_peak_bytes = self._kv_bytes, self.kv_peak_bytes
+        return copy
 
 
 @dataclass

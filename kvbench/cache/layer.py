@@ -9,7 +9,7 @@ rows `starts[h] .. starts[h] + len_h`, and the rows up to the next head's start 
   (StreamingLLM, SnapKV, KeyDiff, ...) live here, and the uncompressed attention path is exactly the stock
   SDPA call (on a strided view: bitwise the same as on a contiguous copy).
 - *ragged*: heads hold different numbers of tokens (Ada-KV). `keys`/`values` are the flat buffers with
-  `starts` and `head_lens` (the official Ada-KV layout, `cu_seqlens` style), so evicted tokens are really
+  `starts` and `lens` (the official Ada-KV layout, `cu_seqlens` style), so evicted tokens are really
   freed rather than padded.
 
 Appending a token writes one row per head into the slack: amortised O(1), never a copy of the layer. When
@@ -29,15 +29,17 @@ keeps a side table that could drift from the cache. A layer also keeps the last 
 queries it attended with (`queries`, `query_positions`): the observation window of SnapKV-like scores,
 whether eviction runs at the end of a segment, after a prefill block or during decoding.
 
-Derived state a selection method reads (page summaries, SparQ's transposed keys) is `aux`: immutable objects
-the method builds (`Method.build_aux`) when the segment ends; the cache hands every append and rollback to
+Derived state a selection method reads (page summaries, SparQ's transposed keys) is `derived`: immutable objects
+the method builds (`Method.build_derived`) when the segment ends; the cache hands every append and rollback to
 them (`append(layer, n)` / `truncate(layer)` return the updated object) and drops them when an eviction
 changes the rows, after which the method rebuilds them.
 
-`seen` counts logical tokens and `get_seq_length()` reports it, so transformers' default positions stay
-right after eviction (the engine passes explicit `position_ids` anyway).
+Three lengths, each with one meaning: `seen`, the logical tokens appended so far (the next token's position;
+`get_seq_length()` reports it to transformers, so its default positions stay right after eviction);
+`lens[h]` (`lengths()`), the tokens head h stores now; `physical_length()`, the longest head's, `max(lens)`,
+the width of a padded view.
 
-A prefill snapshot and a teacher-forcing twin share buffers with the cache they were cloned from. That is
+A prefill snapshot and a teacher-forcing fork share buffers with the cache they were cloned from. That is
 safe because no stored row is ever rewritten, and an append writes into slack only where no layer sharing
 the buffers has written past its own length (`claimed`); otherwise it copies (copy on write).
 """
@@ -109,17 +111,16 @@ class KVLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.cache = cache
         # flat row buffers `[R, ...]`, one per per-token field (keys, values, positions, method state); head h
-        # holds rows starts[h] .. starts[h] + head_lens[h], and rows up to the next head's start are slack
+        # holds rows starts[h] .. starts[h] + lens[h], and rows up to the next head's start are slack
         self.buffers: dict[str, torch.Tensor] = {}
         self.starts: list[int] = []
         self.caps: list[int] = []
-        self.head_lens_: list[int] = []
+        self.lens: list[int] = []
         # rows written per head into these buffers by any layer sharing them (clones): an append writes in
         # place only where nobody wrote past this layer's own length, otherwise it copies (copy on write)
         self.claimed: list[int] = []
-        self.aux: dict[str, Any] = {}  # method-owned derived state (page summaries, ...), immutable objects
+        self.derived: dict[str, Any] = {}  # method-owned derived state (page summaries, ...), immutable objects
         self.seen = 0
-        self.prefilled = 0  # logical length after the last multi-token chunk: what decode steps follow
         self.queries: torch.Tensor | None = None  # [H_q, w, D]: the last queries attended with
         self.query_positions: torch.Tensor | None = None  # [w] their logical positions
         self.scaling: float | None = None  # set by the attention function; eviction scores need it
@@ -154,9 +155,7 @@ class KVLayer(CacheLayerMixin):
         else:
             self._append(incoming, q)
         self.seen += q
-        if q > 1:
-            self.prefilled = self.seen
-        self.aux = {name: state.append(self, q) for name, state in self.aux.items()}
+        self.derived = {name: state.append(self, q) for name, state in self.derived.items()}
         self.peak_len = max(self.peak_len, self.physical_length())
         self.cache._account(self.kv_nbytes() - before)
         self.fresh = True  # the attention function checks that the forward it serves updated this layer
@@ -174,12 +173,8 @@ class KVLayer(CacheLayerMixin):
     # -- storage -----------------------------------------------------------------------------------------
     @property
     def is_ragged(self) -> bool:
-        return len(set(self.head_lens_)) > 1
+        return len(set(self.lens)) > 1
 
-    @property
-    def head_lens(self) -> list[int] | None:
-        """Tokens per head on a ragged layer; None on a uniform one."""
-        return list(self.head_lens_) if self.is_ragged else None
 
     def field(self, name: str) -> torch.Tensor:
         """A per-token field: a `[H, L, ...]` view on a uniform layer (`[1, H, L, D]` for keys and values,
@@ -187,8 +182,8 @@ class KVLayer(CacheLayerMixin):
         and positions on a ragged one, and a compact copy of method state there."""
         buf = self.buffers[name]
         if not self.is_ragged:
-            heads = len(self.head_lens_)
-            view = buf.view(heads, buf.shape[0] // heads, *buf.shape[1:])[:, : self.head_lens_[0]]
+            heads = len(self.lens)
+            view = buf.view(heads, buf.shape[0] // heads, *buf.shape[1:])[:, : self.lens[0]]
             return view[None] if name in ("keys", "values") else view
         return buf if name in FIXED_FIELDS else buf.index_select(0, self.used_rows())
 
@@ -214,19 +209,19 @@ class KVLayer(CacheLayerMixin):
     def used_rows(self) -> torch.Tensor:
         """The buffer rows holding tokens, head after head."""
         device = self.buffers["positions"].device
-        return torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.head_lens_)])
+        return torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.lens)])
 
     def lengths(self) -> list[int]:
-        return list(self.head_lens_)
+        return list(self.lens)
 
     def physical_length(self) -> int:
-        return max(self.head_lens_, default=0)
+        return max(self.lens, default=0)
 
     def kv_nbytes(self) -> int:
         """Bytes of the keys and values of the tokens held."""
         if not self.buffers:
             return 0
-        return 2 * sum(self.head_lens_) * self.head_dim * self.buffers["keys"].element_size()
+        return 2 * sum(self.lens) * self.head_dim * self.buffers["keys"].element_size()
 
     def kv_capacity_nbytes(self) -> int:
         """Bytes of the key and value buffers, append slack included."""
@@ -250,7 +245,7 @@ class KVLayer(CacheLayerMixin):
         self.buffers = rows
         self.caps = [n + slack for n in head_lens]
         self.starts = list(itertools.accumulate([0, *self.caps[:-1]]))
-        self.head_lens_ = list(head_lens)
+        self.lens = list(head_lens)
         self.claimed = list(head_lens)
         self.num_heads = heads
 
@@ -266,35 +261,35 @@ class KVLayer(CacheLayerMixin):
     def reserve(self, tokens: int) -> None:
         """Make room for `tokens` more tokens per head, so that appending them copies nothing."""
         if self.buffers and not self._room_for(tokens):
-            self._install(self._compact(), self.head_lens_, slack=tokens)
+            self._install(self._compact(), self.lens, slack=tokens)
             self.relayouts += 1
 
     def _room_for(self, q: int) -> bool:
-        return all(c == n and n + q <= cap for c, n, cap in zip(self.claimed, self.head_lens_, self.caps))
+        return all(c == n and n + q <= cap for c, n, cap in zip(self.claimed, self.lens, self.caps))
 
     def _append(self, incoming: dict[str, torch.Tensor], q: int) -> None:
         """Write `q` new tokens per head (`incoming[name]`: `[H, q, ...]`) after each head's rows: in place
         when the buffers have room this layer may claim, else into new buffers with slack."""
         if not self._room_for(q):
-            longest = max(self.head_lens_) + q
-            self._install(self._compact(), self.head_lens_, slack=max(q, MIN_SLACK, math.ceil(GROWTH * longest)))
+            longest = max(self.lens) + q
+            self._install(self._compact(), self.lens, slack=max(q, MIN_SLACK, math.ceil(GROWTH * longest)))
             self.relayouts += 1
-        heads = len(self.head_lens_)
+        heads = len(self.lens)
         if not self.is_ragged:  # a strided slice: same rows as the index list below, one copy kernel
-            length = self.head_lens_[0]
+            length = self.lens[0]
             for name, buf in self.buffers.items():
                 view = buf.view(heads, buf.shape[0] // heads, *buf.shape[1:])[:, length:length + q]
                 view.copy_(incoming[name]) if name in incoming else view.zero_()
         else:
-            dest = torch.tensor([s + n + i for s, n in zip(self.starts, self.head_lens_) for i in range(q)],
+            dest = torch.tensor([s + n + i for s, n in zip(self.starts, self.lens) for i in range(q)],
                                 device=self.buffers["keys"].device)
             for name, buf in self.buffers.items():
                 if name in incoming:
                     buf.index_copy_(0, dest, incoming[name].reshape(-1, *buf.shape[1:]))
                 else:
                     buf.index_fill_(0, dest, 0)
-        self.head_lens_ = [n + q for n in self.head_lens_]
-        self.claimed[:] = self.head_lens_  # in place: every layer sharing these buffers sees the claim
+        self.lens = [n + q for n in self.lens]
+        self.claimed[:] = self.lens  # in place: every layer sharing these buffers sees the claim
 
     def head_view(self) -> HeadView:
         """Keys/values as `[H, L_max, D]`: a free view when uniform, a padded copy when ragged."""
@@ -306,7 +301,7 @@ class KVLayer(CacheLayerMixin):
         return HeadView(self.buffers["keys"][rows], self.buffers["values"][rows], positions, valid)
 
     def _padded_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        lens = torch.tensor(self.head_lens_, device=self.buffers["keys"].device)
+        lens = torch.tensor(self.lens, device=self.buffers["keys"].device)
         slot = torch.arange(int(lens.max()), device=lens.device)[None, :]
         valid = slot < lens[:, None]
         rows = (self._offsets()[:, None] + slot).clamp(max=self.buffers["keys"].shape[0] - 1)
@@ -335,7 +330,7 @@ class KVLayer(CacheLayerMixin):
         self._install({name: t.index_select(0, rows) for name, t in self.buffers.items()},
                       [int(ix.numel()) for ix in indices])
         # derived from rows that changed: dropped (the method rebuilds it) unless the state says it still holds
-        self.aux = {name: kept for name, state in self.aux.items()
+        self.derived = {name: kept for name, state in self.derived.items()
                     if (kept := getattr(state, "kept", lambda layer: None)(self)) is not None}
         self.evictions += 1
         self.cache._account(self.kv_nbytes() - before)
@@ -345,12 +340,11 @@ class KVLayer(CacheLayerMixin):
         view = self.head_view()
         keep = [torch.nonzero((p >= 0) & (p < logical_length)).flatten() for p in view.positions]
         if any(int(ix.numel()) != n for ix, n in zip(keep, self.lengths())):
-            evictions, aux = self.evictions, self.aux
+            evictions, aux = self.evictions, self.derived
             self.retain(keep)
-            self.evictions, self.aux = evictions, aux  # a rollback is not an eviction: the state truncates
+            self.evictions, self.derived = evictions, aux  # a rollback is not an eviction: the state truncates
         self.seen = logical_length  # before the derived state truncates: it reads what is left
-        self.aux = {name: cut for name, state in self.aux.items() if (cut := state.truncate(self)) is not None}
-        self.prefilled = min(self.prefilled, logical_length)
+        self.derived = {name: cut for name, state in self.derived.items() if (cut := state.truncate(self)) is not None}
         if self.queries is not None:
             old = self.query_positions < logical_length
             self.queries, self.query_positions = self.queries[:, old].clone(), self.query_positions[old].clone()
@@ -365,10 +359,10 @@ class KVLayer(CacheLayerMixin):
         self.queries, self.query_positions = queries[:, -window:].clone(), positions[-window:].clone()
 
     def method_state_nbytes(self) -> int:
-        held = sum(self.head_lens_)
+        held = sum(self.lens)
         per_token = sum(t[0].numel() * t.element_size() * held for t in self.token_state_buffers())
         queries = _nbytes(self.queries) + _nbytes(self.query_positions)
-        return per_token + queries + sum(state.nbytes() for state in self.aux.values())
+        return per_token + queries + sum(state.nbytes() for state in self.derived.values())
 
     def token_state_buffers(self) -> list[torch.Tensor]:
         return [t for name, t in self.buffers.items() if name not in FIXED_FIELDS]
@@ -380,11 +374,11 @@ class KVLayer(CacheLayerMixin):
     def clone_into(self, cache: Cache) -> "KVLayer":
         """A layer for `cache` that shares this layer's buffers: rows are never rewritten, and an append
         writes in place only into slack nobody else claimed (see `claimed`)."""
-        twin = KVLayer(self.layer_idx, cache)
-        twin.__dict__.update({k: v for k, v in self.__dict__.items() if k != "cache"})
-        twin.cache = cache
-        twin.buffers = dict(self.buffers)
-        twin.starts, twin.caps, twin.head_lens_ = list(self.starts), list(self.caps), list(self.head_lens_)
+        copy = KVLayer(self.layer_idx, cache)
+        copy.__dict__.update({k: v for k, v in self.__dict__.items() if k != "cache"})
+        copy.cache = cache
+        copy.buffers = dict(self.buffers)
+        copy.starts, copy.caps, copy.lens = list(self.starts), list(self.caps), list(self.lens)
         # immutable derived state is shared; state that updates in place (CTKVR's index) is forked
-        twin.aux = {name: state.fork() if hasattr(state, "fork") else state for name, state in self.aux.items()}
-        return twin
+        copy.derived = {name: state.fork() if hasattr(state, "fork") else state for name, state in self.derived.items()}
+        return copy

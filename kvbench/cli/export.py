@@ -18,15 +18,16 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.config.paths import CONF_DIR
+from kvbench.config.paths import compose_config
 from kvbench.config.validate import check_group_overrides
 from kvbench.core.errors import KVBenchError
+from kvbench.engine.config import EngineConfig
+from kvbench.engine.prompt import PromptBuilder
 from kvbench.run.caches import cached_model, seed_everything
 from kvbench.tasks.base import DatasetMissingError
 from kvbench.tasks.custom import FORMATS, Custom, write_samples
@@ -49,14 +50,10 @@ Example:
 
 def export(overrides: list[str], out: Path) -> int:
     """Build the samples for `overrides` and write them to `out`; returns the number written."""
-    from kvbench.engine.config import EngineConfig
-    from kvbench.engine.prompt import PromptBuilder
-
     if out.suffix not in FORMATS:
         raise KVBenchError(f"out={out}: unsupported file type {out.suffix!r}; use {', '.join(FORMATS)}")
     check_group_overrides(overrides)
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        cfg = compose("config", overrides=overrides)
+    cfg = compose_config(overrides)
     seed_everything(cfg.seed)
     task = instantiate(cfg.task, _convert_="all")  # before loading the model: config errors come first
     lm = cached_model(cfg.model)

@@ -35,7 +35,7 @@ def _hydra_entry(cfg: DictConfig) -> None:
     try:
         summary = run_point(cfg)
         if cfg.get("logger") and cfg.logger.name == "wandb":  # one W&B run per point, from its records
-            from kvbench.reporting.wandb import log_point
+            from kvbench.reporting.wandb import log_point  # kvbench.reporting loads matplotlib: only here
 
             log_point(cfg, summary, Path(summary["run_dir"]))
     except KVBenchError as exc:
@@ -45,7 +45,7 @@ def _hydra_entry(cfg: DictConfig) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["report"]:  # `kvbench report ...`: tables, figures and HTML from stored records
-        from kvbench.cli.report import main as report_main
+        from kvbench.cli.report import main as report_main  # pandas, matplotlib: a run does without them
 
         sys.exit(report_main(sys.argv[2:]))
     try:

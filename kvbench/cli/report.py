@@ -13,6 +13,7 @@ from kvbench.core.errors import KVBenchError
 from kvbench.reporting.paper import build, skipped_line
 from kvbench.reporting.paper_tables import resolve
 from kvbench.reporting.table import _split, format_table, pivot_scores, point_table
+from kvbench.reporting.wandb import publish_report
 from kvbench.results.collect import collect
 
 
@@ -77,8 +78,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{len(result['missing'])} expected points have no records (shown as 'missing')")
     print(f"report: {result['out_dir'] / 'index.html'} ({len(result['figures'])} figures)")
     if args.publish:
-        from kvbench.reporting.wandb import publish_report
-
         print(publish_report(result, project=args.wandb_project, entity=args.wandb_entity))
     return 0 if not table.empty else 1
 

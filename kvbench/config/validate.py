@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from kvbench.config.paths import GROUPS, _default_choice, _settings, choices
+from kvbench.config.paths import GROUPS, POINT_GROUPS, choices, default_choice, settings
 from kvbench.core.checks import is_int
 from kvbench.core.errors import KVBenchError
 from kvbench.models import LoadedModel
@@ -83,19 +83,19 @@ def check_settings(argv: list[str]) -> list[str]:
     chosen: dict[str, list[str]] = {}
     for arg in argv:
         key, sep, value = arg.lstrip("+").partition("=")
-        if key in ("model", "method", "task") and sep:
+        if key in POINT_GROUPS and sep:
             chosen[key] = value.split(",") if "," in value and not value.startswith(("[", "choice(")) else [value]
     preset = any(arg.lstrip("+").startswith("experiment=") for arg in argv)
     out = []
     for arg in argv:
         key = arg.split("=", 1)[0]
         group, _, setting = key.partition(".")
-        if "=" in arg and group in ("model", "method", "task") and setting and not preset:
-            for name in chosen.get(group, [_default_choice(group)]):
-                settings = _settings(group, name)
-                if setting.split(".")[0] not in settings:
+        if "=" in arg and group in POINT_GROUPS and setting and not preset:
+            for name in chosen.get(group, [default_choice(group)]):
+                known = settings(group, name)
+                if setting.split(".")[0] not in known:
                     raise KVBenchError(f"{key} is not a setting of {group} {name} (its settings: "
-                                       f"{', '.join(settings) or 'none'}); set it only where it exists")
+                                       f"{', '.join(known) or 'none'}); set it only where it exists")
         out.append("++" + arg if group == "method" and setting and "=" in arg and not arg.startswith(("+", "~"))
                    else arg)
     return out

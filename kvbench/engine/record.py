@@ -120,7 +120,7 @@ def _decode_accounting(cache: KVBenchCache, lm: LoadedModel, sequence_length: in
     steps = stats.layer_steps / config.num_hidden_layers
     kv_heads = config.num_key_value_heads
     head_dim = cache.layers[0].head_dim
-    states = [(layer, state) for layer in cache.layers for state in layer.aux.values()]
+    states = [(layer, state) for layer in cache.layers for state in layer.derived.values()]
     # K/V rows held, wherever they live (a host segment's rows count as retained). A layer stored per query
     # head (SnapKV at head granularity) holds G rows per group, each its own token: a group of G heads keeping
     # budget/G each stores `budget` tokens, RocketKV's 1/c

@@ -13,8 +13,9 @@ mode: the gold answer, not the model's reply, becomes the history), append the n
 decode again. Positions are explicit logical positions, so RoPE stays right whatever was evicted.
 
 Eviction after a dense prefill does not change the prefill itself, so with `reuse_prefill` one dense prefill
-per prompt serves every method and budget of a sweep (`PrefillSnapshots`); eviction then runs from the
-captured observation-window queries through exactly the same hook. Turn it off to measure memory peaks.
+per prompt serves every method and budget of a sweep (`PrefillSnapshots`, owned by the caller: the run layer
+shares one across the points of a process); eviction then runs from the captured observation-window queries
+through exactly the same hook. Turn it off to measure memory peaks.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from kvbench.engine.config import EngineConfig
 from kvbench.engine.prompt import PromptBuilder, fit_to_model, gold_continuation, stop_token_ids
 from kvbench.engine.record import SampleRun, _record
 from kvbench.engine.session import Session, decode_batch, teacher_forced_nll_batch
-from kvbench.engine.snapshots import snapshots
+from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.methods.base import Method
 from kvbench.models import LoadedModel, model_head_dim
 from kvbench.profiling.profiler import PhaseProfiler
@@ -58,6 +59,7 @@ def run_sample(
     sample: Sample,
     cfg: EngineConfig,
     profiler: PhaseProfiler | None = None,
+    snapshots: PrefillSnapshots | None = None,
 ) -> dict[str, Any]:
     """Run every turn of a sample and return its record (metrics, timings, memory, predictions).
 
@@ -65,10 +67,10 @@ def run_sample(
     turn, uncompressed unless the method evicts every turn (RocketKV). Multi-request samples
     (`meta["mode"] == "multi_request"`) compress the context alone and run every turn, the first included, as
     an independent request on it. With a `profiler`, the prefill and decode phases are measured
-    (`kvbench.profiling.profiler`) and the record gets a `profile` entry.
+    (`kvbench.profiling.profiler`) and the record gets a `profile` entry. `snapshots`: the dense prefills to
+    reuse and add to (with `cfg.reuse_prefill`); without it the call shares none with any other.
     """
-    return run_group(lm, [(method, budget_cfg, sample)], cfg, profiler)[0]
-
+    return run_group(lm, [(method, budget_cfg, sample)], cfg, profiler, snapshots)[0]
 
 
 def run_group(
@@ -76,19 +78,23 @@ def run_group(
     rows: "list[tuple[Method, float | int | CompressionRatio, Sample]]",
     cfg: EngineConfig,
     profiler: PhaseProfiler | None = None,
+    snapshots: PrefillSnapshots | None = None,
 ) -> list[dict[str, Any]]:
     """Run several (method, budget, sample) rows together and return one record per row, each exactly what
     running it alone gives: every row prefills and compresses on its own (one shared dense prefill per prompt
-    through the snapshots), then the rows decode as one batch, each on its own cache with its own hooks and
-    stopping, and the teacher-forced NLL steps the same way. Decode times are each row's share of the
-    batched steps (`decode_batched_rows` says how many rows there were)."""
+    through `snapshots`; without it, a store private to this call), then the rows decode as one batch, each on
+    its own cache with its own hooks and stopping, and the teacher-forced NLL steps the same way. Decode times
+    are each row's share of the batched steps (`decode_batched_rows` says how many rows there were)."""
     if profiler is not None and len(rows) > 1:
         raise ValueError("a profiled sample runs alone: phases and peaks belong to one point")
+    if snapshots is None:
+        snapshots = PrefillSnapshots(cfg.snapshot_cache_mb)
     phase = profiler.phase if profiler is not None else (lambda name: contextlib.nullcontext())
     started = time.perf_counter()
     builder = PromptBuilder(lm.tokenizer, cfg.chat_template, cfg.system_prompt)
     with phase("prefill"):
-        runs = [_start_row(lm, method, budget_cfg, sample, cfg, builder) for method, budget_cfg, sample in rows]
+        runs = [_start_row(lm, method, budget_cfg, sample, cfg, builder, snapshots)
+                for method, budget_cfg, sample in rows]
     stop_ids = stop_token_ids(lm)
     for t in range(max(len(run.sample.turns) for run in runs)):
         turn_runs = [run for run in runs if t < len(run.sample.turns)]
@@ -135,7 +141,7 @@ def run_group(
 
 
 def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | CompressionRatio", sample: Sample,
-               cfg: EngineConfig, builder: PromptBuilder) -> SampleRun:
+               cfg: EngineConfig, builder: PromptBuilder, snapshots: PrefillSnapshots) -> SampleRun:
     """Build the row's prompt, then prefill and compress it (and append what follows the compressed segment)."""
     if sample.meta.get("golden_context") is False:
         raise KVBenchError(f"sample {sample.id}: multi-turn with the model's own replies as history "
@@ -147,25 +153,25 @@ def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | Compr
     ctx_ids = fit_to_model(lm, sample, ctx_ids, q_ids)
     compress_question = cfg.compress_question and not multi_request
     segment = ctx_ids + q_ids if compress_question else ctx_ids
-    rest = [] if compress_question else q_ids
+    appended = [] if compress_question else q_ids
     budget = resolve_budget(budget_cfg, len(segment))
     first = sample.turns[0]
     sequence_length = min(len(ctx_ids) + len(q_ids) + first.max_new_tokens, lm.max_positions)
     plan = method.plan(budget, sequence_length=sequence_length, new_tokens=first.max_new_tokens,
                        head_dim=model_head_dim(lm))
     if method.last_prompt_token_via_decode:  # the prompt's last token goes through the decode path (RocketKV)
-        held_back = (rest or segment)[-1:]
-        segment, rest = (segment, rest[:-1]) if rest else (segment[:-1], [])
+        held_back = (appended or segment)[-1:]
+        segment, appended = (segment, appended[:-1]) if appended else (segment[:-1], [])
     else:
         held_back = []
-    session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, plan, segment, cfg)
+    session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, plan, segment, cfg, snapshots)
     cache = session.cache
     session.measure_recall = cfg.topk_recall and method.selects
     run = SampleRun(method, budget_cfg, sample, ctx_ids, q_ids, segment, budget, plan, sequence_length, session, logits,
                prefill_s, compress_s, reused, cache.kv_bytes(), cache.kept_per_head())
-    if rest:
-        run.logits, rest_s = session.prefill(rest, compress=False)
-        run.prefill_s += rest_s
+    if appended:
+        run.logits, appended_s = session.prefill(appended, compress=False)
+        run.prefill_s += appended_s
     if held_back:
         sync(lm.device)
         start = time.perf_counter()
@@ -178,25 +184,25 @@ def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | Compr
 
 
 def _prefill_segment(
-    lm: LoadedModel, method: Method, plan: Plan, segment: list[int], cfg: EngineConfig
+    lm: LoadedModel, method: Method, plan: Plan, segment: list[int], cfg: EngineConfig, snapshots: PrefillSnapshots
 ) -> tuple[Session, torch.Tensor, float, float, bool]:
-    """Prefill and compress the segment, from a shared dense snapshot when the method's eviction only needs
-    the end of one dense pass (not block-wise, no state accumulated over every query, a short enough window)."""
+    """Prefill and compress the segment, from a dense snapshot in `snapshots` (taken now on a miss) when the
+    method's eviction only needs the end of one dense pass (not block-wise, no state accumulated over every
+    query, a short enough window)."""
     schedule = method.schedule()
     one_dense_pass = schedule is None or schedule.block_size is None
     if not (cfg.reuse_prefill and one_dense_pass and not method.observes and method.obs_window <= cfg.snapshot_window):
         session = Session(lm, method, plan)
         logits, seconds = session.prefill(segment, compress=True)
         return session, logits, seconds, 0.0, False
-    store = snapshots(cfg.snapshot_cache_mb)
     key = (id(lm.model), lm.dtype, cfg.snapshot_window, tuple(segment))
-    hit = store.get(key)
+    hit = snapshots.get(key)
     reused = hit is not None
     if hit is None:
         dense = Session(lm, None, None)
         dense.query_window = cfg.snapshot_window
         logits, seconds = dense.prefill(segment, compress=False)
-        store.put(key, dense.cache, logits, seconds)
+        snapshots.put(key, dense.cache, logits, seconds)
         hit = (dense.cache, logits, seconds)
     dense_cache, logits, seconds = hit
     session = Session(lm, method, plan, dense_cache.clone())

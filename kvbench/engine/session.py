@@ -77,8 +77,8 @@ class Session:
         if self.method is not None:
             step = self.step_context()
             for layer in self.cache.layers:
-                if not layer.aux and layer.keys is not None:
-                    layer.aux = self.method.build_aux(layer, step)
+                if not layer.derived and layer.keys is not None:
+                    layer.derived = self.method.build_derived(layer, step)
 
     def evict_deferred(self) -> None:
         """Eviction at the end of a dense segment run earlier (a shared prefill snapshot): the method's hook
@@ -114,13 +114,13 @@ class Session:
         every = self.schedule.decode_every if self.schedule is not None else 0
         return bool(every) and self.decode_steps % every == 0
 
-    def twin(self) -> "Session":
+    def fork(self) -> "Session":
         """A session on a copy of this one's cache (shared storage until it diverges), at the same step."""
-        twin = Session(self.lm, self.method, self.plan, self.cache.clone())
-        twin.query_window, twin.observe, twin.measure_recall = self.query_window, self.observe, self.measure_recall
-        twin.shared = dict(self.shared)
-        twin.position, twin.decode_steps = self.position, self.decode_steps
-        return twin
+        fork = Session(self.lm, self.method, self.plan, self.cache.clone())
+        fork.query_window, fork.observe, fork.measure_recall = self.query_window, self.observe, self.measure_recall
+        fork.shared = dict(self.shared)
+        fork.position, fork.decode_steps = self.position, self.decode_steps
+        return fork
 
     def prefill(self, ids: list[int], compress: bool) -> tuple[torch.Tensor, float]:
         """Prefill a chunk. With `compress` it is the segment to compress: one forward evicted at its end, or
@@ -255,9 +255,9 @@ def teacher_forced_nll_batch(sessions: list[Session], logits: list[torch.Tensor]
     decode-time eviction included), so this measures the compressed cache the method would really decode
     with. NaN for an empty target.
     """
-    twins = [session.twin() for session in sessions]
-    for twin, target in zip(twins, targets):
-        twin.cache.reserve(len(target) - 1)
+    forks = [session.fork() for session in sessions]
+    for fork, target in zip(forks, targets):
+        fork.cache.reserve(len(target) - 1)
     totals = [0.0] * len(sessions)
     current = list(logits)
     for i in range(max((len(t) for t in targets), default=0)):
@@ -266,6 +266,6 @@ def teacher_forced_nll_batch(sessions: list[Session], logits: list[torch.Tensor]
                 totals[r] -= float(torch.log_softmax(current[r], dim=-1)[target[i]])
         rows = [r for r, target in enumerate(targets) if i + 1 < len(target)]
         if rows:
-            for r, row_logits in zip(rows, step_batch([twins[r] for r in rows], [targets[r][i] for r in rows], max_rows)):
+            for r, row_logits in zip(rows, step_batch([forks[r] for r in rows], [targets[r][i] for r in rows], max_rows)):
                 current[r] = row_logits
     return [total / len(target) if target else float("nan") for total, target in zip(totals, targets)]

@@ -1,5 +1,9 @@
 """Dense prefills kept for reuse: eviction after a dense prefill does not change it, so one prefill per prompt
-serves every method and budget of a sweep."""
+serves every method and budget of a sweep.
+
+The engine keeps no store of its own: whoever decides what is shared owns one and passes it to
+`engine.sample.run_group` / `run_sample`. The run layer keeps one per process (`run.caches.prefill_snapshots`),
+so the points of a local multirun share their prefills; a call without one gets a private store."""
 
 from __future__ import annotations
 
@@ -32,12 +36,3 @@ class PrefillSnapshots:
         while sum(e[3] for e in self.entries.values()) > self.limit:
             self.entries.popitem(last=False)
 
-
-_SNAPSHOTS: PrefillSnapshots | None = None
-
-
-def snapshots(limit_mb: int) -> PrefillSnapshots:
-    global _SNAPSHOTS
-    if _SNAPSHOTS is None or _SNAPSHOTS.limit != limit_mb * 2**20:
-        _SNAPSHOTS = PrefillSnapshots(limit_mb)
-    return _SNAPSHOTS

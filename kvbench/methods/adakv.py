@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.methods.base import register_method
+from kvbench.methods.base import EvictionMethod, register_method
 from kvbench.methods.snapkv import SnapKV, with_window
 
 
@@ -83,13 +83,24 @@ def allocate_kvpress(scores: torch.Tensor, budget: int, alpha: float) -> list[to
 
 @register_method
 @dataclass
-class AdaKV(SnapKV):
+class AdaKV(EvictionMethod):
+    """Ada-KV's allocation around SnapKV's scores (`scorer`). The fields stay flat (the YAML's); `window`,
+    `kernel`, `pooling`, `gqa_agg` and `granularity` are the scorer's and are checked there."""
+
     name = "adakv"
+    window: int = 32
+    kernel: int = 7
+    pooling: str = "max"
+    gqa_agg: str = "mean"
+    granularity: str | None = None
     alpha: float = 0.2
     allocation: str | None = None  # authors (null): (1 - alpha) f_i + alpha b, the Ada-KV code; kvpress: AdaKVPress
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.scorer = SnapKV(window=self.window, kernel=self.kernel, pooling=self.pooling, gqa_agg=self.gqa_agg,
+                             granularity=self.granularity)
+        self.granularity = self.scorer.granularity
         if self.granularity != "group":
             raise ValueError("adakv allocates per KV head: granularity must be group")
         self.allocation = self.allocation or "authors"
@@ -99,6 +110,10 @@ class AdaKV(SnapKV):
             raise ValueError(f"alpha (the per-head floor, a fraction of the uniform budget) must be in [0, 1], "
                              f"got {self.alpha!r}")
 
+    @property
+    def obs_window(self) -> int:
+        return self.window
+
     def keep(self, layer, budget, step):
         lens = layer.lengths()
         if budget * len(lens) >= sum(lens):
@@ -106,7 +121,7 @@ class AdaKV(SnapKV):
         window = min(self.window, budget)
         if window == budget:
             return [torch.arange(n - window, n, device=layer.keys.device) for n in lens]
-        scores = self.pooled_scores(layer, window)
+        scores = self.scorer.pooled_scores(layer, window)
         if self.allocation == "kvpress":
             return allocate_kvpress(with_window_scores(scores, lens, window), budget, self.alpha)
         capacity = [n - window for n in lens] if layer.is_ragged else None

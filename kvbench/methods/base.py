@@ -1,34 +1,23 @@
 """The method interface: a method is a small dataclass that says when it evicts and which tokens it keeps.
 
-Hooks (all optional; the engine, the cache and the attention function call them, never the other way):
+Every hook is optional and gets the forward's `Step` (its plan, shared state, layer count); the session, the
+attention function and `attention.hooks.evict_layer` call them, never the other way round:
 
-- `schedule()`: the events at which the method evicts, or None for a method that never does. An
-  `EvictionMethod` builds it from its `block_size` and `decode_every` fields: at the end of the compressed
-  segment (one dense prefill, the Ada-KV / kvpress framework), after every prefill block of `block_size`
-  tokens (KeyDiff's block prompt processing), and after every `decode_every`-th decode step.
-- `keep(layer, budget, step)`: at each eviction event, per layer. Returns, per head, the sorted indices of the
-  tokens to keep, or None to keep everything. The cache gathers keys, values, positions and the method's
-  token state with them, so the rest is really freed. Scores read `layer.queries` (the last `obs_window`
-  queries the layer attended with, kept by the cache across chunks and decode steps).
-- `layer_budget(layer, budget, step)`: the budget of one layer (PyramidKV's schedule); the identity by default.
-- `observe(layer, queries, step)`: after every attention call while eviction can still happen, for methods whose
-  state accumulates over every query (H2O). Set `observes = True`. State lives in `layer.token_tensor(name)`
-  and is replaced, never modified in place.
-- `plan(budget, sequence_length=, new_tokens=, head_dim=)`: once per sample, before the prefill: what the eviction stage keeps, the
-  per-step selection budget and any parameters derived from them (RocketKV's decomposition, Quest's page
-  size); recorded with the sample.
-- `select(layer, q, view, step, scaling)`: at every decode step for selection methods (`selects = True`).
-  Returns `[H_kv, G, k]` indices of the cached tokens each query head attends to (or a `Selection`, which
-  may blend in a fallback output, SparQ's mean value), or None for all of them.
-- `build_aux(layer, step)`: derived per-layer state a selection reads (page summaries, a transposed key copy),
-  built when the compressed segment ends and after an eviction; each state object's `append` / `truncate`
-  keep it current as tokens are appended or rolled back, and the cache counts its bytes.
-- `step_traffic(layer, selection, step)`: elements of K/V and auxiliary state one decode step reads in this
-  layer, by the method's own cost model (dense attention reads every stored key and value).
+- `schedule()`: the events at which the method evicts (`EvictionMethod`: from `block_size`, `decode_every`).
+- `keep(layer, budget, step)`: per layer at each eviction event, the sorted indices each head keeps, or None.
+  The layer gathers keys, values, positions and token state with them, so the rest is really freed.
+- `layer_budget(layer, budget, step)`: one layer's budget (PyramidKV); the identity by default.
+- `observe(layer, queries, step)` with `observes = True`: after every attention call while eviction can
+  still happen (H2O); state in `layer.token_tensor(name)`, replaced, never modified in place.
+- `plan(budget, sequence_length=, new_tokens=, head_dim=)`: once per sample, the budgets and derived
+  parameters (RocketKV's decomposition, Quest's page size), recorded with the sample.
+- `select(layer, q, view, step, scaling)` with `selects = True`: every decode step, `[H_kv, G, k]` indices
+  (or a `Selection`), None for all tokens.
+- `build_derived(layer, step)`: state a selection reads (page summaries), kept current by its own
+  `append` / `truncate`; `step_traffic(layer, selection, step)`: elements one decode step reads.
 
 Budgets are tokens per KV head (the RocketKV / Ada-KV unit); for selection methods the per-step, per-KV-group
-token budget, which counts the traffic of the estimate (RocketKV). A budget at or above the number of stored
-tokens means nothing to evict; `keep` returns None then, and the record says `compressed: false`.
+token budget, the estimate's traffic counted. A budget at or above what is stored means nothing to evict.
 """
 
 from __future__ import annotations
@@ -85,7 +74,7 @@ class Method:
     def layer_budget(self, layer: "KVLayer", budget: int, step: Step) -> int:
         return budget
 
-    def build_aux(self, layer: "KVLayer", step: Step) -> dict[str, Any]:
+    def build_derived(self, layer: "KVLayer", step: Step) -> dict[str, Any]:
         return {}
 
     def offloaded(self, layer: "KVLayer") -> Any:
@@ -145,6 +134,25 @@ class EvictionMethod(Method):
         return Schedule(self.block_size, every, self.evicts_every_turn)
 
 
+
+
+@dataclass
+class ScoredEviction(EvictionMethod):
+    """An eviction method that ranks every stored token by one score (kvpress's `ScorerPress`): `keep` keeps,
+    per head, the `budget` highest scores, the last `recent_tokens(budget)` tokens always kept. H2O, TOVA,
+    KeyDiff and KeyL2Norm are nothing but their `score`."""
+
+    def score(self, layer: "KVLayer", step: Step) -> torch.Tensor:
+        """`[H, L]` fp32 scores of the layer's stored tokens, higher = keep."""
+        raise NotImplementedError
+
+    def recent_tokens(self, budget: int) -> int:
+        return 0
+
+    def keep(self, layer: "KVLayer", budget: int, step: Step) -> list[torch.Tensor] | None:
+        if budget >= layer.physical_length():
+            return None
+        return keep_top(self.score(layer, step), budget, recent=self.recent_tokens(budget))
 
 
 def keep_top(scores: torch.Tensor, budget: int, recent: int = 0) -> list[torch.Tensor]:

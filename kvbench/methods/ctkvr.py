@@ -173,7 +173,7 @@ class CTKVR(Method):
         view = layer.head_view()
         positions = view.positions
         first_local = layer.seen - step.plan.derived["n_local"]
-        old = layer.aux.get("host")
+        old = layer.derived.get("host")
         moving = (positions >= self.n_init) & (positions < first_local)
         if (old is None or old.positions.shape[1] == 0) and not bool(moving.any()):
             return None  # the prompt is all initial and local tokens: nothing to retrieve
@@ -188,14 +188,14 @@ class CTKVR(Method):
         lists = build_index(queries, query_positions, all_keys, all_positions, host,
                             int(self.list_ratio * budget), layer.scaling, self.build_chunk)
         moving_rows = torch.nonzero(moving[0]).flatten()
-        layer.aux["host"] = HostSegment.of(keys, values, positions, moving_rows, old)
-        layer.aux["index"] = QueryIndex(queries.clone(), lists)
+        layer.derived["host"] = HostSegment.of(keys, values, positions, moving_rows, old)
+        layer.derived["index"] = QueryIndex(queries.clone(), lists)
         resident = torch.nonzero(~moving[0]).flatten()
         return [resident] * layer.num_heads
 
     # -- decode ---------------------------------------------------------------------------------------------
     def select(self, layer, q, view, step, scaling):
-        host, index = layer.aux.get("host"), layer.aux.get("index")
+        host, index = layer.derived.get("host"), layer.derived.get("index")
         if host is None or index is None:
             return None
         heads, group, dim = q.shape
@@ -250,18 +250,18 @@ class CTKVR(Method):
         return ordered.gather(1, packed), valid.gather(1, packed)
 
     def offloaded(self, layer):
-        return layer.aux.get("host")
+        return layer.derived.get("host")
 
     def step_traffic(self, layer, selection, step):
         """The paper's work per step: centroid cosines, the recalled keys (rerank), the retrieved and resident
         K/V (attention). Section 3.1.2's rerank model: L_recall*d + 2*rho'*d instead of 2*L_recall*d."""
         if selection is None or selection.external is None:
             return super().step_traffic(layer, None, step)
-        centroids = layer.aux["index"].centroids
+        centroids = layer.derived["index"].centroids
         heads, dim = selection.idx.shape[0], layer.head_dim
         retrieved = selection.external[0].shape[1]
         return int(centroids.numel() + heads * dim * (selection.extra["recall_size"] + 2 * retrieved)
                    + 2 * dim * sum(layer.lengths()))
 
-    def build_aux(self, layer, step):
+    def build_derived(self, layer, step):
         return {}

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.methods.base import EvictionMethod, keep_top, register_method
+from kvbench.methods.base import ScoredEviction, register_method
 
 QUERY_CHUNK = 256  # query rows per attention recomputation: bounds the [H, G, rows, L] scratch tensor
 
 
 @register_method
 @dataclass
-class H2O(EvictionMethod):
+class H2O(ScoredEviction):
     name = "h2o"
     observes = True
     recent_ratio: float = 0.0
@@ -56,8 +56,8 @@ class H2O(EvictionMethod):
         delta = total if view.valid is None else total[view.valid]
         layer.token_state["h2o"] = layer.token_tensor("h2o") + delta  # a new tensor: clones share the old one
 
-    def keep(self, layer, budget, step):
-        length = layer.physical_length()
-        if budget >= length:
-            return None
-        return keep_top(layer.token_state["h2o"], budget, recent=round(self.recent_ratio * budget))
+    def score(self, layer, step):
+        return layer.token_state["h2o"]
+
+    def recent_tokens(self, budget):
+        return round(self.recent_ratio * budget)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -53,50 +54,57 @@ def hsa_select(q: torch.Tensor, pages: PageSummary, k1: int, k2: int, length: in
     return idx[:, None, :].expand(heads, group, idx.shape[1])
 
 
-def hsa_traffic(layer, pages: PageSummary, k1: int, selection: Selection) -> int:
-    """Elements read: one bound per chosen dimension of every page, plus K and V of the selected tokens."""
-    heads = selection.idx.shape[0]
-    return heads * (pages.pages * k1 + 2 * layer.head_dim * selection.idx.shape[-1])
 
-
+@dataclass(frozen=True)
 class HSAStage:
-    """HSA as a method's decode stage: pages built when the segment ends and kept current, a selection of
-    `k2` tokens per step, the estimate's traffic counted. The method's plan derives page_size, k1 and k2."""
+    """HSA as a decode stage any method can run (HSA alone, RocketKV's stage 2): pages built when the segment
+    ends and kept current, `k2` tokens selected per step, the estimate's traffic counted. The method's plan
+    derives page_size, k1 and k2. The first `skip_layers` layers keep dense attention (RocketKV on LongChat)."""
 
-    selects = True
+    skip_layers: int = 0
 
-    def hsa_skips(self, layer) -> bool:
-        """Layers that keep dense attention (RocketKV's `skip_layers`)."""
-        return False
+    def skips(self, layer) -> bool:
+        return layer.layer_idx < self.skip_layers
 
-    def build_aux(self, layer, step):
+    def build_derived(self, layer, step) -> dict:
         plan = step.plan
-        if not plan.select or self.hsa_skips(layer):
+        if not plan.select or self.skips(layer):
             return {}
         return {"pages": PageSummary.of(layer.head_view().keys, plan.derived["page_size"])}
 
-    def select(self, layer, q, view, step, scaling):
+    def select(self, layer, q, step) -> torch.Tensor | None:
         d = step.plan.derived
         length = layer.physical_length()
-        if self.hsa_skips(layer) or d["k2"] >= length:
+        if self.skips(layer) or d["k2"] >= length:
             return None
         return hsa_select(q, layer_pages(layer, d["page_size"]), d["k1"], d["k2"], length)
 
-    def step_traffic(self, layer, selection, step):
-        if selection is None:
-            return super().step_traffic(layer, None, step)
-        d = step.plan.derived
-        return hsa_traffic(layer, layer_pages(layer, d["page_size"]), d["k1"], selection)
+    def traffic(self, layer, selection: Selection, step) -> int:
+        """Elements read: one bound per chosen dimension of every page, plus K and V of the selected tokens."""
+        pages = layer_pages(layer, step.plan.derived["page_size"])
+        heads = selection.idx.shape[0]
+        return heads * (pages.pages * step.plan.derived["k1"] + 2 * layer.head_dim * selection.idx.shape[-1])
 
 
 @register_method
 @dataclass
-class HSA(HSAStage, Method):
+class HSA(Method):
     name = "hsa"
     family = "selection"
+    selects = True
+    stage: ClassVar[HSAStage] = HSAStage()
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim):
         if budget >= sequence_length:
             return Plan(evict=None, select=None, derived={"full_attention": True})
         return Plan(evict=None, select=budget, derived={"c2": sequence_length / budget, "k2": budget // 2,
                                                         **hsa_parameters(sequence_length / budget, head_dim)})
+
+    def build_derived(self, layer, step):
+        return self.stage.build_derived(layer, step)
+
+    def select(self, layer, q, view, step, scaling):
+        return self.stage.select(layer, q, step)
+
+    def step_traffic(self, layer, selection, step):
+        return super().step_traffic(layer, None, step) if selection is None else self.stage.traffic(layer, selection, step)

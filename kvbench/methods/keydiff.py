@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvbench.methods.base import EvictionMethod, keep_top, register_method
+from kvbench.methods.base import ScoredEviction, register_method
 
 ANCHORS = ("mean_raw", "mean_normalized", "pairwise", "median")
 METRICS = ("cosine", "dot", "euclidean")
@@ -54,7 +54,7 @@ def keydiff_scores(keys: torch.Tensor, anchor: str = "mean_raw", metric: str = "
 
 @register_method
 @dataclass
-class KeyDiff(EvictionMethod):
+class KeyDiff(ScoredEviction):
     name = "keydiff"
     block_size: int | None = 128
     anchor: str = "mean_raw"
@@ -73,8 +73,8 @@ class KeyDiff(EvictionMethod):
                 or not 0 <= self.window_ratio <= 1:
             raise ValueError(f"window_ratio must be in [0, 1], got {self.window_ratio!r}")
 
-    def keep(self, layer, budget, step):
-        if budget >= layer.physical_length():
-            return None
-        scores = keydiff_scores(layer.head_view().keys, self.anchor, self.metric)
-        return keep_top(scores, budget, recent=round(self.window_ratio * budget))
+    def score(self, layer, step):
+        return keydiff_scores(layer.head_view().keys, self.anchor, self.metric)
+
+    def recent_tokens(self, budget):
+        return round(self.window_ratio * budget)

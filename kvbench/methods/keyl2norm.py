@@ -5,15 +5,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvbench.methods.base import EvictionMethod, keep_top, register_method
+from kvbench.methods.base import ScoredEviction, register_method
 
 
 @register_method
 @dataclass
-class KeyL2Norm(EvictionMethod):
+class KeyL2Norm(ScoredEviction):
     name = "keyl2norm"
 
-    def keep(self, layer, budget, step):
-        if budget >= layer.physical_length():
-            return None
-        return keep_top(-layer.head_view().keys.float().norm(dim=-1), budget)
+    def score(self, layer, step):
+        return -layer.head_view().keys.float().norm(dim=-1)

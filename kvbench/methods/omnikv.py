@@ -74,8 +74,8 @@ class OmniKV(Method):
         if not self.offload or self.role(layer.layer_idx) != "sparse":
             return None
         view = layer.head_view()
-        layer.aux["bank"] = HostSegment.of(view.keys, view.values, view.positions,
-                                           torch.arange(view.keys.shape[1]), layer.aux.get("bank"))
+        layer.derived["bank"] = HostSegment.of(view.keys, view.values, view.positions,
+                                           torch.arange(view.keys.shape[1]), layer.derived.get("bank"))
         return [torch.zeros(0, dtype=torch.long, device=view.keys.device)] * layer.num_heads
 
     def select(self, layer, q, view, step, scaling):
@@ -93,7 +93,7 @@ class OmniKV(Method):
             return None
         chosen = shared["omnikv_selected"]
         heads, group, _ = q.shape
-        bank = layer.aux.get("bank")
+        bank = layer.derived.get("bank")
         if bank is not None:  # the Context Bank: the selected rows come back from host memory
             keys, values = (t.index_select(1, chosen.to(t.device)).to(q.device) for t in (bank.keys, bank.values))
             tail = torch.arange(view.keys.shape[1], device=q.device)
@@ -114,7 +114,7 @@ class OmniKV(Method):
         return Selection(tail.expand(heads, group, -1), external=(keys, values), recall=recall, moved_bytes=moved)
 
     def offloaded(self, layer):
-        return layer.aux.get("bank")
+        return layer.derived.get("bank")
 
     def step_traffic(self, layer, selection, step):
         if selection is None or selection.external is None:

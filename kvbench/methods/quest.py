@@ -42,7 +42,7 @@ class Quest(Method):
         page = self.page_size or max(1, round(2 * sequence_length / budget))
         return Plan(evict=None, select=budget, derived={"page_size": page, "k2": budget // 2})
 
-    def build_aux(self, layer, step):
+    def build_derived(self, layer, step):
         plan = step.plan
         return {"pages": PageSummary.of(layer.head_view().keys, plan.derived["page_size"])} if plan.select else {}
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from kvbench.core.contract import Plan
-from kvbench.methods.base import register_method
-from kvbench.methods.hsa import HSAStage
+from kvbench.methods.base import EvictionMethod, register_method
+from kvbench.methods.hsa import HSAStage, hsa_parameters
 from kvbench.methods.snapkv import SnapKV
 
 
@@ -41,26 +41,35 @@ def rocket_plan(sequence_length: int, budget: int, head_dim: int, new_tokens: in
     r = min(0.2 + 0.06 * math.log2(c), 0.8) if split is None else split
     cap = int(sequence_length / c**r)
     cap = max(cap, min(2 * new_tokens, sequence_length))
-    c2 = max(1.0, cap / budget)
-    page = math.ceil(math.sqrt(c2))
-    page = page if page <= c2 else 1
-    return {"c": c, "r": r, "capacity": cap, "prompt_budget": cap - new_tokens, "c2": c2, "page_size": page,
-            "k1": max(1, min(head_dim, int(head_dim * page / c2))), "k2": budget // 2}
+    stage2 = hsa_parameters(cap / budget, head_dim)
+    return {"c": c, "r": r, "capacity": cap, "prompt_budget": cap - new_tokens, "c2": max(1.0, cap / budget),
+            "page_size": stage2["page_size"], "k1": stage2["k1"], "k2": budget // 2}
 
 
 @register_method
 @dataclass
-class RocketKV(HSAStage, SnapKV):
+class RocketKV(EvictionMethod):
+    """Two stages: `eviction`, a GQA-aware SnapKV, and `selection`, HSA. The fields stay flat (the YAML's);
+    `window`, `kernel`, `pooling`, `gqa_agg` and `granularity` are the SnapKV stage's and are checked there."""
+
     name = "rocketkv"
     family = "two-stage"
+    selects = True
     evicts_every_turn: ClassVar[bool] = True
+    window: int = 32
     kernel: int = 63
+    pooling: str = "max"
+    gqa_agg: str = "mean"
+    granularity: str | None = None
     split: float | None = None  # null: the adaptive r; 0.3 / 0.5 / 0.7 for the static-r ablation
     skip_layers: int = 0
     last_prompt_token_via_decode: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        self.eviction = SnapKV(window=self.window, kernel=self.kernel, pooling=self.pooling, gqa_agg=self.gqa_agg,
+                               granularity=self.granularity)
+        self.granularity = self.eviction.granularity
         if self.split is not None and (isinstance(self.split, bool) or not isinstance(self.split, (int, float))
                                        or not 0 < self.split < 1):
             raise ValueError(f"split (the static r) must be in (0, 1) or null for the adaptive one, got {self.split!r}")
@@ -70,6 +79,11 @@ class RocketKV(HSAStage, SnapKV):
             raise ValueError("rocketkv's stage 1 is GQA-aware: granularity must be group")
         if not isinstance(self.last_prompt_token_via_decode, bool):
             raise ValueError(f"last_prompt_token_via_decode must be true or false, got {self.last_prompt_token_via_decode!r}")
+        self.selection = HSAStage(self.skip_layers)
+
+    @property
+    def obs_window(self) -> int:
+        return self.window
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim):
         if budget >= sequence_length:
@@ -78,7 +92,15 @@ class RocketKV(HSAStage, SnapKV):
         return Plan(evict=derived["prompt_budget"], select=budget, derived=derived)
 
     def keep(self, layer, budget, step):
-        return None if layer.layer_idx < self.skip_layers else super().keep(layer, budget, step)
+        return None if self.selection.skips(layer) else self.eviction.keep(layer, budget, step)
 
-    def hsa_skips(self, layer):
-        return layer.layer_idx < self.skip_layers
+    def build_derived(self, layer, step):
+        return self.selection.build_derived(layer, step)
+
+    def select(self, layer, q, view, step, scaling):
+        return self.selection.select(layer, q, step)
+
+    def step_traffic(self, layer, selection, step):
+        if selection is None:
+            return super().step_traffic(layer, None, step)
+        return self.selection.traffic(layer, selection, step)

@@ -62,15 +62,15 @@ class RocketKVMT(RocketKV):
     window: int = 128  # SCBench, the multi-turn benchmark it is for (single-turn RocketKV: 32)
 
     def keep(self, layer, budget, step):
-        layer.aux.pop("selected", None)
+        layer.derived.pop("selected", None)
         chosen = super().keep(layer, budget, step)
         if chosen is not None:
             rows = torch.stack(chosen)  # uniform: SnapKV keeps `budget` tokens in every KV head
-            layer.aux["selected"] = Selected.of(layer, rows, step.plan.derived["page_size"])
+            layer.derived["selected"] = Selected.of(layer, rows, step.plan.derived["page_size"])
         return None  # the full history stays
 
     def select(self, layer, q, view, step, scaling):
-        selected = layer.aux.get("selected")
+        selected = layer.derived.get("selected")
         if selected is None:  # nothing was filtered (the history fits the stage-1 budget): plain HSA
             return super().select(layer, q, view, step, scaling)
         d = step.plan.derived
@@ -82,12 +82,12 @@ class RocketKVMT(RocketKV):
         return selected.rows.gather(1, local)[:, None, :].expand(heads, group, local.shape[1])
 
     def step_traffic(self, layer, selection, step):
-        selected = layer.aux.get("selected")
+        selected = layer.derived.get("selected")
         if selection is None or selected is None:
             return super().step_traffic(layer, selection, step)
         heads = selection.idx.shape[0]
         return heads * (selected.pages.pages * step.plan.derived["k1"] + 2 * layer.head_dim * selection.idx.shape[-1])
 
-    def build_aux(self, layer, step):
-        return {} if "selected" in layer.aux else super().build_aux(layer, step)
+    def build_derived(self, layer, step):
+        return {} if "selected" in layer.derived else super().build_derived(layer, step)
 

@@ -81,13 +81,13 @@ class SparQ(Method):
         r = max(1, min(head_dim, round(head_dim / compression)))
         return Plan(evict=None, select=budget, derived={"r": r, "k2": max(1, round(budget / 2))})
 
-    def build_aux(self, layer, step):
+    def build_derived(self, layer, step):
         return {"keys_t": TransposedKeys.of(layer)} if step.plan.select else {}
 
     def _state(self, layer) -> TransposedKeys:
-        if "keys_t" not in layer.aux:
-            layer.aux["keys_t"] = TransposedKeys.of(layer)
-        return layer.aux["keys_t"]
+        if "keys_t" not in layer.derived:
+            layer.derived["keys_t"] = TransposedKeys.of(layer)
+        return layer.derived["keys_t"]
 
     def select(self, layer, q, view, step, scaling):
         r, k = step.plan.derived["r"], step.plan.derived["k2"]

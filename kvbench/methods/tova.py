@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvbench.methods.base import EvictionMethod, keep_top, register_method
+from kvbench.methods.base import ScoredEviction, register_method
 
 
 def last_query_attention(layer) -> torch.Tensor:
@@ -33,7 +33,7 @@ def last_query_attention(layer) -> torch.Tensor:
 
 @register_method
 @dataclass
-class TOVA(EvictionMethod):
+class TOVA(ScoredEviction):
     name = "tova"
     head_agg: str = "group"
 
@@ -46,11 +46,8 @@ class TOVA(EvictionMethod):
     def obs_window(self) -> int:
         return 1
 
-    def keep(self, layer, budget, step):
-        length = layer.physical_length()
-        if budget >= length:
-            return None
+    def score(self, layer, step):
         scores = last_query_attention(layer)
         if self.head_agg == "layer":
             scores = scores.mean(dim=0, keepdim=True).expand_as(scores)
-        return keep_top(scores, budget)
+        return scores

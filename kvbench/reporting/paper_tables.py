@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -29,8 +30,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from kvbench.config.paths import experiment_config
+from kvbench.config.paths import POINT_GROUPS, choice_name, experiment_config
 from kvbench.core.errors import KVBenchError
+from kvbench.results.summary import mean_of_subtasks
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +49,8 @@ KINDS = ("accuracy", "storage_traffic", "math")
 COLUMN_KINDS = ("budget", "subtask", "category")
 
 
-# point fields a sweep varies, in the order rows list them
+# point fields a sweep varies (results.collect.POINT_FIELDS) in a paper's row order, not the record's: the mode
+# beside model and task, budget (usually the column axis) last; it orders the row fields a spec leaves out
 IDENTITY = ("model", "task", "compress_question", "seq_len", "method", "budget")
 
 
@@ -122,6 +125,7 @@ def resolve(source: str | Path, overrides: Sequence[str] = ()) -> Source:
         key = o.get_key_element().lstrip("+~")
         if o.is_sweep_override() or key in params:
             params[key] = text.split("=", 1)[1]
+    # every grid point's fields: POINT_FIELDS less seq_len (a grid has it only as a swept task.seq_len)
     base = {"model": cfg.model.name, "task": cfg.task.name, "method": cfg.method.name, "budget": cfg.budget,
             "compress_question": cfg.compress_question}
     return Source(name, Path(cfg.results_dir), ReportSpec.from_block(block, name), expected_grid(params, base))
@@ -147,7 +151,7 @@ def expected_grid(params: Mapping[str, Any], base: Mapping[str, Any]) -> list[di
     identity. A method that takes no budget is one point whatever the budget (its budget is "-")."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from kvbench.methods import METHODS
+    from kvbench.methods import METHODS  # torch and the kernels: reports otherwise read records without them
 
     parser = OverridesParser.create()
     axes: dict[str, list[str]] = {}
@@ -160,27 +164,11 @@ def expected_grid(params: Mapping[str, Any], base: Mapping[str, Any]) -> list[di
     for combo in itertools.product(*axes.values()):
         point = {k: norm(v) for k, v in base.items()}
         point.update({k: norm(v) for k, v in zip(axes, combo)})
-        method = METHODS.get(_method_name(point["method"]))
+        method = METHODS.get(choice_name("method", point["method"]))
         if method is not None and not method.uses_budget:
             point["budget"] = "-"
         grid[tuple(sorted(point.items()))] = point
     return list(grid.values())
-
-
-def _method_name(choice: str) -> str:
-    """The method a method config names (`snapkv_head` -> snapkv)."""
-    from omegaconf import OmegaConf
-
-    from kvbench.config.paths import CONF_DIR
-
-    path = Path(CONF_DIR) / "method" / f"{choice}.yaml"
-    if not path.exists():
-        return choice
-    cfg = OmegaConf.load(path)
-    if "name" in cfg:
-        return str(cfg.name)
-    bases = [d for d in cfg.get("defaults", []) if isinstance(d, str) and d != "_self_"]  # a variant's base
-    return _method_name(bases[0]) if bases else choice
 
 
 def _point_key(df: pd.DataFrame) -> str:
@@ -190,19 +178,24 @@ def _point_key(df: pd.DataFrame) -> str:
 
 def point_scores(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(points, subtasks): one row per point with its score (the unweighted mean of its subtask means, x100,
-    the RULER/LongBench rule) and sample count, and one row per point and subtask. Every other column keeps
+    the RULER/LongBench rule: `mean_of_subtasks`) and sample count, and one row per point and subtask. Every other column keeps
     the point's first value (identity and config columns are constant within a point)."""
     key = _point_key(df)
     numeric = df.assign(score=pd.to_numeric(df["score"], errors="coerce") * 100.0)
     subtasks = numeric.groupby([key, "subtask"], sort=False, dropna=False).agg(
         score=("score", "mean"), n=("sample_id", "size")).reset_index()
     first = numeric.drop(columns=["score", "subtask", "sample_id"]).groupby(key, sort=False).first()
-    points = subtasks.groupby(key, sort=False).agg(score=("score", "mean"), n=("n", "sum"))
+    points = subtasks.groupby(key, sort=False).agg(score=("score", _mean_of_subtasks), n=("n", "sum"))
     points = points.join(first).reset_index()
-    for field in ("model", "method", "task"):  # the config name a sweep used (a method variant's own name)
+    for field in POINT_GROUPS:  # the config name a sweep used (a method variant's own name)
         if f"choice.{field}" in points.columns:
             points[field] = points[f"choice.{field}"].fillna(points[field])
     return points, subtasks
+
+
+def _mean_of_subtasks(scores: pd.Series) -> float:
+    """`mean_of_subtasks` over one point's rows of a frame (NaN: no value)."""
+    return mean_of_subtasks(scores.dropna(), empty=math.nan)
 
 
 def _norm_frame(points: pd.DataFrame, keys: Sequence[str]) -> pd.DataFrame:
@@ -251,7 +244,7 @@ def _categories_of(subtasks: pd.DataFrame, spec: ReportSpec) -> pd.DataFrame:
     key = _point_key(subtasks)
     for category, names in (spec.categories or {}).items():
         part = subtasks[subtasks["subtask"].isin(list(names))]
-        means = part.groupby(key, sort=False)["score"].mean().reset_index()
+        means = part.groupby(key, sort=False)["score"].agg(_mean_of_subtasks).reset_index()
         means["subtask"] = category
         rows.append(means)
     return pd.concat(rows, ignore_index=True) if rows else subtasks.iloc[0:0]
@@ -278,7 +271,7 @@ def main_table(source: Source, points: pd.DataFrame, subtasks: pd.DataFrame) -> 
         row_of = dict(zip(points[key], map(tuple, ident.values)))
         values = {(row_of[p], name): s for p, name, s in zip(per[key], per["subtask"], per["score"])}
         if spec.columns == "category":  # CTKVR's AVG: the mean of the category means
-            avg = per.groupby(key, sort=False)["score"].mean()
+            avg = per.groupby(key, sort=False)["score"].agg(_mean_of_subtasks)
             values.update({(row_of[p], "avg"): v for p, v in avg.items()})
         else:
             values.update({(tuple(r), "avg"): s for r, s in zip(ident.itertuples(index=False), points["score"])})

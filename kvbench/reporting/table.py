@@ -12,19 +12,17 @@ prints the point table and writes the paper's layout (kvbench/reporting/paper.py
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from kvbench.results.collect import collect
+from kvbench.results.collect import POINT_FIELDS, collect
+from kvbench.results.summary import mean_of_subtasks
 
 log = logging.getLogger(__name__)
-
-
-# Point fields shown when a frame does not say which columns identify a point (see `collect`).
-DEFAULT_POINT_KEYS = ("model", "task", "method", "budget", "seq_len", "compress_question")
 
 
 # Per-(point, subtask) means reported by `point_table`, when the records have them.
@@ -39,7 +37,7 @@ def _point_keys(df: pd.DataFrame) -> list[str]:
     """Columns identifying a point: its recorded identity, plus the hash that also covers hidden settings
     (seed, engine options), so two points never merge just because their visible fields agree. Records
     without any identity fall back to their run directory."""
-    keys = df.attrs.get("point_columns") or [k for k in DEFAULT_POINT_KEYS if k in df.columns]
+    keys = df.attrs.get("point_columns") or [k for k in POINT_FIELDS if k in df.columns]
     if "point_hash" in df.columns and "point_hash" not in keys:
         keys = [*keys, "point_hash"]
     return keys or ["run_dir"]
@@ -59,7 +57,7 @@ def point_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per point and subtask: n, mean score x100, and the means of `TABLE_METRICS` present.
 
     Points with several subtasks (suites) get an extra `TASK_MEAN_LABEL` row after their subtask rows: the
-    unweighted mean of those rows (RULER's rule), with n the total sample count.
+    unweighted mean of those rows (`mean_of_subtasks`, RULER's rule), with n the total sample count.
     """
     if df.empty:
         return pd.DataFrame()
@@ -80,7 +78,7 @@ def point_table(df: pd.DataFrame) -> pd.DataFrame:
             mean["subtask"] = TASK_MEAN_LABEL
             mean["n"] = rows["n"].sum()
             for col in ("score", *metrics):
-                mean[col] = rows[col].mean()
+                mean[col] = mean_of_subtasks(rows[col].dropna(), empty=math.nan)
             parts.append(mean)
     out = pd.concat(parts, ignore_index=True)
     out.attrs["point_columns"] = keys

@@ -15,6 +15,8 @@ from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench.results.collect import collect
+
 # Summary metrics logged per point (means over its samples), where the summary has them.
 SUMMARY_METRICS = ("nll", "kept_tokens_mean", "kv_bytes_after_prefill", "kv_bytes_end", "prefill_s",
                    "decode_ms_per_token", "storage_ratio_bytes", "decode_read_bytes_per_step", "wall_s")
@@ -34,9 +36,7 @@ def _group(cfg: DictConfig) -> str:
 
 def log_point(cfg: DictConfig, summary: dict[str, Any], run_dir: Path) -> None:
     """Log one finished point: resolved config, per-sample records (a table), summary metrics and profile."""
-    import wandb
-
-    from kvbench.results.collect import collect
+    import wandb  # optional, and slow to import: only a logger=wandb point needs it
 
     lcfg = cfg.logger
     config = OmegaConf.to_container(cfg, resolve=True)

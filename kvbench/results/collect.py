@@ -13,7 +13,8 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from kvbench.config.paths import experiment_config, experiments
+from kvbench.config.paths import POINT_GROUPS, experiment_config, experiments
+from kvbench.core.errors import KVBenchError
 from kvbench.results.store import RECORDS_FILE, load_records
 from kvbench.results.summary import _is_number
 
@@ -28,8 +29,16 @@ _NESTED_RECORD_FIELDS = ("point", "turns", "task")
 _UNFLATTENED_RECORD_FIELDS = ("point", "meta")
 
 
+# A record's point fields (`point`, written by run.prepare) that a sweep varies, in the record's order: the
+# columns that identify a point in a table when a frame does not list its own (reporting.paper_tables.IDENTITY
+# has the same fields in a paper's row order).
+POINT_FIELDS = ("model", "task", "method", "budget", "seq_len", "compress_question")
+
+
 # Sections and keys of a run directory's config.yaml that become columns (`method.window`, `task.seq_len`, ...):
-# the names a sweep overrides, so a preset's grid can be matched against the records.
+# the names a sweep overrides, so a preset's grid can be matched against the records. Config sections, not
+# record fields: what run.identity.POINT_KEYS hashes, plus compression_ratio and profiling, whole (a column
+# per setting, the engine's non-identity settings included).
 CONFIG_COLUMNS = ("model", "method", "task", "engine", "budget", "compression_ratio", "compress_question", "seed",
                   "profile", "profiler")
 
@@ -72,7 +81,7 @@ def _run_config(run_dir: Path) -> dict[str, Any]:
                 "runtime", {}).get("choices", {})
         except (OSError, yaml.YAMLError):
             choices = {}
-        flat.update({f"choice.{k}": v for k, v in choices.items() if k in ("model", "method", "task", "experiment")})
+        flat.update({f"choice.{k}": v for k, v in choices.items() if k in (*POINT_GROUPS, "experiment")})
     return flat
 
 
@@ -126,8 +135,6 @@ def collect(results_root: Path) -> "pd.DataFrame":
 
 def results_root(source: str | os.PathLike[str]) -> Path:
     """The results directory of `source`: a directory as given, or an experiment preset's ``results_dir``."""
-    from kvbench.core.errors import KVBenchError
-
     path = Path(source)
     if path.is_dir():
         return path

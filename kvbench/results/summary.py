@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,15 @@ NON_METRIC_FIELDS = frozenset({"sample_id", "task", "score", "turns", "point", "
 
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+def mean_of_subtasks(scores: Iterable[float | None], empty: float | None = None) -> float | None:
+    """The unweighted mean of per-subtask mean scores, the RULER/LongBench rule: a suite's subtasks weigh the
+    same whatever their sample counts. Subtasks without a value (None) are left out; `empty` when none has one.
+    Summaries, `kvbench report`'s point table and the paper tables all average this way (a DataFrame's missing
+    values are NaN: they drop them first and pass ``empty=nan``)."""
+    values = [s for s in scores if s is not None]
+    return sum(values) / len(values) if values else empty
 
 
 def _unscored(rec: dict[str, Any]) -> bool:
@@ -88,7 +97,7 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
     summary: dict[str, Any] = {
         "n_samples": len(records),
-        "score": _mean([t["score"] for t in tasks.values() if t["score"] is not None]),
+        "score": mean_of_subtasks(t["score"] for t in tasks.values()),
         "score_micro": _score_pct(records),
         "metrics": _metric_means(records),
         "tasks": tasks,

@@ -1,5 +1,5 @@
-"""Process-wide reuse across the points of a local sweep: the loaded model and the built samples; seeding;
-handing freed host memory back between samples."""
+"""Process-wide reuse across the points of a local sweep: the loaded model, the built samples and the dense
+prefill snapshots; seeding; handing freed host memory back between samples."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench.core.errors import KVBenchError
 from kvbench.engine.prompt import PromptBuilder
-from kvbench.models import LoadedModel
+from kvbench.engine.snapshots import PrefillSnapshots
+from kvbench.models import LoadedModel, load_model
 from kvbench.tasks.base import Sample
 
 log = logging.getLogger("kvbench")
@@ -35,11 +36,11 @@ _MODELS: dict[str, Any] = {}
 
 def cached_model(model_cfg: DictConfig) -> "LoadedModel":
     """Models are loaded once per process: a local multirun reuses them across points."""
-    from kvbench.models import load_model
-
     key = OmegaConf.to_yaml(model_cfg)
     if key not in _MODELS:
+        global _SNAPSHOTS
         _MODELS.clear()
+        _SNAPSHOTS = None  # keyed by the model object's id, which a new model may reuse: start empty
         log.info("loading model %s (%s, %s)", model_cfg.name, model_cfg.dtype, model_cfg.device)
         _MODELS[key] = load_model(model_cfg)
     return _MODELS[key]
@@ -67,6 +68,18 @@ def cached_samples(cfg: DictConfig, lm: "LoadedModel", builder: "PromptBuilder")
             cause = exc.__cause__ if isinstance(exc, InstantiationException) and exc.__cause__ else exc
             raise KVBenchError(f"task {cfg.task.name}: {cause}") from exc
     return _SAMPLES[key]
+
+
+_SNAPSHOTS: PrefillSnapshots | None = None
+
+
+def prefill_snapshots(limit_mb: int) -> PrefillSnapshots:
+    """Dense prefills shared by the points of this process (`engine.reuse_prefill`): a local multirun prefills
+    each prompt once for all its methods and budgets. A new, empty store when the size limit changes."""
+    global _SNAPSHOTS
+    if _SNAPSHOTS is None or _SNAPSHOTS.limit != limit_mb * 2**20:
+        _SNAPSHOTS = PrefillSnapshots(limit_mb)
+    return _SNAPSHOTS
 
 
 def _libc_trim() -> Any:

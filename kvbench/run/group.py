@@ -10,11 +10,18 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from kvbench.core.errors import KVBenchError
+from kvbench.results.store import point_lock
 from kvbench.run.caches import release_host_memory
+from kvbench.run.identity import POINT_KEYS
 from kvbench.run.policy import run_rows
 from kvbench.run.prepare import PreparedPoint, prepare_point
 
 log = logging.getLogger("kvbench")
+
+
+# A point's identity less what the points of one group differ in (method, budget); the engine section whole,
+# its non-identity settings too (batch_rows, reuse_prefill, ...), since a group decodes under one EngineConfig.
+GROUP_KEYS = tuple(k for k in POINT_KEYS if k not in ("method", "budget"))
 
 
 def group_key(cfg: DictConfig) -> str | None:
@@ -23,8 +30,8 @@ def group_key(cfg: DictConfig) -> str | None:
     their own)."""
     if cfg.get("profile"):
         return None
-    parts = [OmegaConf.to_yaml(cfg[k], resolve=True) for k in ("model", "task", "engine")]
-    return "\n".join([*parts, str(cfg.compress_question), str(cfg.seed)])
+    values = [cfg[k] for k in GROUP_KEYS]
+    return "\n".join(OmegaConf.to_yaml(v, resolve=True) if isinstance(v, DictConfig) else str(v) for v in values)
 
 
 def run_grouped(points: list[tuple[DictConfig, Path]], max_group: int) -> None:
@@ -36,8 +43,6 @@ def run_grouped(points: list[tuple[DictConfig, Path]], max_group: int) -> None:
     an interrupted group resumes at the samples each point lacks. Points that fail to prepare are left to
     their own job, which reports the error.
     """
-    from kvbench.results.store import point_lock
-
     with contextlib.ExitStack() as locks:
         prepared = []
         for cfg, run_dir in {run_dir: (cfg, run_dir) for cfg, run_dir in points}.values():  # a point swept twice

@@ -10,8 +10,11 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench.methods import METHODS
 from kvbench.results.store import point_hash
 
+# The config sections and settings a point's identity hashes (config names, not the fields records show:
+# results.collect.POINT_FIELDS); changing the set changes every point hash.
 POINT_KEYS = ("model", "task", "method", "budget", "compress_question", "engine", "seed")
 
 
@@ -57,8 +60,6 @@ def file_digest(path: Path) -> str:
 
 
 def budget_matters(cfg: DictConfig) -> bool:
-    from kvbench.methods import METHODS
-
     method = METHODS.get(cfg.method.name)
     return method is None or method.uses_budget
 

@@ -15,6 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from kvbench.results.store import point_lock
+from kvbench.results.summary import summarize, write_summary
 from kvbench.run.caches import release_host_memory
 from kvbench.run.policy import run_rows
 from kvbench.run.prepare import PreparedPoint, prepare_point
@@ -28,16 +30,12 @@ log = logging.getLogger("kvbench")
 
 def run_point(cfg: DictConfig) -> dict[str, Any]:
     """Run (or resume) one experiment point and return its summary."""
-    from kvbench.results.store import point_lock
-
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with point_lock(run_dir):
         return _run_prepared(prepare_point(cfg, run_dir))
 
 
 def _run_prepared(prepared: PreparedPoint) -> dict[str, Any]:
-    from kvbench.results.summary import summarize, write_summary
-
     cfg = prepared.cfg
     todo = prepared.todo()
     if len(todo) < len(prepared.samples):

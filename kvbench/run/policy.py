@@ -11,9 +11,11 @@ import torch
 from omegaconf import DictConfig
 
 from kvbench.engine.config import EngineConfig
-from kvbench.engine.sample import run_group
+from kvbench.engine.sample import run_group, run_sample
+from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.models import LoadedModel
-from kvbench.profiling.profiler import is_out_of_memory
+from kvbench.profiling.profiler import PhaseProfiler, combine_repeats, is_out_of_memory
+from kvbench.profiling.roofline import machine_peaks, roofline
 from kvbench.run.prepare import PreparedPoint
 from kvbench.tasks.base import Sample
 
@@ -21,16 +23,13 @@ log = logging.getLogger("kvbench")
 
 
 def run_or_oom(cfg: DictConfig, lm: "LoadedModel", method: Any, budget: Any, sample: "Sample",
-                engine_cfg: "EngineConfig") -> dict[str, Any]:
+               engine_cfg: "EngineConfig", snapshots: PrefillSnapshots | None = None) -> dict[str, Any]:
     """The sample's record (profiled when `profile=true`), or, when it runs out of memory, a record saying so:
-    the point and the sweep go on (an efficiency sweep finds its OOM limit this way)."""
-    from kvbench.engine.sample import run_sample
-    from kvbench.profiling.profiler import PhaseProfiler, combine_repeats
-    from kvbench.profiling.roofline import machine_peaks, roofline
-
+    the point and the sweep go on (an efficiency sweep finds its OOM limit this way). `snapshots`: the
+    prefills it may share (`engine.run_sample`; None: none)."""
     try:
         if not cfg.profile:
-            return run_sample(lm, method, budget, sample, engine_cfg)
+            return run_sample(lm, method, budget, sample, engine_cfg, snapshots=snapshots)
         runs = [run_sample(lm, method, budget, sample, engine_cfg,
                            profiler=PhaseProfiler(lm.device, cfg.profiler.warmup_steps))
                 for _ in range(max(1, cfg.profiler.repeats))]
@@ -53,19 +52,19 @@ def run_rows(first: PreparedPoint, rows: list[tuple[PreparedPoint, "Sample"]]) -
     """Record (point, sample) rows that share a model and engine settings: one row through `run_or_oom`,
     several decoded together (`engine.run_group`); a batch that runs out of memory is retried row by row.
     Each record is appended to its point's store as soon as it exists."""
-    from kvbench.profiling.profiler import is_out_of_memory
-
     records = None
     if len(rows) > 1:
         try:
-            records = run_group(first.lm, [(p.method, p.budget, sample) for p, sample in rows], first.engine_cfg)
+            records = run_group(first.lm, [(p.method, p.budget, sample) for p, sample in rows], first.engine_cfg,
+                                snapshots=first.snapshots)
         except Exception as exc:  # noqa: BLE001 - only allocation failures are caught, the rest re-raised
             if not is_out_of_memory(exc):
                 raise
             log.warning("a batch of %d rows ran out of memory; running them one by one", len(rows))
             gc.collect()
     if records is None:
-        records = [run_or_oom(p.cfg, p.lm, p.method, p.budget, sample, p.engine_cfg) for p, sample in rows]
+        records = [run_or_oom(p.cfg, p.lm, p.method, p.budget, sample, p.engine_cfg, p.snapshots)
+                   for p, sample in rows]
     for (point, _), record in zip(rows, records):
         point.append(record)
     return records

@@ -10,11 +10,15 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.config.validate import check_length, validate
+from kvbench.core.budget import CompressionRatio
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.prompt import PromptBuilder
+from kvbench.engine.snapshots import PrefillSnapshots
+from kvbench.methods import build_method
 from kvbench.models import LoadedModel
-from kvbench.results.store import point_hash
-from kvbench.run.caches import cached_model, cached_samples, seed_everything
+from kvbench.results.manifest import build_manifest, write_manifest
+from kvbench.results.store import RecordStore, point_hash
+from kvbench.run.caches import cached_model, cached_samples, prefill_snapshots, seed_everything
 from kvbench.run.identity import point_identity
 from kvbench.tasks.base import Sample
 
@@ -23,7 +27,8 @@ log = logging.getLogger("kvbench")
 
 @dataclass
 class PreparedPoint:
-    """An experiment point ready to run: its directory, identity, method, model, samples and record store."""
+    """An experiment point ready to run: its directory, identity, method, model, samples and record store, and
+    the process's prefill snapshots it shares with the other points."""
 
     cfg: DictConfig
     run_dir: Path
@@ -36,6 +41,7 @@ class PreparedPoint:
     store: Any
     point_fields: dict[str, Any]
     budget: Any
+    snapshots: PrefillSnapshots | None  # None: no reuse (engine.reuse_prefill off, profiled points)
 
     def todo(self) -> list["Sample"]:
         done = self.store.completed_ids()
@@ -48,12 +54,6 @@ class PreparedPoint:
 
 def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
     """Validate a point, load its model and samples, and set up its directory (manifest, config, records)."""
-    from kvbench.core.budget import CompressionRatio
-    from kvbench.engine.config import EngineConfig
-    from kvbench.methods import build_method
-    from kvbench.results.manifest import build_manifest, write_manifest
-    from kvbench.results.store import RecordStore
-
     validate(cfg)
     point = point_identity(cfg)
     phash = point_hash(point)
@@ -82,4 +82,6 @@ def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
         "seed": cfg.seed,
     }
     budget = CompressionRatio(point["compression_ratio"]) if point.get("compression_ratio") is not None else cfg.budget
-    return PreparedPoint(cfg, run_dir, point, phash, method, lm, engine_cfg, samples, store, point_fields, budget)
+    snapshots = prefill_snapshots(engine_cfg.snapshot_cache_mb) if engine_cfg.reuse_prefill else None
+    return PreparedPoint(cfg, run_dir, point, phash, method, lm, engine_cfg, samples, store, point_fields, budget,
+                         snapshots)

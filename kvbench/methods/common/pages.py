@@ -1,7 +1,7 @@
 """Shared pieces of the page-based selection methods (Quest, HSA, RocketKV): page summaries kept current as
 tokens are appended, and the deterministic token-level top-k of page scores.
 
-A `PageSummary` is derived state in the cache (`layer.aux`): built over what a layer holds when the segment
+A `PageSummary` is derived state in the cache (`layer.derived`): built over what a layer holds when the segment
 ends, updated incrementally on every append (only the last page and the new ones are recomputed), cut back
 on a rollback, and dropped when an eviction changes the rows (the method rebuilds it). Objects are never
 modified in place, so a prefill snapshot or a teacher-forcing twin can share one.
@@ -61,9 +61,9 @@ class PageSummary:
 
 def layer_pages(layer, page_size: int) -> PageSummary:
     """The layer's page summary, built over its current keys if an eviction dropped it."""
-    pages = layer.aux.get("pages")
+    pages = layer.derived.get("pages")
     if pages is None or pages.page_size != page_size:
-        pages = layer.aux["pages"] = PageSummary.of(layer.head_view().keys, page_size)
+        pages = layer.derived["pages"] = PageSummary.of(layer.head_view().keys, page_size)
     return pages
 
 

@@ -3,7 +3,7 @@ recall of a step that attends to rows on both sides.
 
 A `HostSegment` lives in host memory (pinned when the model runs on CUDA, so copies back are asynchronous);
 on a CPU-only machine host and device are the same memory and the move is one gather into new tensors, so
-no second copy exists. It is derived state in the cache (`layer.aux`): it survives the eviction that moved
+no second copy exists. It is derived state in the cache (`layer.derived`): it survives the eviction that moved
 its rows out of the layer's storage (`kept`), drops rows on a rollback past them, and its bytes are reported
 as host bytes.
 """
@@ -67,5 +67,11 @@ def recall_of(q: torch.Tensor, keys: torch.Tensor, chosen: torch.Tensor, valid: 
     if valid is not None:
         mass = mass * valid[:, None, :]
     count = chosen.shape[1] if valid is None else int(valid.sum(dim=1).min())
-    best = probs.topk(min(count, probs.shape[-1]), dim=-1).values.sum(-1)
-    return float((mass.sum(-1) / best).mean())
+    return mass_recall(probs, mass.sum(-1), min(count, probs.shape[-1]))
+
+
+def mass_recall(probs: torch.Tensor, chosen_mass: torch.Tensor, k: int) -> float:
+    """Top-k attention-mass recall: the attention mass a step attended (`chosen_mass` [H, G]) over the mass of
+    the exact top-`k` tokens of `probs` [H, G, N], averaged over query heads (1 for Exact-TopK)."""
+    best = probs.topk(k, dim=-1).values.sum(-1)
+    return float((chosen_mass / best).mean())
