@@ -105,28 +105,44 @@ def launch_ragged_decode_attention(
     lens: torch.Tensor,
     scaling: float,
     block_n: int,
+    max_len: int,
+    rows_per_split: int,
 ) -> torch.Tensor:
-    """Run `_ragged_decode_kernel` on shape-checked inputs (int64 offsets/lens on q's device)."""
+    """Run `_ragged_decode_kernel` on shape-checked inputs (int64 offsets/lens on q's device), split-K.
+
+    Each (KV head, group member) gets ceil(max_len / rows_per_split) programs, each over its own run of rows
+    with an online softmax; their partial results (unnormalised sum, running max, normaliser; base 2) are
+    merged here by log-sum-exp, so a long head is read by many programs at once instead of one.
+    """
     n_kv, group, dim = q.shape
-    out = torch.empty_like(q)
-    _ragged_decode_kernel[(n_kv * group,)](
-        q, keys_flat, values_flat, offsets, lens, out,
-        scaling * LOG2E, group, dim,
-        *q.stride(), *keys_flat.stride(), *values_flat.stride(), *out.stride(),
+    rows_per_split = max(block_n, -(-rows_per_split // block_n) * block_n)
+    splits = max(1, -(-max_len // rows_per_split))
+    acc = torch.empty(n_kv, group, splits, dim, dtype=torch.float32, device=q.device)
+    running_max = torch.empty(n_kv, group, splits, dtype=torch.float32, device=q.device)
+    normaliser = torch.empty_like(running_max)
+    _ragged_decode_kernel[(n_kv * group, splits)](
+        q, keys_flat, values_flat, offsets, lens, acc, running_max, normaliser,
+        scaling * LOG2E, group, dim, rows_per_split,
+        *q.stride(), *keys_flat.stride(), *values_flat.stride(),
         BLOCK_N=block_n,
         BLOCK_D=triton.next_power_of_2(dim),
     )
-    return out
+    top = running_max.amax(dim=-1, keepdim=True)  # -inf only for an empty head: NaN below, as the reference
+    weight = torch.exp2(running_max - top)
+    out = (weight[..., None] * acc).sum(dim=2) / (weight * normaliser).sum(dim=-1)[..., None]
+    return out.to(q.dtype)
 
 
 @triton.jit
 def _ragged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, off_ptr, len_ptr, out_ptr,
-    qk_scale, group, dim,
-    s_qh, s_qg, s_qd, s_kn, s_kd, s_vn, s_vd, s_oh, s_og, s_od,
+    q_ptr, k_ptr, v_ptr, off_ptr, len_ptr, acc_ptr, m_ptr, l_ptr,
+    qk_scale, group, dim, rows_per_split,
+    s_qh, s_qg, s_qd, s_kn, s_kd, s_vn, s_vd,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    split = tl.program_id(1)
+    splits = tl.num_programs(1)
     h = pid // group
     g = pid % group
     d = tl.arange(0, BLOCK_D)
@@ -134,13 +150,15 @@ def _ragged_decode_kernel(
     q = tl.load(q_ptr + h * s_qh + g * s_qg + d * s_qd, mask=d_ok, other=0.0).to(tl.float32)
     first = tl.load(off_ptr + h)
     n = tl.load(len_ptr + h)
+    begin = split * rows_per_split
+    end = tl.minimum(begin + rows_per_split, n)
     m_i = tl.full([], float("-inf"), tl.float32)
     l_i = tl.full([], 0.0, tl.float32)
     acc = tl.zeros([BLOCK_D], dtype=tl.float32)
     # every block holds at least one live row, so m_new is finite and exp2 never sees -inf - -inf
-    for start in range(0, n, BLOCK_N):
+    for start in range(begin, end, BLOCK_N):
         r = start + tl.arange(0, BLOCK_N)
-        live = r < n
+        live = r < end
         rows = first + r
         tile = live[:, None] & d_ok[None, :]
         kt = tl.load(k_ptr + rows[:, None] * s_kn + d[None, :] * s_kd, mask=tile, other=0.0)
@@ -153,9 +171,11 @@ def _ragged_decode_kernel(
         acc = acc * alpha + tl.sum(p[:, None] * vt.to(tl.float32), axis=0)
         l_i = l_i * alpha + tl.sum(p, axis=0)
         m_i = m_new
-    # an empty head never enters the loop: 0/0 = NaN, as the reference's softmax over nothing
-    out = acc / l_i
-    tl.store(out_ptr + h * s_oh + g * s_og + d * s_od, out.to(out_ptr.dtype.element_ty), mask=d_ok)
+    # a split past its head's rows never enters the loop: m = -inf, l = 0, no weight in the merge
+    slot = pid * splits + split
+    tl.store(acc_ptr + slot * dim + d, acc, mask=d_ok)
+    tl.store(m_ptr + slot, m_i)
+    tl.store(l_ptr + slot, l_i)
 
 
 def launch_page_minmax(

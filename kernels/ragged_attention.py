@@ -3,10 +3,9 @@
 A ragged layer stores keys/values as flat rows `[R, D]`, KV head h's rows at `offsets[h] .. offsets[h] +
 len_h`. One decode step attends each query head to its KV head's rows only, without padding the layer to
 `[H_kv, max_len, D]`. Rows between one head's segment and the next (append slack) are never read.
-`ragged_decode_attention` dispatches between the Triton kernel (`ragged_decode_attention_triton`, CUDA) and
-a loop of one SDPA call per KV head over its segment (`ragged_decode_attention_per_head`: views, no copy,
-the same SDPA kernel dense decode runs). All compute the function documented on the PyTorch reference
-(`ragged_decode_attention_reference`), which pads the heads and exists to test the others against.
+The Triton kernel (`ragged_decode_attention_triton`) is what `kvbench.kernels.decode_attention` runs on CUDA;
+on CPU that module attends each head's segment itself. Both compute the function documented on the PyTorch
+reference (`ragged_decode_attention_reference`), which pads the heads and exists to test the others against.
 """
 
 from __future__ import annotations
@@ -14,49 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
-from kvbench.kernels._dispatch import use_triton
-
-
-def ragged_decode_attention(
-    q: torch.Tensor,
-    keys_flat: torch.Tensor,
-    values_flat: torch.Tensor,
-    head_offsets: torch.Tensor,
-    head_lens: torch.Tensor | Sequence[int],
-    scaling: float,
-) -> torch.Tensor:
-    """`ragged_decode_attention_reference`'s result: by the Triton kernel when `use_triton` allows it, else
-    by one SDPA call per KV head (the padded reference copies the layer at every step; it is for tests)."""
-    if use_triton(q, keys_flat, values_flat):
-        return ragged_decode_attention_triton(q, keys_flat, values_flat, head_offsets, head_lens, scaling)
-    return ragged_decode_attention_per_head(q, keys_flat, values_flat, head_offsets, head_lens, scaling)
-
-
-def ragged_decode_attention_per_head(
-    q: torch.Tensor,
-    keys_flat: torch.Tensor,
-    values_flat: torch.Tensor,
-    head_offsets: torch.Tensor,
-    head_lens: torch.Tensor | Sequence[int],
-    scaling: float,
-) -> torch.Tensor:
-    """`ragged_decode_attention_reference`'s function as one SDPA call per KV head on its segment (a view).
-
-    Reads each head's rows once and copies nothing, so a ragged decode step costs what a dense one over the
-    same tokens costs, up to H_kv kernel launches; the SDPA call is the one dense decode makes, with its
-    numerics (fp32 accumulation). The CPU path; on CUDA the Triton kernel does it in one launch.
-    """
-    _check_shapes(q, keys_flat, values_flat, head_offsets, head_lens)
-    starts = head_offsets.tolist()
-    lens = head_lens.tolist() if isinstance(head_lens, torch.Tensor) else list(head_lens)
-    out = q.new_empty(q.shape)
-    for h, (start, n) in enumerate(zip(starts, lens)):
-        keys = keys_flat[start:start + n][None, None]  # [1, 1, n, D]
-        values = values_flat[start:start + n][None, None]
-        out[h] = F.scaled_dot_product_attention(q[h][None, :, None], keys, values, scale=scaling,
-                                                enable_gqa=True)[0, :, 0]
-    return out
 
 
 def ragged_decode_attention_reference(
@@ -96,20 +52,26 @@ def ragged_decode_attention_triton(
     head_lens: torch.Tensor | Sequence[int],
     scaling: float,
     block_n: int = 64,
+    rows_per_split: int = 512,
 ) -> torch.Tensor:
-    """`ragged_decode_attention_reference` as a Triton kernel: one program per (KV head, group member).
+    """`ragged_decode_attention_reference` as a split-K Triton kernel: for every (KV head, group member), one
+    program per `rows_per_split` rows of the longest head, merged by log-sum-exp.
 
-    Each program walks its head's segment `block_n` rows at a time with an online softmax (fp32
-    accumulation), so no padded copy of the layer is made. Offsets/lengths are not bounds-checked: every
-    segment must lie inside keys_flat. Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1.
+    Each program walks its run of rows `block_n` at a time with an online softmax (fp32 accumulation), so no
+    padded copy of the layer is made and a long or skewed head is read by many programs in parallel (one
+    program per head made the longest head the step's critical path). Offsets/lengths are not bounds-checked:
+    every segment must lie inside keys_flat. Runs on CUDA tensors, or on CPU tensors under TRITON_INTERPRET=1.
     """
     _check_shapes(q, keys_flat, values_flat, head_offsets, head_lens)
     # a local import: triton is imported on the first launch, not with kvbench (see _dispatch)
     from kvbench.kernels._triton_kernels import launch_ragged_decode_attention
 
+    # the split count needs the longest head on the host: free for a list (what the cache passes)
+    max_len = int(max(head_lens.tolist() if isinstance(head_lens, torch.Tensor) else head_lens, default=0))
     lens = torch.as_tensor(head_lens, dtype=torch.int64, device=q.device)
     offsets = head_offsets.to(device=q.device, dtype=torch.int64)
-    return launch_ragged_decode_attention(q, keys_flat, values_flat, offsets, lens, scaling, block_n)
+    return launch_ragged_decode_attention(q, keys_flat, values_flat, offsets, lens, scaling, block_n, max_len,
+                                          rows_per_split)
 
 
 def _check_shapes(

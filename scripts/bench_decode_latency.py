@@ -1,6 +1,8 @@
-"""Per-token decode time of each method relative to `full`, on the engine's own decode path.
+"""Per-token decode time of each method against the memory-bandwidth floor of the bytes it reads, on the
+engine's own decode path.
 
     python scripts/bench_decode_latency.py                          # embedded SmolLM2, 8K context, t = 256
+    python scripts/bench_decode_latency.py --dtype float32
     python scripts/bench_decode_latency.py --length 4096 --budget 128 --methods full,rocketkv,quest
 
 One dense prefill of a synthetic prompt is shared by every method (the sweep's snapshot path: selection
@@ -9,11 +11,26 @@ after `--warmup` untimed ones through `Session.step`, exactly as an accuracy run
 fidelity metric, is off here so that it does not inflate the timings). Reported: median and p90 ms per token
 and the median's ratio to `full`, the K/V bytes each method holds and the token-equivalents it reads per KV
 group and step by its own cost model (its traffic: the budget axis the methods are compared on).
+
+The floor. A decode step reads every weight the step multiplies (all linear layers and norms, the output
+head; not the input embedding table, of which it reads one row) and the K/V and auxiliary elements the
+method's cost model counts. The run measures two read rates on this machine before the methods, and prints
+each method's floor and its ratio at both:
+
+- `stream`: the best of several passes of `torch.sum` over a buffer far larger than the caches: the rate
+  at which this machine's memory can be read at all (a STREAM-style bound);
+- `gemv`: the model's own linear layers run back to back on one token: the rate at which PyTorch's
+  matrix-vector kernels stream these weights (oneDNN in bfloat16, MKL in float32), the most any decode step
+  built on them can reach.
+
+ratio = ms/token / floor. The gap between the two floors is the BLAS's, not the harness's; what remains above
+the gemv floor is per-step work: attention, selection, and the model's per-operator overhead in eager mode.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -49,10 +66,49 @@ def time_decode(lm, session, logits: torch.Tensor, warmup: int, steps: int) -> t
     return statistics.median(times), float(np.percentile(times, 90))
 
 
+def weight_bytes_read(model: torch.nn.Module) -> int:
+    """Bytes of the weights one decode step reads: every parameter but the input embedding table (one row of it
+    is read), and the output head once even where it shares that table."""
+    params = {id(p): p for p in model.parameters()}  # a tied head is one parameter
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    table = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is None or head.weight is not table:
+        total -= table.numel() * table.element_size()
+    return total
+
+
+def stream_bandwidth(dtype: torch.dtype, nbytes: int = 1 << 29, repeats: int = 5) -> float:
+    """Bytes/s of the best of `repeats` `torch.sum` passes over an `nbytes` buffer of `dtype`."""
+    buf = torch.ones(nbytes // torch.finfo(dtype).bits * 8, dtype=dtype)
+    best = math.inf
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() * buf.element_size() / best
+
+
+def gemv_bandwidth(model: torch.nn.Module, repeats: int = 5) -> float:
+    """Bytes/s at which the model's own linear layers, run back to back on one token, stream their weights."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    inputs = {m.in_features: torch.ones(1, 1, m.in_features, dtype=model.dtype) for m in linears}
+    best = math.inf
+    with torch.inference_mode():
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            for m in linears:
+                m(inputs[m.in_features])
+            best = min(best, time.perf_counter() - t0)
+    return nbytes / best
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2_135m", help="a conf/model name")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto", help="auto, bfloat16 or float32")
     parser.add_argument("--length", type=int, default=8192 - 160, help="prompt tokens")
     parser.add_argument("--budget", type=int, default=256, help="tokens per KV group (per step, for selection)")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per method")
@@ -62,7 +118,7 @@ def main() -> None:
     args = parser.parse_args()
 
     cfg = OmegaConf.load(CONF / f"{args.model}.yaml")
-    cfg.device = args.device
+    cfg.device, cfg.dtype = args.device, args.dtype
     lm = load_model(cfg)
     new_tokens = args.warmup + args.steps + 1
     if args.length + new_tokens > lm.max_positions:
@@ -73,9 +129,15 @@ def main() -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     engine = EngineConfig(reuse_prefill=True, snapshot_cache_mb=1 << 16)
     shared = PrefillSnapshots(engine.snapshot_cache_mb)  # one dense prefill for every method
+    weights = weight_bytes_read(lm.model)
+    stream, gemv = (stream_bandwidth(lm.dtype), gemv_bandwidth(lm.model)) if lm.device.type == "cpu" else (None, None)
     print(f"{lm.name} on {lm.device} ({torch.get_num_threads()} threads), {lm.dtype}, {args.length} prompt tokens, "
           f"budget t = {args.budget}, {args.steps} timed steps after {args.warmup} warm-up")
-    print(f"{'method':<14} {'ms/token':>9} {'p90':>7} {'vs full':>8} {'KV MiB':>8} {'read tok/group/step':>20}")
+    if stream is not None:
+        print(f"read rates: stream {stream / 1e9:.1f} GB/s, gemv {gemv / 1e9:.1f} GB/s; weights read per step "
+              f"{weights / 1e6:.0f} MB (floor {1e3 * weights / stream:.1f} ms stream, {1e3 * weights / gemv:.1f} ms gemv)")
+    print(f"{'method':<14} {'ms/token':>9} {'p90':>7} {'vs full':>8} {'KV MiB':>8} {'read tok/group/step':>20} "
+          f"{'KV MB/step':>11} {'floor stream':>13} {'ratio':>6} {'floor gemv':>11} {'ratio':>6}")
     baseline = None
     for name in args.methods.split(","):
         method = build_method(name)
@@ -88,8 +150,15 @@ def main() -> None:
         baseline = baseline or median
         stats = session.cache.stats
         read = stats.read_token_equivalents / stats.layer_steps if stats.layer_steps else float("nan")
+        steps = stats.layer_steps / len(session.cache.layers)
+        kv_read = stats.read_elements / steps * torch.finfo(lm.dtype).bits / 8 if steps else float("nan")
+        floors = ""
+        if stream is not None:
+            floor_stream, floor_gemv = (1e3 * (weights + kv_read) / rate for rate in (stream, gemv))
+            floors = (f"{kv_read / 1e6:11.1f} {floor_stream:10.1f} ms {median / floor_stream:6.2f} "
+                      f"{floor_gemv:8.1f} ms {median / floor_gemv:6.2f}")
         print(f"{name:<14} {median:9.1f} {p90:7.1f} {median / baseline:8.2f} {session.cache.kv_bytes() / 2**20:8.1f} "
-              f"{read:20.0f}   (prefill {prefill_s:.1f} s{', shared' if prefill_s < 1 else ''})")
+              f"{read:20.0f} {floors}   (prefill {prefill_s:.1f} s{', shared' if prefill_s < 1 else ''})")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from kvbench.kernels.ragged_attention import ragged_decode_attention
+from kvbench.kernels.decode_attention import decode_attention
 from omegaconf import OmegaConf
 
 from kvbench.cache.kvcache import KVBenchCache
@@ -72,8 +72,8 @@ def cache_micro(heads: int, group: int, dim: int) -> None:
         ragged = _layer(lens, dim, slack=0)
         dense_us = _median_us(lambda: F.scaled_dot_product_attention(
             q.view(1, heads * group, 1, dim), dense.keys, dense.values, scale=0.1, enable_gqa=True), 30)
-        ragged_us = _median_us(lambda: ragged_decode_attention(
-            q, ragged.keys, ragged.values, ragged._offsets(), ragged.lengths(), 0.1), 30)
+        ragged_us = _median_us(lambda: decode_attention(
+            q, ragged.keys, ragged.values, 0.1, ragged.starts, ragged.lens, ragged.caps), 30)
         print(f"{length:>11} {row[0]:>20.1f} {row[1]:>19.1f} {dense_us:>14.1f} {ragged_us:>15.1f} "
               f"{ragged_us / dense_us:>13.2f}")
 

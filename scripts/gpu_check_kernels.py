@@ -209,7 +209,7 @@ def _topk_strided(dtype):
 
 
 def check_ragged(dtype: torch.dtype, quick: bool) -> None:
-    from kvbench.kernels.ragged_attention import ragged_decode_attention
+    from kvbench.kernels.decode_attention import decode_attention
 
     layouts = [
         ("lens 1..20000, one empty", [1, 63, 64, 65, 0, 4097, 1000, 20000], 0),
@@ -224,7 +224,7 @@ def check_ragged(dtype: torch.dtype, quick: bool) -> None:
                 case = f"D={dim} G={group} {name}"
                 _run("ragged_decode", dtype, case, lambda: _ragged_case(dtype, lens, group, dim, gap))
     _run("ragged_decode", dtype, "dispatcher D=128 G=4",
-         lambda: _ragged_dispatch(dtype, ragged_decode_attention))
+         lambda: _ragged_dispatch(dtype, decode_attention))
 
 
 def _ragged_inputs(dtype, lens, group, dim, gap, seed):
@@ -280,7 +280,9 @@ def _ragged_dispatch(dtype, dispatch):
     exact = _ragged_exact(q, keys, values, offsets, lens, 0.1)
     checks = [("", _ratio(out.float(), exact, _attention_tol(exact, dtype)))]
     if DEVICE == "cuda":
-        checks.append(("dispatch", _same(dispatch(q, keys, values, offsets, lens, 0.1), out)))
+        starts = offsets.tolist()
+        caps = [min(n, keys.shape[0] - s) for s, n in zip(starts, lens)]
+        checks.append(("dispatch", _same(dispatch(q, keys, values, 0.1, starts, lens, caps), out)))
     return checks
 
 

@@ -27,6 +27,7 @@ pytest.importorskip("triton")
 
 from kvbench.kernels import _triton_kernels, ragged_attention, sparse_attention
 from kvbench.kernels._dispatch import ENV_VAR, use_triton
+from kvbench.kernels.decode_attention import decode_attention
 from kvbench.kernels.page_summary import (
     page_minmax,
     page_minmax_reference,
@@ -34,8 +35,6 @@ from kvbench.kernels.page_summary import (
     page_scores_reference,
 )
 from kvbench.kernels.ragged_attention import (
-    ragged_decode_attention,
-    ragged_decode_attention_per_head,
     ragged_decode_attention_reference,
 )
 from kvbench.kernels.reduced_scores import reduced_scores, reduced_scores_reference
@@ -291,17 +290,19 @@ def _per_head_attention(q, keys, values, offsets, lens, scaling):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
-    "lens, group, dim, block_n",
+    "lens, group, dim, block_n, rows_per_split",
     [
-        ([1, 300, 17, 64], 4, 64, 32),  # lengths 1 .. 300, partial and exact blocks
-        ([5, 1, 129], 1, 16, 64),
-        ([300, 2], 4, 80, 16),  # head dim not a power of two
+        ([1, 300, 17, 64], 4, 64, 32, 512),  # lengths 1 .. 300, partial and exact blocks, one split
+        ([1, 300, 17, 64], 4, 64, 32, 64),  # split-K: 5 runs of rows, most heads done after the first
+        ([5, 1, 129], 1, 16, 64, 16),  # rows_per_split below block_n: rounded up to one block
+        ([300, 2], 4, 80, 16, 48),  # head dim not a power of two, runs of 3 blocks
     ],
 )
-def test_ragged_triton_matches_reference(lens, group, dim, block_n, dtype):
+def test_ragged_triton_matches_reference(lens, group, dim, block_n, rows_per_split, dtype):
     gen = torch.Generator().manual_seed(sum(lens))
     q, keys, values, offsets = _ragged(gen, lens, group, dim, dtype)
-    ours = ragged_decode_attention_triton(q, keys, values, offsets, lens, 0.3, block_n=block_n)
+    ours = ragged_decode_attention_triton(q, keys, values, offsets, lens, 0.3, block_n=block_n,
+                                          rows_per_split=rows_per_split)
     ref = ragged_decode_attention_reference(q, keys, values, offsets, lens, 0.3)
     assert ours.dtype == ref.dtype == dtype and ours.shape == q.shape
     exact = ragged_decode_attention_reference(q.float(), keys.float(), values.float(), offsets, lens, 0.3)
@@ -360,7 +361,7 @@ def test_ragged_dispatcher_matches_the_padded_sdpa_decode_path():
     reference = ragged_decode_attention_reference(q, layer.keys, layer.values, layer._offsets(), lens, 0.25)
     for name in ("keys", "values"):  # slack rows: the decode path must never read them
         layer.buffers[name][torch.tensor([7, 8, 13, 58])] = float("nan")
-    out = ragged_decode_attention(q, layer.keys, layer.values, layer._offsets(), layer.lengths(), 0.25)
+    out = decode_attention(q, layer.buffers["keys"], layer.buffers["values"], 0.25, layer.starts, layer.lens, layer.caps)
     torch.testing.assert_close(out.reshape(1, -1, 1, dim), sdpa.reshape(1, -1, 1, dim), **FP32_TOL)
     torch.testing.assert_close(out, reference, **FP32_TOL)
 
@@ -565,11 +566,10 @@ def test_dispatchers_pick_pytorch_on_cpu(monkeypatch):
     idx = torch.randint(0, 30, (2, 4, 5), generator=gen)
     assert not use_triton(q, keys)
     assert torch.equal(topk_attention(q, keys, values, idx, 0.5), topk_attention_reference(q, keys, values, idx, 0.5))
-    offsets, lens = torch.tensor([0, 10]), [10, 20]
-    assert torch.equal(  # ragged decode: the per-head SDPA path, checked against the reference elsewhere
-        ragged_decode_attention(q, keys[0], values[0], offsets, lens, 0.5),
-        ragged_decode_attention_per_head(q, keys[0], values[0], offsets, lens, 0.5),
-    )
+    per_head = torch.stack([  # ragged decode on CPU in float32: one stock SDPA call per head's segment
+        F.scaled_dot_product_attention(q[h][None, :, None], keys[0, s:s + n][None, None], values[0, s:s + n][None, None],
+                                       scale=0.5, enable_gqa=True)[0, :, 0] for h, (s, n) in enumerate([(0, 10), (10, 20)])])
+    assert torch.equal(decode_attention(q, keys[0], values[0], 0.5, [0, 10], [10, 20], [10, 20]), per_head)
     out, lse = topk_attention(q, keys, values, idx, 0.5, return_lse=True)
     ref, ref_lse = topk_attention_reference(q, keys, values, idx, 0.5, return_lse=True)
     assert torch.equal(out, ref) and torch.equal(lse, ref_lse)

@@ -4,8 +4,10 @@ It is the one dispatcher where the cache's storage meets the model: the first pr
 chunks (a later prefill block, a question appended to a compressed context, a later turn) and decode steps
 (with the method's optional top-k selection). After every attention call the method's per-chunk work runs
 on the layer (`_after_attention`): whatever the event (end of the segment, a prefill block, a decode step),
-eviction is the same hook on the same layer. The uncompressed prefill and decode calls are the exact SDPA calls that
-transformers' own "sdpa" implementation makes on CPU, so an uncompressed run is bitwise identical to stock.
+eviction is the same hook on the same layer. Every method's dense decode step runs the one decode attention
+(`kvbench.kernels.decode_attention`); the uncompressed prefill call, and the decode call in float32 on CPU, are
+the exact SDPA calls transformers' own "sdpa" implementation makes, so an uncompressed float32 run is bitwise
+identical to stock.
 
 transformers passes no mask under a custom attention name; causality is handled here. A `KVBenchCache` is
 one sequence; a `BatchedCache` puts several of them in one forward (one per batch row, each attended on its
@@ -22,7 +24,7 @@ from kvbench.attention.hooks import evict_layer
 from kvbench.attention.selected import selected_attention
 from kvbench.cache.layer import KVLayer
 from kvbench.core.contract import Selection, Step
-from kvbench.kernels.ragged_attention import ragged_decode_attention
+from kvbench.kernels.decode_attention import decode_attention
 
 ATTENTION_NAME = "kvbench"
 
@@ -107,13 +109,27 @@ def _decode(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> 
             selection = selection if isinstance(selection, Selection) else Selection(selection)
             out = selected_attention(layer, step, q, view, selection, scaling)
             return out.reshape(1, -1, 1, out.shape[-1])
-    if method is not None:
-        layer.cache.stats.add(layer, method.step_traffic(layer, None, step), None)
-    if not layer.is_ragged:
-        return F.scaled_dot_product_attention(query, layer.keys, layer.values, scale=scaling, enable_gqa=True)
     q = query[0, :, 0, :].view(layer.num_heads, -1, query.shape[-1])  # packed GQA: [H_kv, G, D]
-    out = ragged_decode_attention(q, layer.keys, layer.values, layer._offsets(), layer.lengths(), scaling)
+    keys, values, starts, lens, caps = layer.buffers["keys"], layer.buffers["values"], layer.starts, layer.lens, layer.caps
+    copies = 1
+    if method is not None and method.repeats_kv:
+        keys, values, starts, lens, caps, copies = _repeated_kv(layer, q.shape[1])
+        q = q.reshape(-1, 1, q.shape[-1])
+    if method is not None:
+        layer.cache.stats.add(layer, copies * method.step_traffic(layer, None, step), None)
+    out = decode_attention(q, keys, values, scaling, starts, lens, caps)
     return out.reshape(1, -1, 1, out.shape[-1])
+
+
+def _repeated_kv(layer: KVLayer, group: int) -> tuple:
+    """The layer's whole K/V buffers repeated to every query head (a new copy, as gpt-fast makes each step)."""
+    if layer.is_ragged:
+        raise ValueError("repeated K/V is the dense baseline: it needs a uniform layer")
+    n_kv, cap, dim = layer.num_heads, layer.caps[0], layer.head_dim
+    keys, values = (layer.buffers[name].view(n_kv, cap, dim).repeat_interleave(group, dim=0).view(-1, dim)
+                    for name in ("keys", "values"))
+    heads = n_kv * group
+    return keys, values, [h * cap for h in range(heads)], [layer.lens[0]] * heads, [cap] * heads, group
 
 
 def _continuation(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -59,6 +59,11 @@ class Method:
     uses_budget: ClassVar[bool] = True  # False: the budget cannot change a result (full), so sweeps share one point
 
     @property
+    def repeats_kv(self) -> bool:
+        """Whether dense decode attention reads K/V repeated to every query head (gpt-fast's dense baseline)."""
+        return False
+
+    @property
     def obs_window(self) -> int:
         """How many of the latest queries `keep` reads from `layer.queries` (0: none)."""
         return 0

@@ -8,5 +8,23 @@ from kvbench.methods.base import Method, register_method
 @register_method
 @dataclass
 class Full(Method):
+    """The whole cache, attended by the one decode attention, GQA-aware: each KV head is read once per step.
+
+    `repeat_kv=true` is the dense baseline of RocketKV's efficiency figure (its released gpt-fast code):
+    every decode step repeats K and V to every query head (`repeat_interleave` of the whole cache, as gpt-fast
+    does) and attends over the copies, so it reads G times the K/V of the GQA-aware cache (G = query heads per
+    KV head, 4 on Llama-3.1-8B); its traffic counts those reads (not the copy's own write). Same outputs,
+    another cost: how much of a speedup over "full" the baseline explains. null means false.
+    """
+
     name = "full"
     uses_budget = False
+    repeat_kv: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.repeat_kv not in (None, True, False):
+            raise ValueError(f"repeat_kv must be true, false or null, got {self.repeat_kv!r}")
+
+    @property
+    def repeats_kv(self) -> bool:
+        return bool(self.repeat_kv)

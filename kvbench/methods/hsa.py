@@ -29,7 +29,7 @@ import torch
 from kvbench.core.contract import Plan, Selection
 from kvbench.kernels.page_summary import page_scores
 from kvbench.methods.base import Method, register_method
-from kvbench.methods.common.pages import PageSummary, layer_pages, page_tokens, top_tokens
+from kvbench.methods.common.pages import PageSummary, layer_pages, page_tokens, top_page_tokens
 
 
 def hsa_parameters(compression: float, head_dim: int) -> dict[str, int]:
@@ -49,8 +49,9 @@ def hsa_select(q: torch.Tensor, pages: PageSummary, k1: int, k2: int, length: in
     estimate = page_scores(q, pages.kmin, pages.kmax, dims, positive[:, None, :])  # [H, G, P]
     chosen = absq.gather(-1, dims[:, None, :].expand(heads, group, k1)).sum(-1)
     temperature = torch.sqrt(dim * chosen / absq.sum(-1))[..., None]  # [H, G, 1]
+    # the softmax over tokens (not pages weighted by their sizes) keeps the scores' exact float values
     score = torch.softmax(page_tokens(estimate / temperature, pages.page_size, length), dim=-1).mean(dim=1)
-    idx = top_tokens(score, k2)
+    idx = top_page_tokens(score[:, :: pages.page_size], pages.page_size, length, k2)
     return idx[:, None, :].expand(heads, group, idx.shape[1])
 
 

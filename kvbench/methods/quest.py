@@ -20,7 +20,7 @@ import torch
 from kvbench.core.contract import Plan
 from kvbench.kernels.page_summary import page_scores
 from kvbench.methods.base import Method, register_method
-from kvbench.methods.common.pages import PageSummary, layer_pages, page_tokens, top_tokens
+from kvbench.methods.common.pages import PageSummary, layer_pages, top_page_tokens
 
 
 @register_method
@@ -55,7 +55,7 @@ class Quest(Method):
         heads, group, dim = q.shape
         every_dim = torch.arange(dim, device=q.device).expand(heads, dim)
         bound = page_scores(q, pages.kmin, pages.kmax, every_dim, q > 0).sum(dim=1)  # [H, P], summed over the group
-        idx = top_tokens(page_tokens(bound, page, length), k2)
+        idx = top_page_tokens(bound, page, length, k2)
         return idx[:, None, :].expand(heads, group, idx.shape[1])
 
     def step_traffic(self, layer, selection, step):

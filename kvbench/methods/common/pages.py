@@ -72,6 +72,23 @@ def page_tokens(page_scores: torch.Tensor, page_size: int, length: int) -> torch
     return page_scores.repeat_interleave(page_size, dim=-1)[..., :length]
 
 
+def top_page_tokens(page_scores: torch.Tensor, page_size: int, length: int, k: int) -> torch.Tensor:
+    """`top_tokens(page_tokens(page_scores, page_size, length), k)`, sorting the P pages instead of the
+    `length` tokens. Every token of a page has its page's score, so the stable token sort lists whole pages in
+    the stable page order, each page's tokens in ascending order; only the pages that can reach the first k
+    tokens (one may be the short last page) are expanded, and the short page's missing tokens are removed with
+    a stable sort that keeps the order of the rest. The same indices in the same order, from a sort of
+    `length / page_size` scores (a full token sort cost 9 ms of a 56 ms Quest step at 8K on two cores)."""
+    heads, n_pages = page_scores.shape
+    k = min(k, length)
+    order = torch.sort(page_scores, dim=-1, descending=True, stable=True).indices
+    order = order[:, : min(n_pages, k // page_size + 2)]
+    tokens = (order[..., None] * page_size + torch.arange(page_size, device=order.device)).reshape(heads, -1)
+    if length % page_size:
+        tokens = tokens.gather(-1, torch.sort((tokens >= length).to(torch.uint8), dim=-1, stable=True).indices)
+    return tokens[:, :k]
+
+
 def top_tokens(token_scores: torch.Tensor, k: int) -> torch.Tensor:
     """Token-level top-k `[H, k]` of `[H, L]` scores, ties to the lowest token index (a stable sort).
 

@@ -1,0 +1,135 @@
+"""The one decode attention: a single query token per head over the layer's stored rows, for every method.
+
+Every method's dense decode step (`full` included, uniform and ragged layers alike) calls `decode_attention`,
+so latency comparisons between methods are made on one kernel. It picks the implementation by where the
+tensors live and their dtype; every choice computes the same function, documented on
+`decode_attention_reference`:
+
+- **float32 on CPU**: stock SDPA, the call transformers' "sdpa" attention makes (one call on a uniform layer,
+  one per KV head on a ragged one), so an uncompressed float32 run stays bitwise identical to stock
+  transformers and stored float32 records do not move.
+- **bfloat16 / float16 on CPU**: two batched matmuls in the model's dtype with a float32 softmax between
+  them (`decode_attention_matmul`). PyTorch's CPU SDPA runs one bf16 query 8-10x slower than this (it
+  blocks for long query chunks); the matmuls stream K and V once at the BLAS's rate. The logits are rounded
+  to the model's dtype before the float32 softmax, exactly as transformers' own eager attention does
+  (`matmul(q, k^T) * scaling` in the model dtype); `tests/test_decode_attention.py` bounds the difference.
+- **CUDA**: a ragged layer runs the Triton kernel (`ragged_decode_attention_triton`); a uniform one runs SDPA
+  restricted to the flash, memory-efficient and math backends. cuDNN's backend is left out for decode: it
+  builds a new plan for every new KV length, which cost more than the attention itself on an H100 (docs/gpu).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from kvbench.kernels._dispatch import use_triton
+from kvbench.kernels.ragged_attention import ragged_decode_attention_reference, ragged_decode_attention_triton
+
+
+def decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    starts: Sequence[int],
+    lens: Sequence[int],
+    caps: Sequence[int],
+) -> torch.Tensor:
+    """`decode_attention_reference`'s result by the implementation for these tensors (see the module).
+
+    q: [H_kv, G, D]; keys/values: a layer's flat row buffers [R, D], KV head h's tokens at rows
+    `starts[h] .. starts[h] + lens[h]` and free rows up to `starts[h] + caps[h]`. Returns [H_kv, G, D] in q's
+    dtype. A uniform layer (equal lengths and capacities, heads evenly strided) is attended in one batched call.
+    Rows past a head's length must hold finite values (the cache's slack holds zeros or tokens a sharing clone
+    appended): the low-precision CPU path reads up to `WIDTH_STEP - 1` of them with zero weight.
+    """
+    _check_layout(q, keys, values, starts, lens, caps)
+    n_kv, group, dim = q.shape
+    uniform = len(set(lens)) == 1 and len(set(caps)) == 1 and list(starts) == [h * caps[0] for h in range(n_kv)]
+    if not uniform and use_triton(q, keys, values):
+        offsets = torch.as_tensor(list(starts), dtype=torch.int64, device=q.device)
+        return ragged_decode_attention_triton(q, keys, values, offsets, lens, scaling)
+    if uniform:  # [H_kv, cap, D] views of the buffers
+        head_keys = [keys[: n_kv * caps[0]].view(n_kv, caps[0], dim)]
+        head_values = [values[: n_kv * caps[0]].view(n_kv, caps[0], dim)]
+        head_lens, head_caps, head_q = [lens[0]], [caps[0]], [q]
+    else:
+        head_keys = [keys[s:s + c][None] for s, c in zip(starts, caps)]
+        head_values = [values[s:s + c][None] for s, c in zip(starts, caps)]
+        head_lens, head_caps, head_q = list(lens), list(caps), [q[h:h + 1] for h in range(n_kv)]
+    outs = []
+    for qh, k, v, n, cap in zip(head_q, head_keys, head_values, head_lens, head_caps):
+        if q.dtype == torch.float32 or q.is_cuda:
+            with _decode_sdpa_backends(q):  # exactly transformers' sdpa decode call: [1, H_q, 1, D], GQA
+                out = F.scaled_dot_product_attention(qh.reshape(1, -1, 1, dim), k[None, :, :n], v[None, :, :n],
+                                                     scale=scaling, enable_gqa=True)
+            outs.append(out.view(qh.shape))
+        else:
+            outs.append(decode_attention_matmul(qh, k, v, scaling, n, min(cap, -(-n // WIDTH_STEP) * WIDTH_STEP)))
+    return outs[0] if uniform else torch.cat(outs)
+
+
+WIDTH_STEP = 64
+
+
+def decode_attention_matmul(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
+                            length: int, width: int) -> torch.Tensor:
+    """q [H, G, D] over the first `length` rows of keys/values [H, >= width, D]: logits by a batched matmul in
+    q's dtype, a float32 softmax, the probabilities cast back and multiplied with the values (transformers'
+    eager attention, per KV group).
+
+    The matmuls run over `width` >= `length` rows with the logits past `length` set to -inf (zero weight):
+    oneDNN builds a kernel for every new matrix shape (about 0.6 ms on a 2-core CPU, more than the attention
+    over 8K tokens), so the width grows in steps of `WIDTH_STEP` rows of the slack the cache reserves for
+    decoding instead of by one row per step. The logits are computed as K q^T, one streaming pass over the
+    rows of K (q K^T made oneDNN copy a strided K first: 2.3x slower at 8K tokens).
+    """
+    keys, values = keys[:, :width], values[:, :width]
+    logits = torch.matmul(keys, q.transpose(-1, -2)).transpose(-1, -2).float() * scaling
+    logits[..., length:] = float("-inf")
+    probs = torch.softmax(logits, dim=-1).to(values.dtype)
+    return torch.matmul(probs, values)
+
+
+def decode_attention_reference(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    starts: Sequence[int],
+    lens: Sequence[int],
+    caps: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Single-token attention of each query head over its KV head's rows (PyTorch, float32 throughout).
+
+    out[h, g] = softmax(scaling * q[h, g] . K_h) @ V_h with K_h = keys[starts[h] : starts[h] + lens[h]] (rows
+    past a head's length are never attended, whatever they hold); returned as [H_kv, G, D] in q's dtype.
+    """
+    offsets = torch.as_tensor(list(starts), dtype=torch.int64, device=keys.device)
+    return ragged_decode_attention_reference(q, keys, values, offsets, list(lens), scaling)
+
+
+def _check_layout(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: Sequence[int],
+                  lens: Sequence[int], caps: Sequence[int]) -> None:
+    # host-side lists only: checking tensors' values would cost a device sync on every decode step
+    ok = (q.dim() == 3 and keys.dim() == 2 and keys.shape == values.shape and keys.shape[1] == q.shape[2]
+          and len(starts) == len(lens) == len(caps) == q.shape[0]
+          and all(0 < n <= c for n, c in zip(lens, caps)) and max(s + c for s, c in zip(starts, caps)) <= keys.shape[0])
+    if not ok:
+        raise ValueError(f"decode attention layout: q {tuple(q.shape)}, keys {tuple(keys.shape)}, values "
+                         f"{tuple(values.shape)}, starts {list(starts)}, lens {list(lens)}, caps {list(caps)}")
+
+
+@contextlib.contextmanager
+def _decode_sdpa_backends(q: torch.Tensor) -> Iterator[None]:
+    """On CUDA, SDPA without the cuDNN backend (see the module docstring); on CPU, nothing changes."""
+    if not q.is_cuda:
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield

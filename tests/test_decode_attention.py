@@ -1,0 +1,157 @@
+"""The one decode attention (`kvbench.kernels.decode_attention`) against its reference, the stock SDPA call in
+float32, and the model-level fast path against the reference path; blocked bfloat16 linears; page-level top-k."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from kvbench.kernels.decode_attention import (
+    WIDTH_STEP,
+    decode_attention,
+    decode_attention_matmul,
+    decode_attention_reference,
+)
+
+import kvbench.attention.dispatch as dispatch
+from kvbench.core.errors import KVBenchError
+from kvbench.engine.session import Session
+from kvbench.methods import build_method
+from kvbench.methods.common.pages import page_tokens, top_page_tokens, top_tokens
+from kvbench.models import fast_cpu_bfloat16, load_model, model_head_dim, pack_linear_weights
+from tests.conftest import model_cfg, random_ids
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def _layout(gen, lens, caps, dim, dtype, garbage=1e3):
+    """Flat buffers with each head's rows followed by finite garbage up to its capacity."""
+    starts = [sum(caps[:h]) for h in range(len(caps))]
+    keys = torch.full((sum(caps), dim), garbage)
+    values = torch.full((sum(caps), dim), -garbage)
+    for s, n in zip(starts, lens):
+        keys[s:s + n] = torch.randn(n, dim, generator=gen)
+        values[s:s + n] = torch.randn(n, dim, generator=gen)
+    return keys.to(dtype), values.to(dtype), starts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens,caps", [([50] * 3, [50] * 3), ([50] * 3, [130] * 3), ([7, 1, 200], [9, 70, 300]),
+                                       ([63, 64, 65], [63, 128, 200])])
+def test_decode_attention_matches_reference(dtype, lens, caps):
+    gen = torch.Generator().manual_seed(len(lens) + sum(caps))
+    keys, values, starts = _layout(gen, lens, caps, 16, dtype)
+    q = torch.randn(len(lens), 4, 16, generator=gen).to(dtype)
+    out = decode_attention(q, keys, values, 0.25, starts, lens, caps)
+    exact = decode_attention_reference(q.float(), keys.float(), values.float(), 0.25, starts, lens)
+    assert out.dtype == dtype and out.shape == q.shape
+    torch.testing.assert_close(out.float(), exact, **TOL[dtype])  # the garbage past each length has no weight
+
+
+def test_float32_uniform_decode_is_the_stock_sdpa_call():
+    gen = torch.Generator().manual_seed(3)
+    heads, group, length, cap, dim = 3, 3, 40, 57, 16
+    keys, values, starts = _layout(gen, [length] * heads, [cap] * heads, dim, torch.float32)
+    query = torch.randn(1, heads * group, 1, dim, generator=gen)  # as transformers passes it
+    view = lambda t: t.view(heads, cap, dim)[None, :, :length]  # noqa: E731  (the layer's [1, H, L, D] view)
+    stock = F.scaled_dot_product_attention(query, view(keys), view(values), scale=0.3, enable_gqa=True)
+    out = decode_attention(query[0, :, 0].view(heads, group, dim), keys, values, 0.3, starts, [length] * heads,
+                           [cap] * heads)
+    assert torch.equal(out.reshape(1, -1, 1, dim), stock)
+
+
+def test_low_precision_width_steps_do_not_change_the_result():
+    # the matmul path reads whole WIDTH_STEP blocks: the rows past the length get exactly zero weight
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 3 * WIDTH_STEP, 32, generator=gen).bfloat16()
+    values = torch.randn(2, 3 * WIDTH_STEP, 32, generator=gen).bfloat16()
+    q = torch.randn(2, 3, 32, generator=gen).bfloat16()
+    length = WIDTH_STEP + 5
+    exact_width = decode_attention_matmul(q, keys, values, 0.2, length, length)
+    for width in (2 * WIDTH_STEP, 3 * WIDTH_STEP):
+        torch.testing.assert_close(decode_attention_matmul(q, keys, values, 0.2, length, width), exact_width,
+                                   atol=1e-2, rtol=0)
+
+
+def test_decode_attention_rejects_a_bad_layout():
+    q, keys = torch.randn(2, 4, 16), torch.randn(10, 16)
+    with pytest.raises(ValueError, match="decode attention layout"):
+        decode_attention(q, keys, keys, 0.5, [0, 5], [5, 6], [5, 5])  # a head longer than its capacity
+
+
+def _greedy(lm, method: str, ids: list[int], steps: int = 6) -> tuple[list[int], list[torch.Tensor]]:
+    session = Session(lm, build_method(method), build_method(method).plan(
+        48, sequence_length=len(ids) + steps, new_tokens=steps, head_dim=model_head_dim(lm)))
+    logits, _ = session.prefill(ids, compress=True)
+    tokens, all_logits = [], []
+    for _ in range(steps):
+        tokens.append(int(logits.argmax()))
+        all_logits.append(logits.float())
+        logits = session.step(tokens[-1])
+    return tokens, all_logits
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
+@pytest.mark.parametrize("method", ["full", "snapkv", "adakv", "quest"])
+def test_bfloat16_fast_path_matches_the_reference_path(model, method, monkeypatch):
+    """The model in bfloat16 through the one decode attention and through its float32 reference: the same
+    greedy tokens and logits within bfloat16's tolerance (the test grid: both tiny models, four methods)."""
+    lm = load_model(model_cfg(model, dtype="bfloat16"))
+    ids = random_ids(120, seed=11)
+    fast_tokens, fast_logits = _greedy(lm, method, ids)
+    monkeypatch.setattr(dispatch, "decode_attention", decode_attention_reference)
+    ref_tokens, ref_logits = _greedy(lm, method, ids)
+    assert fast_tokens == ref_tokens
+    for fast, ref in zip(fast_logits, ref_logits):
+        torch.testing.assert_close(fast, ref, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.skipif(not fast_cpu_bfloat16(), reason="oneDNN has no native bfloat16 on this CPU")
+def test_blocked_bfloat16_linears_are_bitwise_stock():
+    lm = load_model(model_cfg("tiny_llama", dtype="bfloat16"))  # loaded with blocked weights
+    stock = load_model(model_cfg("tiny_llama", dtype="bfloat16"))
+    for module in stock.model.modules():  # back to plain F.linear
+        if isinstance(module, torch.nn.Linear) and "forward" in module.__dict__:
+            del module.forward
+            module.weight = torch.nn.Parameter(module.weight.to_dense(), requires_grad=False)
+    assert any("forward" in m.__dict__ for m in lm.model.modules())
+    ids = torch.tensor([random_ids(40, seed=2)])
+    with torch.inference_mode():
+        for chunk in (ids, ids[:, :1]):  # prefill-sized and decode-sized products
+            assert torch.equal(_logits(lm, chunk), _logits(stock, chunk))
+    pack_linear_weights(stock.model)  # blocking the plain copy again gives the same logits
+    assert torch.equal(_logits(stock, ids), _logits(lm, ids))
+
+
+def _logits(lm, ids: torch.Tensor) -> torch.Tensor:
+    session = Session(lm, build_method("full"), None)
+    return session.prefill(ids[0].tolist(), compress=False)[0]
+
+
+def test_page_level_top_k_is_the_token_level_top_k():
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        heads, page = int(torch.randint(1, 4, (1,), generator=gen)), int(torch.randint(1, 9, (1,), generator=gen))
+        length = int(torch.randint(1, 80, (1,), generator=gen))
+        scores = torch.randint(0, 4, (heads, -(-length // page)), generator=gen).float()  # many ties
+        k = int(torch.randint(1, length + 3, (1,), generator=gen))
+        assert torch.equal(top_page_tokens(scores, page, length, k), top_tokens(page_tokens(scores, page, length), k))
+
+
+def test_full_with_repeated_kv_is_full_at_group_times_the_traffic(tiny_llama):
+    """gpt-fast's dense baseline: the same attention over K/V copied to every query head; it reads G times."""
+    ids = random_ids(60, seed=4)
+    runs = {}
+    for repeat in (None, True):
+        method = build_method("full", repeat_kv=repeat)
+        session = Session(tiny_llama, method, method.plan(None, sequence_length=70, new_tokens=4, head_dim=16))
+        logits, _ = session.prefill(ids, compress=True)
+        steps = [session.step(int(logits.argmax())) for _ in range(3)]
+        runs[repeat] = (steps, session.cache.stats.read_elements)
+    config = tiny_llama.model.config
+    group = config.num_attention_heads // config.num_key_value_heads
+    for a, b in zip(runs[None][0], runs[True][0]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    assert group > 1 and runs[True][1] == group * runs[None][1]
+    with pytest.raises(KVBenchError, match="repeat_kv"):
+        build_method("full", repeat_kv="yes")
