@@ -12,9 +12,9 @@ fidelity metric, is off here so that it does not inflate the timings). Reported:
 and the median's ratio to `full`, the K/V bytes each method holds and the token-equivalents it reads per KV
 group and step by its own cost model (its traffic: the budget axis the methods are compared on).
 
-The floor. A decode step reads every weight the step multiplies (all linear layers and norms, the output
-head; not the input embedding table, of which it reads one row) and the K/V and auxiliary elements the
-method's cost model counts. The run measures two read rates on this machine before the methods, and prints
+The floor. A decode step reads every weight it multiplies (the layers and the output head, as the roofline's
+`phase_costs` counts them; of the input embedding table it reads one row) and the K/V and auxiliary elements
+the method's cost model counts. The run measures two read rates on this machine before the methods, and prints
 each method's floor and its ratio at both:
 
 - `stream`: the best of several passes of `torch.sum` over a buffer far larger than the caches: the rate
@@ -30,7 +30,6 @@ the gemv floor is per-step work: attention, selection, and the model's per-opera
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -46,6 +45,7 @@ from kvbench.engine.sample import _prefill_segment
 from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.methods import build_method
 from kvbench.models import load_model
+from kvbench.profiling.roofline import best_seconds, phase_costs
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 DEFAULT_METHODS = "full,exact_topk,quest,sparq,hsa,rocketkv,snapkv,streamingllm"
@@ -66,42 +66,24 @@ def time_decode(lm, session, logits: torch.Tensor, warmup: int, steps: int) -> t
     return statistics.median(times), float(np.percentile(times, 90))
 
 
-def weight_bytes_read(model: torch.nn.Module) -> int:
-    """Bytes of the weights one decode step reads: every parameter but the input embedding table (one row of it
-    is read), and the output head once even where it shares that table."""
-    params = {id(p): p for p in model.parameters()}  # a tied head is one parameter
-    total = sum(p.numel() * p.element_size() for p in params.values())
-    table = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    if head is None or head.weight is not table:
-        total -= table.numel() * table.element_size()
-    return total
-
-
-def stream_bandwidth(dtype: torch.dtype, nbytes: int = 1 << 29, repeats: int = 5) -> float:
-    """Bytes/s of the best of `repeats` `torch.sum` passes over an `nbytes` buffer of `dtype`."""
+def stream_bandwidth(dtype: torch.dtype, nbytes: int = 1 << 29) -> float:
+    """Bytes/s of the fastest `torch.sum` pass over an `nbytes` buffer of `dtype` (far larger than the caches)."""
     buf = torch.ones(nbytes // torch.finfo(dtype).bits * 8, dtype=dtype)
-    best = math.inf
-    for _ in range(repeats + 1):
-        t0 = time.perf_counter()
-        buf.sum()
-        best = min(best, time.perf_counter() - t0)
-    return buf.numel() * buf.element_size() / best
+    return buf.numel() * buf.element_size() / best_seconds(buf.sum, buf.device)
 
 
-def gemv_bandwidth(model: torch.nn.Module, repeats: int = 5) -> float:
+def gemv_bandwidth(model: torch.nn.Module) -> float:
     """Bytes/s at which the model's own linear layers, run back to back on one token, stream their weights."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     inputs = {m.in_features: torch.ones(1, 1, m.in_features, dtype=model.dtype) for m in linears}
-    best = math.inf
+
+    def all_linears() -> None:
+        for m in linears:
+            m(inputs[m.in_features])
+
     with torch.inference_mode():
-        for _ in range(repeats + 1):
-            t0 = time.perf_counter()
-            for m in linears:
-                m(inputs[m.in_features])
-            best = min(best, time.perf_counter() - t0)
-    return nbytes / best
+        return nbytes / best_seconds(all_linears, model.device)
 
 
 def main() -> None:
@@ -129,7 +111,8 @@ def main() -> None:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     engine = EngineConfig(reuse_prefill=True, snapshot_cache_mb=1 << 16)
     shared = PrefillSnapshots(engine.snapshot_cache_mb)  # one dense prefill for every method
-    weights = weight_bytes_read(lm.model)
+    dtype_bytes = torch.finfo(lm.dtype).bits // 8
+    weights = phase_costs(config, args.length, 0.0, dtype_bytes)["decode_bytes_per_step"]  # every weight once
     stream, gemv = (stream_bandwidth(lm.dtype), gemv_bandwidth(lm.model)) if lm.device.type == "cpu" else (None, None)
     print(f"{lm.name} on {lm.device} ({torch.get_num_threads()} threads), {lm.dtype}, {args.length} prompt tokens, "
           f"budget t = {args.budget}, {args.steps} timed steps after {args.warmup} warm-up")
@@ -151,7 +134,7 @@ def main() -> None:
         stats = session.cache.stats
         read = stats.read_token_equivalents / stats.layer_steps if stats.layer_steps else float("nan")
         steps = stats.layer_steps / len(session.cache.layers)
-        kv_read = stats.read_elements / steps * torch.finfo(lm.dtype).bits / 8 if steps else float("nan")
+        kv_read = stats.read_elements / steps * dtype_bytes if steps else float("nan")
         floors = ""
         if stream is not None:
             floor_stream, floor_gemv = (1e3 * (weights + kv_read) / rate for rate in (stream, gemv))

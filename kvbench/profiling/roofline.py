@@ -35,7 +35,8 @@ def _device_name(device: torch.device) -> str:
 
 
 
-def _best_seconds(fn, device: torch.device, repeats: int = 5) -> float:
+def best_seconds(fn, device: torch.device, repeats: int = 5) -> float:
+    """The fastest of `repeats` timed calls of `fn`, after one untimed call."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -55,12 +56,12 @@ def measure_peaks(device: torch.device) -> dict[str, Any]:
     for name, dtype in DTYPES.items():
         a = torch.randn(n, n, device=device).to(dtype)
         b = torch.randn(n, n, device=device).to(dtype)
-        seconds = _best_seconds(lambda: torch.mm(a, b), device)
+        seconds = best_seconds(lambda: torch.mm(a, b), device)
         peaks["matmul_tflops"][name] = 2 * n**3 / seconds / 1e12
     elements = (1 << 28 if device.type == "cuda" else 1 << 26) // 4  # 256 MiB (GPU) / 64 MiB (CPU) of fp32
     src = torch.ones(elements, device=device)
     dst = torch.empty_like(src)
-    seconds = _best_seconds(lambda: dst.copy_(src), device)
+    seconds = best_seconds(lambda: dst.copy_(src), device)
     peaks["bandwidth_gbps"] = 2 * src.numel() * 4 / seconds / 1e9
     return peaks
 
