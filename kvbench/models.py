@@ -55,7 +55,7 @@ def present_devices() -> list[str]:
     return devices
 
 
-def _device(name: str) -> torch.device:
+def resolve_device(name: str) -> torch.device:
     """`auto` (CUDA when present, else CPU) or a device that exists on this machine; anything else is an error
     naming the devices present, rather than a failure deep inside the first forward pass."""
     if name == "auto":
@@ -82,7 +82,7 @@ def fast_cpu_bfloat16() -> bool:
         return False
 
 
-def _dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """`auto` is the speed default: bfloat16 on CUDA and on CPUs with native bfloat16 matmuls, else float32.
     Exactness tests pin float32."""
     if name == "auto":
@@ -93,6 +93,13 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def resolved_precision(cfg: Any) -> dict[str, str]:
+    """The dtype and device kind a `conf/model/*.yaml` node's `dtype` / `device` resolve to here (`auto`
+    included): the kernels, and so the numbers, differ between them (`run.identity` hashes them)."""
+    device = resolve_device(str(cfg.device))
+    return {"dtype": str(resolve_dtype(str(cfg.dtype), device)).replace("torch.", ""), "device": device.type}
+
+
 def load_model(cfg: Any) -> LoadedModel:
     """Build the model described by a `conf/model/*.yaml` node.
 
@@ -101,8 +108,8 @@ def load_model(cfg: Any) -> LoadedModel:
     model built from `cfg.config`, seeded, with a byte-level tokenizer).
     """
     register_attention()
-    device = _device(cfg.device)
-    dtype = _dtype(cfg.dtype, device)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     if cfg.get("path") and cfg.source in ("tiny", "package_gguf"):
         cfg = _with_local_path(cfg)  # never silently ignore a path the user gave
     if cfg.source == "tiny":

@@ -12,8 +12,8 @@ The sweep (from the repository root, HF_HUB_OFFLINE=1) is
 
 on three RULER niah_single_2 samples (1,100-1,106 prompt tokens, embedded SmolLM2-135M in float32, CPU).
 `extract` reduces each point directory's records.jsonl to the compared fields; `compare` checks them against
-tests/data/stored_records/expected.json exactly: the same point directories (their names carry the point hash),
-the same sample ids, the same values (floats with ==, ints and floats not interchangeable). Any difference is
+tests/data/stored_records/expected.json exactly: the same point directories (their names carry the point hash; the stored names are those of
+the identity rule of d6b26fe, mapped to today's by `current_point_dirs`), the same sample ids, the same values (floats with ==, ints and floats not interchangeable). Any difference is
 printed as `point dir | sample | field: expected X, got Y` and the exit status is 1 (2: the sweep itself failed).
 
 expected.json is a reference, not a snapshot to refresh: never regenerate it to make a change pass (see
@@ -167,8 +167,33 @@ def compare(expected: dict, got: dict) -> list[str]:
     return diffs
 
 
+def current_point_dirs(repo: Path = REPO) -> dict[str, str]:
+    """{point directory as d6b26fe named it: as this code names it} for every point of the sweep.
+
+    Issue 25 changed what a point's hash covers (the resolved dtype and device kind instead of the settings as
+    written; the data file's content without its path), so the same points have new directory names. The old
+    names are recomputed with `legacy_point_identity`, which must reproduce d6b26fe's hashes exactly (a stored
+    name it does not produce shows up as a missing directory): the records are compared under the new name."""
+    import hydra_plugins.kvbench_launcher.grouped_launcher  # noqa: F401 - registers hydra/launcher=grouped
+    from kvbench.config.paths import compose_config
+    from kvbench.run.identity import legacy_point_identity, point_dir_name, point_identity
+
+    cwd = os.getcwd()
+    os.chdir(repo)  # task.path is relative to the repository root, as the sweep gives it
+    try:
+        renamed = {}
+        for method in METHODS:
+            cfg = compose_config([o for o in OVERRIDES if not o.startswith("method=")] + [f"method={method}"])
+            renamed[point_dir_name(cfg, legacy_point_identity(cfg))] = point_dir_name(cfg, point_identity(cfg))
+        return renamed
+    finally:
+        os.chdir(cwd)
+
+
 def load_expected(path: Path = EXPECTED) -> dict:
-    return json.loads(Path(path).read_text())
+    """The stored records, under the point directory names this code gives their points."""
+    renamed = current_point_dirs()
+    return {renamed.get(point, point): samples for point, samples in json.loads(Path(path).read_text()).items()}
 
 
 def dump(extracted: dict, path: Path) -> None:

@@ -62,6 +62,24 @@ def records(root: Path) -> dict[str, list[dict]]:
         (["model=tiny_llama", "method=adakv", "budget=1024", "task=ruler_16k"],
          "task ruler_16k asks for 16384 tokens (task.seq_len) but tiny_llama allows at most 8192 positions: run it with "
          "task.seq_len=8192 or less"),
+        # issue 25: refused before anything is created, `+` or not
+        (["model=tiny_llama", "budgt=64"], "unknown setting 'budgt' (did you mean budget?)"),
+        (["model=tiny_llama", "+budgt=64"], "unknown setting 'budgt' (did you mean budget?)"),
+        (["-m", "model=tiny_llama", "++budgt=64,128"], "unknown setting 'budgt' (did you mean budget?)"),
+        (["model=tiny_llama", "budget=abc"], "budget must be a positive number"),
+        (["model=tiny_llama", "budget=1.5"], "budget 1.5 is neither a token count nor a ratio"),
+        (["model=tiny_llama", "budget=1.0"], "budget=1.0 is ambiguous"),
+        (["-m", "model=tiny_llama", "method=snapkv", "budget=64,-1"], "budget must be a positive number"),
+        (["model=tiny_llama", "budget=64", "compression_ratio=0.5"], "budget and compression_ratio both given"),
+        (["model=tiny_llama", "engine.batch_rows=0"], "engine.batch_rows must be a positive integer, got 0"),
+        (["model=tiny_llama", "engine.sample_batch=0"], "engine.sample_batch must be a positive integer, got 0"),
+        (["model=tiny_llama", "profiler.repeats=0"], "profiler.repeats must be a positive integer, got 0"),
+        (["-m", "model=tiny_llama", "hydra.launcher.max_group=0"], "hydra.launcher.max_group must be a positive"),
+        (["model=tiny_llama", "hydra/launcher=slurm"], "hydra/launcher=slurm submits sweeps: add -m"),
+        (["-m", "model=tiny_llama", "method=snapkv,quest", "++method.window=8"],
+         "method.window is not a setting of method quest"),
+        (["-m", "experiment=demo", "model=tiny_llama", "method=snapkv,quest", "method.window=8"],
+         "method.window is not a setting of method quest"),
     ],
 )
 def test_bad_input_gives_one_clear_error_line(tmp_path, args, message):
@@ -74,6 +92,7 @@ def test_bad_input_gives_one_clear_error_line(tmp_path, args, message):
     assert sum(line.startswith("kvbench: error") for line in lines) == 1
     assert "Traceback" not in result.stderr + result.stdout
     assert not list(tmp_path.rglob("records.jsonl"))
+    assert not list(tmp_path.rglob(".hydra")), "an invalid point leaves no directory behind"
 
 
 def test_budget_at_or_above_context_is_recorded_as_uncompressed(tmp_path):
@@ -184,7 +203,7 @@ def test_full_cache_points_ignore_the_budget():
     from kvbench.run.identity import point_identity
 
     def point(method: str, budget: int) -> dict:
-        return point_identity(OmegaConf.create({"model": {}, "task": {}, "method": {"name": method}, "budget": budget,
+        return point_identity(OmegaConf.create({"model": {"dtype": "float32", "device": "cpu"}, "task": {}, "method": {"name": method}, "budget": budget,
                                                 "compress_question": True, "engine": {}, "seed": 0}))
 
     assert point("full", 64) == point("full", 256)  # a sweep runs the reference once, the other job resumes it
@@ -215,3 +234,80 @@ def test_the_same_point_started_twice_at_once_records_each_sample_once(tmp_path)
     assert len(ids) == 40 and len(set(ids)) == 40, "a sample was recorded twice"
     said = [out + err for out, err in outputs]
     assert any("is being run by another process" in text for text in said), "the second process must say it waited"
+
+
+@pytest.mark.parametrize("multirun", [False, True], ids=["run", "multirun"])
+def test_ctrl_c_says_how_to_resume_without_a_traceback(tmp_path, multirun):
+    args = [*(["-m", "method=full,snapkv", "budget=64"] if multirun else []), *TINY, "task.num_samples=400",
+            f"results_dir={tmp_path}"]
+    proc = subprocess.Popen([sys.executable, "-m", "kvbench", *args], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and sum(len(v) for v in records(tmp_path).values()) < 2:
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C sends to the terminal's foreground process group
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    assert "Traceback" not in out + err
+    assert "kvbench: interrupted: rerun the same command to resume" in err
+    kept = sum(len(v) for v in records(tmp_path).values())
+    assert 2 <= kept < 800
+
+
+@pytest.mark.parametrize("where,reason", [("file", "File exists"), ("under_file", "Not a directory"),
+                                          ("proc", "No such file or directory")])
+def test_a_results_dir_that_cannot_hold_results_is_one_line(tmp_path, where, reason):
+    (tmp_path / "file").write_text("not a directory")
+    results_dir = {"file": tmp_path / "file", "under_file": tmp_path / "file" / "results",
+                   "proc": Path("/proc/kvbench-results")}[where]
+    result = kvbench("model=tiny_llama", f"results_dir={results_dir}", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr + result.stdout
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    assert line.startswith(f"kvbench: error: results_dir='{results_dir}' cannot hold results") and reason in line
+
+
+def test_slurm_not_reachable_is_one_line_before_anything_is_submitted(tmp_path):
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    for tool in ("sbatch", "sinfo"):  # what Debian's slurm-client says without a slurm.conf
+        (fake_bin / tool).write_text(f"#!/bin/sh\necho '{tool}: error: Could not establish a configuration "
+                                     "source' >&2\nexit 1\n")
+        (fake_bin / tool).chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake_bin}:{os.environ['PATH']}"}
+    result = subprocess.run([sys.executable, "-m", "kvbench", "-m", "model=tiny_llama", "hydra/launcher=slurm",
+                             f"results_dir={tmp_path / 'results'}"], cwd=tmp_path, capture_output=True, text=True,
+                            env=env, timeout=300)
+    assert result.returncode == 2 and "Traceback" not in result.stderr + result.stdout
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    assert "SLURM is not reachable from here (sinfo: sinfo: error: Could not establish a configuration source)" in line
+    assert "leave out hydra/launcher=slurm" in line
+    assert not list(tmp_path.rglob(".submitit")) and not list(tmp_path.rglob(".hydra"))
+
+
+def test_a_shared_setting_is_ignored_by_full_and_said(tmp_path):
+    result = kvbench("-m", *TINY, "task.num_samples=1", "method=full,snapkv", "budget=64", "++method.block_size=128",
+                     f"results_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "method full compresses nothing: its points ignore method.block_size" in result.stdout + result.stderr
+    params = {recs[0]["point"]["method"]: recs[0]["method_params"] for recs in records(tmp_path).values()}
+    assert params["snapkv"]["block_size"] == 128 and "block_size" not in params["full"]
+
+
+def test_a_sweeps_closing_table_lists_its_own_points_only(tmp_path):
+    earlier = kvbench(*TINY, "task.num_samples=1", "method=streamingllm", "budget=32", f"results_dir={tmp_path}",
+                      cwd=tmp_path)
+    assert earlier.returncode == 0, earlier.stderr[-2000:]
+    result = kvbench("-m", *TINY, "task.num_samples=1", "method=full,snapkv", "budget=64", f"results_dir={tmp_path}",
+                     cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = result.stdout.split(f"Results of sweep {tmp_path}", 1)[1]
+    assert "snapkv" in table and "full" in table and "streamingllm" not in table
+    assert len(records(tmp_path)) == 3
+
+
+def test_runs_from_the_folder_that_contains_the_checkout(tmp_path):
+    """There `kvbench` on the import path is the checkout folder, and its results/ would be kvbench.results."""
+    (tmp_path / "kvbench").symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
+    result = kvbench("model=tiny_llama", "budget=1.0", cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "kvbench: error: budget=1.0 is ambiguous" in result.stderr

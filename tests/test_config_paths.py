@@ -27,3 +27,34 @@ def test_a_variant_offers_its_parents_settings(group):
 
 def test_snapkv_head_takes_snapkvs_window():
     assert "window" in settings("method", "snapkv_head")
+
+
+def _override_value(value) -> str:
+    """A composed value written back as a Hydra override value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_override_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_override_value(v)}" for k, v in value.items()) + "}"
+    return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+@pytest.mark.parametrize("group", ["model", "method", "task"])
+def test_every_config_accepts_every_key_it_has_after_composition(group):
+    """`group=NAME group.KEY=VALUE` with the value NAME composes to: accepted by the command check and composed
+    back to the same value, for every config of the group (derived ones inherit their parents' keys)."""
+    import hydra_plugins.kvbench_launcher.grouped_launcher  # noqa: F401 - registers hydra/launcher=grouped
+    from kvbench.config.paths import compose_config
+    from kvbench.config.validate import check_settings
+
+    for name in choices(group):
+        composed = OmegaConf.to_container(compose_config([f"{group}={name}"])[group], resolve=False)
+        keys = [k for k in composed if k not in ("name", "_target_")]
+        args = [f"{group}={name}", *(f"{group}.{k}={_override_value(composed[k])}" for k in keys)]
+        again = OmegaConf.to_container(compose_config(check_settings(args))[group], resolve=False)  # raises on a key
+        assert {k: again[k] for k in keys} == {k: composed[k] for k in keys}, name

@@ -278,7 +278,7 @@ def test_edited_data_file_is_a_new_point_not_a_resume(tmp_path):
     from kvbench.run.identity import point_identity
 
     path = write_jsonl(tmp_path / "data.jsonl", [GOOD])
-    cfg = OmegaConf.create({"model": {}, "task": {"path": str(path)}, "method": {"name": "snapkv"}, "budget": 1,
+    cfg = OmegaConf.create({"model": {"dtype": "float32", "device": "cpu"}, "task": {"path": str(path)}, "method": {"name": "snapkv"}, "budget": 1,
                             "compress_question": True, "engine": {}, "seed": 0})
     before = point_identity(cfg)
     write_jsonl(path, [{**GOOD, "context": "Other context."}])

@@ -188,28 +188,44 @@ def test_decode_time_eviction_is_recorded(tiny_llama):
     assert record["eviction_events"] == record["prompt_tokens"] + record["new_tokens"] - 1 - 48
 
 
-def test_pyramid_budgets_decrease_with_depth_and_sum_to_the_uniform_total():
+def test_pyramid_exact_schedule_decreases_with_depth_and_sums_to_the_uniform_total():
     gen = random.Random(0)
     for _ in range(2000):
         layers, b = gen.randint(1, 80), gen.randint(0, 3000)
         candidates = gen.randint(b, 4 * b + 10)
-        budgets = pyramid_budgets(layers, b, candidates, beta=gen.choice([2, 20, 50]))
+        budgets = pyramid_budgets(layers, b, candidates, beta=gen.choice([2, 20, 50]), schedule="exact")
         assert sum(budgets) == layers * b
         assert all(x >= y for x, y in zip(budgets, budgets[1:]))
         assert max(budgets) <= max(candidates, b) and min(budgets) >= 0
-    # the PyramidKV code's schedule: 32 layers, b = 992, beta 20 -> 1935 down to 49
-    budgets = pyramid_budgets(32, 992, 30000)
-    assert budgets[0] == 1935 and budgets[-1] == 49
-    assert budgets[0] > budgets[15] > budgets[-1]
+
+
+def test_pyramid_default_schedule_is_the_authors_floored_step():
+    """PyramidKV's code: steps = (max_num - min_num) // (L - 1), b_l = max_num - l * steps."""
+    gen = random.Random(1)
+    for _ in range(2000):
+        layers, b, beta = gen.randint(2, 80), gen.randint(1, 3000), gen.choice([2, 20, 50])
+        candidates = gen.randint(b + 1, 4 * b + 10)
+        min_num, max_num = b // beta, 2 * b - b // beta
+        if max_num >= candidates:
+            max_num, min_num = candidates, 2 * b - candidates
+        steps = (max_num - min_num) // (layers - 1)
+        assert pyramid_budgets(layers, b, candidates, beta) == [max_num - layer * steps for layer in range(layers)]
+        assert sum(pyramid_budgets(layers, b, candidates, beta)) >= layers * b  # the floor keeps more, never less
+    # budget 128 (window 32) on 30 layers: 188 down to 14, 5.2 % more than the uniform 96 per layer
+    authors = pyramid_budgets(30, 96, 30000)
+    assert authors[0] == 188 and authors[-1] == 14 and sum(authors) == 3030
+    # 32 layers, b = 992, beta 20: 1935 down to 75 (steps 60); the exact schedule ends at 49
+    assert pyramid_budgets(32, 992, 30000)[-1] == 75 and pyramid_budgets(32, 992, 30000, schedule="exact")[-1] == 49
 
 
 def test_pyramid_layers_hold_their_schedule_and_ada_pyramid_heads_sum_to_it_with_the_floor(smollm2_tiny_slice):
     lm = smollm2_tiny_slice
     ids = random_ids(PROMPT, seed=25)
     budget, window, alpha = 64, 8, 0.2
-    schedule = pyramid_budgets(lm.model.config.num_hidden_layers, budget - window, PROMPT - window)
-    for name in ("pyramidkv", "ada_pyramid"):
-        session = Session(lm, build_method(name, window=window), budget)
+    for name, schedule_name in (("pyramidkv", "authors"), ("ada_pyramid", "authors"), ("pyramidkv", "exact")):
+        schedule = pyramid_budgets(lm.model.config.num_hidden_layers, budget - window, PROMPT - window,
+                                   schedule=schedule_name)
+        session = Session(lm, build_method(name, window=window, layer_schedule=schedule_name), budget)
         session.prefill(ids, compress=True)
         for layer, b in zip(session.cache.layers, schedule):
             lens = layer.lengths()
@@ -219,7 +235,9 @@ def test_pyramid_layers_hold_their_schedule_and_ada_pyramid_heads_sum_to_it_with
                 assert set(lens) == {b + window}
             else:
                 assert min(lens) >= int(alpha * b) + window
-        assert sum(layer.budget for layer in session.cache.layers) == budget * len(schedule)
+        assert sum(layer.budget for layer in session.cache.layers) == sum(schedule) + window * len(schedule)
+        if schedule_name == "exact":
+            assert sum(schedule) == (budget - window) * len(schedule)
 
 
 @pytest.fixture(scope="module")

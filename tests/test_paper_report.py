@@ -9,6 +9,8 @@ import matplotlib.image
 import pandas as pd
 import pytest
 
+from kvbench.cli.report import main
+from kvbench.core.errors import KVBenchError
 from kvbench.reporting.paper import build
 from kvbench.reporting.paper_tables import (
     MISSING,
@@ -17,18 +19,19 @@ from kvbench.reporting.paper_tables import (
     expected_grid,
     main_table,
     missing_points,
-    norm,
     point_scores,
+    resolve,
 )
+from kvbench.reporting.preset_points import norm, select_points
 from kvbench.results.collect import collect, load
 from kvbench.results.store import RecordStore, point_hash
 
 
 def write_point(root: Path, method: str, budget, scores: dict[str, list[float]], *, task: str = "suite",
-                model: str = "m", compress_question: bool = True, kept=None, meta=None) -> None:
+                model: str = "m", compress_question: bool = True, kept=None, meta=None, dtype=None) -> None:
     point = {"model": model, "task": task, "method": method, "budget": None if method == "full" else budget,
-             "compress_question": compress_question, "seq_len": 2048}
-    run_dir = root / f"{model}-{task}-{method}-{budget}-{compress_question}"
+             "compress_question": compress_question, "seq_len": 2048, **({"dtype": dtype} if dtype else {})}
+    run_dir = root / f"{model}-{task}-{method}-{budget}-{compress_question}{dtype or ''}"
     (run_dir / ".").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(f"method:\n  name: {method}\n  window: 32\ntask:\n  name: {task}\n"
                                          f"budget: {budget}\n")
@@ -118,3 +121,96 @@ def test_load_flattens_the_run_config_into_columns(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="neither a results directory nor an experiment"):
         load(tmp_path / "nope")
     assert df.attrs["point_columns"][:3] == ["model", "task", "method"]
+
+
+def test_load_reads_results_stored_elsewhere_and_says_where_it_looked(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    stored = tmp_path / "elsewhere"
+    write_point(stored, "snapkv", 64, {"a": [1.0]})
+    monkeypatch.chdir(tmp_path)  # the preset's results_dir (relative) holds nothing here
+    assert list(load("demo", results_dir=stored)["method"]) == ["snapkv"]
+    with pytest.raises(KVBenchError, match=r"no records under results \(.*relative to the current directory\); "
+                                           r"pass load\('demo', results_dir=\.\.\.\)") as err:
+        load("demo")
+    assert str(tmp_path / "results") in str(err.value)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(KVBenchError, match="no records under"):
+        load(tmp_path / "empty")
+
+
+def test_two_dtypes_split_a_row_and_hidden_differences_refuse_a_cell(tmp_path: Path) -> None:
+    write_point(tmp_path, "snapkv", 64, {"a": [1.0]}, dtype="float32")
+    write_point(tmp_path, "snapkv", 64, {"a": [0.0]}, dtype="bfloat16")
+    points, subtasks = point_scores(collect(tmp_path))
+    table = main_table(source(tmp_path, rows=("method",)), points, subtasks)
+    assert list(table.columns) == ["method", "dtype", "64"]  # dtype became a row field: never a 50.0 average
+    assert dict(zip(table["dtype"], table["64"])) == {"bfloat16": 0.0, "float32": 100.0}
+    point = {"model": "m", "task": "suite", "method": "snapkv", "budget": 64, "compress_question": True,
+             "seq_len": 2048, "dtype": "float32"}
+    RecordStore(tmp_path / "other_engine").append({"sample_id": "a-0", "task": "a", "score": 0.5, "point": point,
+                                                   "point_hash": point_hash({**point, "engine": "x"})})
+    points, subtasks = point_scores(collect(tmp_path))
+    with pytest.raises(KVBenchError, match="would share one cell"):
+        main_table(source(tmp_path, rows=("method",)), points, subtasks)
+
+
+# adakv_fig4_cpu on the tiny model, snapkv and the reference at one budget, question-aware only
+PRESET = ["model=tiny_llama", "method=full,snapkv", "budget=0.2", "compress_question=true"]
+
+
+def write_preset_point(root: Path, name: str, overrides: list[str], score: float, **manifest_model) -> None:
+    """A point directory as a run of adakv_fig4_cpu with `overrides` leaves it: records, and the manifest's
+    identity (`point_identity` of the composed config), its model fields replaced by `manifest_model`."""
+    import json
+
+    from kvbench.config.paths import experiment_config
+    from kvbench.run.identity import point_identity
+
+    cfg = experiment_config("adakv_fig4_cpu", overrides)
+    identity = point_identity(cfg)
+    identity["model"].update(manifest_model)
+    (root / name).mkdir(parents=True)
+    (root / name / "manifest.json").write_text(json.dumps({"point": identity, "point_hash": point_hash(identity)}))
+    point = {"model": cfg.model.name, "task": cfg.task.name, "method": cfg.method.name, "budget": cfg.budget,
+             "seq_len": cfg.task.seq_len, "compress_question": True, "dtype": "float32", "seed": 42}
+    RecordStore(root / name).append({"sample_id": "s0", "task": "ruler_niah_single_2", "score": score,
+                                     "point": point, "point_hash": point_hash(identity)})
+
+
+def test_preset_report_leaves_out_points_of_other_settings_and_says_so(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    results = tmp_path / "results"
+    tiny = ["model=tiny_llama", "compress_question=true", "budget=0.2"]
+    write_preset_point(results, "full", [*tiny, "method=full"], 1.0)
+    write_preset_point(results, "snapkv", [*tiny, "method=snapkv"], 0.5)
+    # the same results_dir also holds a 1K one-sample run and a block-wise SnapKV: other points, not these cells
+    write_preset_point(results, "snapkv_1k", [*tiny, "method=snapkv", "task.seq_len=1024", "task.num_samples=1"], 0.0)
+    write_preset_point(results, "snapkv_block", [*tiny, "method=snapkv", "method.block_size=128"], 0.0)
+    write_preset_point(results, "snapkv_bf16", [*tiny, "method=snapkv"], 0.0, dtype="bfloat16")
+    src = resolve("experiment=adakv_fig4_cpu", [*PRESET, f"results_dir={results}"])
+    df, left_out = select_points(src, collect(results))
+    assert sorted(df["run_dir"].unique()) == ["full", "snapkv"]
+    assert dict(left_out) == {"snapkv_1k": ["task.num_samples=1 vs 3", "task.seq_len=1024 vs 2048"],
+                              "snapkv_block": ["method.block_size=128 vs unset"],
+                              "snapkv_bf16": ["model.dtype=bfloat16 vs float32"]}  # tiny_llama pins float32
+
+    assert main(["experiment=adakv_fig4_cpu", *PRESET, f"results_dir={results}", "--out", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert "left out 3 points whose settings differ from the preset:\n" in out
+    assert "  snapkv_1k (task.num_samples=1 vs 3, task.seq_len=1024 vs 2048)\n" in out
+    table = pd.read_csv(tmp_path / "r" / "table.csv").set_index("method")
+    assert table.loc["snapkv", "0.2"] == pytest.approx(50.0)  # the 0.0 scores of the others are not in it
+    page = (tmp_path / "r" / "index.html").read_text()
+    assert "left out 3 points whose settings differ from the preset" in page and "method.block_size=128" in page
+
+
+def test_a_preset_dtype_left_to_the_machine_matches_what_each_machine_resolved(tmp_path: Path) -> None:
+    """smollm2_135m says dtype and device `auto`: a point a GPU node ran in bfloat16 is the preset's point, as
+    is one a CPU ran in float32; their dtype is shown (and splits rows), not matched."""
+    smollm = ["compress_question=true", "budget=0.2", "method=snapkv"]
+    write_preset_point(tmp_path, "gpu", smollm, 1.0, dtype="bfloat16", device="cuda")
+    write_preset_point(tmp_path, "cpu", [*smollm, "seed=1"], 1.0, dtype="float32", device="cpu")
+    src = resolve("experiment=adakv_fig4_cpu", ["method=snapkv", "budget=0.2", "compress_question=true",
+                                                f"results_dir={tmp_path}"])
+    df, left_out = select_points(src, collect(tmp_path))
+    assert list(df["run_dir"]) == ["gpu"] and dict(left_out) == {"cpu": ["seed=1 vs 42"]}

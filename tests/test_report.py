@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from hydra.core.utils import JobReturn, JobStatus
 from omegaconf import OmegaConf
 
 from kvbench.cli.report import main
 from kvbench.reporting.callback import PrintSweepSummary
-from kvbench.reporting.table import TASK_MEAN_LABEL, format_table, pivot_scores, point_table
+from kvbench.reporting.table import TASK_MEAN_LABEL, format_table, pivot_scores, point_table, report_text
 from kvbench.results.collect import collect
 from kvbench.results.store import RecordStore, point_hash
 
@@ -113,14 +114,81 @@ def test_cli_prints_table_and_writes_csv(results: Path, tmp_path: Path, capsys: 
     assert "snapkv" in out and TASK_MEAN_LABEL in out and "75.0" in out
     assert len(pd.read_csv(csv)) == 7
     assert main([str(results), "--pivot", "method,budget", "--markdown"]) == 0
-    header = capsys.readouterr().out.splitlines()[0]
-    assert header.endswith("| subtask | full/1.0 | snapkv/0.5 |")
+    note, blank, header = capsys.readouterr().out.splitlines()[:3]
+    assert note == "model tiny, seq_len 4096, compress_question False" and blank == ""  # constant: said once
+    assert header == "| task | subtask | full/1.0 | snapkv/0.5 |"
     empty = tmp_path / "empty"
     empty.mkdir()
     assert main([str(empty)]) == 1
     with pytest.raises(SystemExit) as exit_info:
         main([str(results), "--pivot", "nonexistent"])
     assert exit_info.value.code == 2
+
+
+def test_method_variants_get_their_own_names(tmp_path: Path) -> None:
+    from kvbench.methods import METHODS
+
+    defaults = METHODS["snapkv"]().params()
+    variants = {"plain": ({}, {}), "block": ({"block_size": 128}, {}), "prof": ({}, {"profile": {"ttft_s": 0.1}})}
+    for name, (params, extra) in variants.items():
+        point = {"model": "m", "task": "qa", "method": "snapkv", "budget": 64}
+        RecordStore(tmp_path / name).append({"sample_id": "a", "task": "qa", "score": 1.0, "point": point,
+                                             "point_hash": point_hash({**point, "v": name}),
+                                             "method_params": {**defaults, **params}, **extra})
+    point = {"model": "m", "task": "qa", "method": "adakv", "budget": 64}  # one variant, not the default one
+    RecordStore(tmp_path / "ada").append({"sample_id": "a", "task": "qa", "score": 1.0, "point": point,
+                                          "point_hash": point_hash(point),
+                                          "method_params": {**METHODS["adakv"]().params(), "window": 16}})
+    table = point_table(collect(tmp_path))
+    assert sorted(table["method"]) == ["adakv", "snapkv", "snapkv+profile", "snapkv[block_size=128]"]
+    wide = pivot_scores(table, ["method"])  # no longer three "snapkv" columns that would collide
+    assert {"snapkv", "snapkv+profile", "snapkv[block_size=128]"} <= set(wide.columns)
+
+
+def test_two_dtypes_are_two_rows_never_one_mean(tmp_path: Path) -> None:
+    for dtype, score in (("float32", 1.0), ("bfloat16", 0.0)):
+        point = {"model": "m", "task": "qa", "method": "snapkv", "budget": 64, "dtype": dtype}
+        RecordStore(tmp_path / dtype).append({"sample_id": "a", "task": "qa", "score": score, "point": point,
+                                              "point_hash": point_hash(point)})
+    table = point_table(collect(tmp_path))
+    bare = table.copy()
+    bare.attrs.clear()  # a frame that does not list its point columns: the default POINT_FIELDS hold dtype
+    for frame in (table, bare):
+        wide = pivot_scores(frame, ["method", "budget"])
+        assert dict(zip(wide["dtype"], wide["snapkv/64"])) == {"bfloat16": 0.0, "float32": 100.0}
+    lines = report_text(tmp_path).splitlines()
+    assert lines[0] == "model m, task qa, n 1" and lines[1].split() == ["method", "budget", "dtype", "score"]
+
+
+def test_report_text_shows_what_varies_and_names_the_rest_once(results: Path) -> None:
+    lines = report_text(results).splitlines()
+    assert lines[0] == "model tiny, seq_len 4096, compress_question False"
+    assert lines[1].split() == ["task", "method", "budget", "subtask", "n", "score", "nll", "KV", "MiB", "ms/token"]
+    assert "point_hash" not in lines[1] and len(lines) == 2 + 7
+    only = report_text(results, run_dirs=[results / "tiny" / "qa" / "snapkv_0.5"]).splitlines()
+    assert only[0] == "model tiny, task qa, seq_len 4096, compress_question False, n 1"
+    assert only[1].split() == ["method", "budget", "score", "nll", "KV", "MiB", "ms/token"]
+    assert only[2].split() == ["snapkv", "0.5", "25.0", "1.000", "4.0", "10.00"]
+    assert report_text(results, run_dirs=[]) == "(no records)"
+
+
+def test_cli_bad_input_is_one_error_line(results: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    cases = [(["/no/such/dir"], "results directory /no/such/dir does not exist"),
+             ([str(results), "--out", str(blocker / "report")], f"cannot write {blocker / 'report'}"),
+             ([str(results), "--csv", str(blocker / "t.csv")], f"cannot write {blocker / 't.csv'}"),
+             (["experiment=demo", "budgt=64"], "experiment demo: Could not override 'budgt'"),
+             (["experiment=demo", "method=nosuch"],
+              "experiment demo: In 'config': Could not find 'method/nosuch' (available: ada_pyramid, "),
+             ([str(results), "budget=64"], "budget=64: KEY=VALUE overrides apply to experiment=NAME")]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2, argv
+        assert f"kvbench report: error: {message}" in err and "Traceback" not in err, (argv, err)
+        assert len([line for line in err.splitlines() if "error" in line]) == 1
 
 
 def test_module_entry_point_help() -> None:
@@ -134,6 +202,9 @@ def test_callback_prints_on_multirun_end(results: Path, capsys: pytest.CaptureFi
     cfg = OmegaConf.create({"hydra": {"sweep": {"dir": str(results)}}})
     callback = PrintSweepSummary(pivot="method,budget")
     callback.on_multirun_start(cfg)
+    for point in results.rglob("records.jsonl"):  # the sweep's jobs end (the table shows only their points)
+        job = OmegaConf.create({"hydra": {"sweep": {"dir": str(results)}, "runtime": {"output_dir": str(point.parent)}}})
+        callback.on_job_end(job, JobReturn(status=JobStatus.COMPLETED))
     callback.on_multirun_end(cfg)
     out = capsys.readouterr().out
     assert f"Results of sweep {results}\n" in out and "snapkv/0.5" in out and "did not finish" not in out

@@ -25,11 +25,18 @@ def test_adakv_fig4_cpu_sweep_and_its_report(tmp_path: Path) -> None:
                           "budget=0.2,0.6", "show_progress=false"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
+    # another run in the same results_dir, at another length: not a point of this report, and it says so
+    other = subprocess.run([sys.executable, "-m", "kvbench", "experiment=adakv_fig4_cpu", *sweep, "method=snapkv",
+                            "budget=0.2", "compress_question=true", "task.seq_len=2048", "show_progress=false"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert other.returncode == 0, other.stderr[-3000:]
     # the report is asked for the preset's budgets 0.2, 0.6 and 0.8: the 0.8 points were never run
     report = subprocess.run([sys.executable, "-m", "kvbench", "report", "experiment=adakv_fig4_cpu", *sweep,
                              "budget=0.2,0.6,0.8"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert report.returncode == 0, report.stderr[-3000:]
     assert "10 expected points have no records" in report.stdout  # 5 compressed methods x 2 modes at 0.8
+    assert "left out 1 point whose settings differ from the preset:\n" in report.stdout
+    assert "-qa-" in report.stdout and "(task.seq_len=2048 vs 4096)\n" in report.stdout
     out = tmp_path / "report"
     table = pd.read_csv(out / "table.csv", dtype=str, keep_default_na=False)
     assert list(table.columns) == ["compress_question", "method", "0.2", "0.6", "0.8"]
@@ -47,4 +54,5 @@ def test_adakv_fig4_cpu_sweep_and_its_report(tmp_path: Path) -> None:
         assert (out / f"{name}.pdf").read_bytes().startswith(b"%PDF")
     page = (out / "index.html").read_text()
     assert page.count("data:image/png;base64,") >= 2 and "missing" in page
+    assert "left out 1 point whose settings differ from the preset" in page
     assert "\\begin{tabular}" in (out / "table.tex").read_text()

@@ -89,3 +89,16 @@ def test_report_publish_without_network_says_so_and_writes_the_static_report(tmp
     said = [line for line in result.stdout.splitlines() if "W&B report" in line]
     assert len(said) == 1 and "not published" in said[0] and "wandb.invalid" in said[0]
     assert (tmp_path / "report" / "index.html").is_file() and (tmp_path / "report" / "table.md").is_file()
+
+
+def test_online_logging_without_network_warns_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    env = {**os.environ, "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "x" * 40,
+           "WANDB_INIT_TIMEOUT": "15", "WANDB_SILENT": "true"}
+    result = subprocess.run([sys.executable, "-m", "kvbench", "-m", *TINY, "method=snapkv,streamingllm", "budget=64",
+                             "logger=wandb", "logger.mode=online", f"results_dir={tmp_path}"], cwd=tmp_path,
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    warnings = [line for line in (result.stdout + result.stderr).splitlines() if "W&B logging failed" in line]
+    assert len(warnings) == 2 and all("records are safe" in w and "logger.mode=offline" in w for w in warnings)
+    assert "Traceback" not in result.stdout + result.stderr
+    assert len(list(tmp_path.rglob("records.jsonl"))) == 2

@@ -46,6 +46,7 @@ class GroupedLauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from kvbench.run.group import group_key, run_grouped
+        from kvbench.run.progress import SweepEstimate
 
         setup_globals()
         assert self.config is not None and self.hydra_context is not None and self.task_function is not None
@@ -65,9 +66,11 @@ class GroupedLauncher(Launcher):
                 key = group_key(config)
                 if key is not None:
                     groups.setdefault(key, []).append((config, _job_dir(config)))
-            for members in groups.values():
-                if len(members) > 1:
-                    run_grouped([(_task_config(c), d) for c, d in members], self.max_group)
+            shared = [members for members in groups.values() if len(members) > 1]
+            estimate = SweepEstimate(len(shared))
+            for members in shared:
+                run_grouped([(_task_config(c), d) for c, d in members], self.max_group)
+                estimate.group_done()
         runs: list[JobReturn] = []
         for idx, overrides, config in configs:
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")

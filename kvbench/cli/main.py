@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import signal
 import sys
+import threading
 from pathlib import Path
+from types import FrameType
 
 import hydra
 from omegaconf import DictConfig
 
+from kvbench.config.command import check_command
 from kvbench.config.paths import CONF_DIR
-from kvbench.config.validate import check_group_overrides, check_settings
 from kvbench.core.errors import KVBenchError
 from kvbench.run.point import run_point
+
+log = logging.getLogger("kvbench")
 
 
 def _expose_launcher_plugin() -> None:
@@ -35,12 +42,23 @@ def _hydra_entry(cfg: DictConfig) -> None:
     try:
         summary = run_point(cfg)
         if cfg.get("logger") and cfg.logger.name == "wandb":  # one W&B run per point, from its records
-            from kvbench.reporting.wandb import log_point  # kvbench.reporting loads matplotlib: only here
-
-            log_point(cfg, summary, Path(summary["run_dir"]))
+            _log_to_wandb(cfg, summary)
     except KVBenchError as exc:
         print(f"kvbench: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+def _log_to_wandb(cfg: DictConfig, summary: dict) -> None:
+    """Log a finished point to W&B; where W&B cannot be reached, say so in one line and let the sweep go on:
+    the records are on disk and a later run of the same command logs them (same W&B run id)."""
+    from kvbench.reporting.wandb import log_point  # kvbench.reporting loads matplotlib: only here
+
+    try:
+        log_point(cfg, summary, Path(summary["run_dir"]))
+    except Exception as exc:  # noqa: BLE001 - W&B's errors are many (network, auth, service); the point is done
+        said = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        log.warning("W&B logging failed (%s); the records are safe in %s. Log offline with logger.mode=offline "
+                    "(then `wandb sync`), or rerun the command once W&B is reachable", said, summary["run_dir"])
 
 
 def main() -> None:
@@ -49,12 +67,41 @@ def main() -> None:
 
         sys.exit(report_main(sys.argv[2:]))
     try:
-        check_group_overrides(sys.argv[1:])
-        sys.argv[1:] = check_settings(sys.argv[1:])
+        sys.argv[1:] = check_command(sys.argv[1:])
     except KVBenchError as exc:
         print(f"kvbench: error: {exc}", file=sys.stderr, flush=True)
         sys.exit(2)
-    _hydra_entry()
+    signal.signal(signal.SIGINT, _interrupt)
+    try:
+        _hydra_entry()
+    except KeyboardInterrupt:  # the records written so far are complete; a rerun resumes after them
+        print(f"\n{INTERRUPTED}", file=sys.stderr, flush=True)
+        sys.exit(130)
+
+
+INTERRUPTED = "kvbench: interrupted: rerun the same command to resume (recorded samples are kept, none is run twice)"
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    """Ctrl-C: KeyboardInterrupt, as Python's own handler raises it, except inside a finaliser (`__del__`),
+    where Python would only print it ("Exception ignored in ...") and go on: there the signal is sent again a
+    moment later. A timer ends the process in any case; records are appended whole or repaired on resume, so
+    stopping at any point loses nothing."""
+    caller = frame
+    while caller is not None:
+        if caller.f_code.co_name == "__del__":
+            threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGINT)).start()
+            return
+        caller = caller.f_back
+
+    def stop() -> None:
+        print(f"\n{INTERRUPTED}", file=sys.stderr, flush=True)
+        os._exit(130)
+
+    timer = threading.Timer(20, stop)
+    timer.daemon = True
+    timer.start()
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

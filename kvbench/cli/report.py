@@ -12,7 +12,8 @@ import pandas as pd
 from kvbench.core.errors import KVBenchError
 from kvbench.reporting.paper import build, skipped_line
 from kvbench.reporting.paper_tables import resolve
-from kvbench.reporting.table import _split, format_table, pivot_scores, point_table
+from kvbench.reporting.preset_points import left_out_lines, select_points
+from kvbench.reporting.table import _split, point_table, points_text
 from kvbench.reporting.wandb import publish_report
 from kvbench.results.collect import collect
 
@@ -54,26 +55,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pivot", help="comma-separated point fields to spread across columns, e.g. method,budget")
     args = parser.parse_args(_argv_with_options(list(sys.argv[1:] if argv is None else argv)))
     try:
-        root = resolve(args.source, args.overrides).root
+        source = resolve(args.source, args.overrides)
     except KVBenchError as err:
         parser.error(str(err))
-    table = point_table(collect(root)) if root.is_dir() else pd.DataFrame()
-    if args.csv is not None:
-        table.to_csv(args.csv, index=False)
-    if not table.empty:
-        try:
-            shown = pivot_scores(table, _split(args.pivot)) if args.pivot else table
-        except ValueError as err:
-            parser.error(str(err))
-        print(format_table(shown, markdown=args.markdown))
-    else:
-        print(f"no records under {root}", file=sys.stderr)
-    experiment = args.source.startswith("experiment=") or not Path(args.source).is_dir()
-    if args.no_files or (table.empty and not experiment):
-        return 0 if not table.empty else 1
-    result = build(args.source, args.out, args.overrides)
-    if result["source"].spec.not_in_kvbench:
-        print(skipped_line(result["source"].name, result["source"].spec))
+    df, left_out = select_points(source, collect(source.root) if source.root.is_dir() else pd.DataFrame())
+    for line in left_out_lines(left_out):
+        print(line)
+    table = point_table(df)
+    try:
+        if args.csv is not None:
+            table.to_csv(args.csv, index=False)
+        if not table.empty:
+            try:
+                print(points_text(table, markdown=args.markdown, pivot=_split(args.pivot) if args.pivot else None))
+            except ValueError as err:
+                parser.error(str(err))
+        else:
+            print(f"no records under {source.root}" + (" but those left out" if left_out else ""), file=sys.stderr)
+        preset = source.grid is not None
+        if args.no_files or (table.empty and not preset):
+            return 0 if not table.empty else 1
+        result = build(source, args.out)
+    except OSError as err:  # an unwritable --out or --csv: say which, not a traceback
+        parser.error(f"cannot write {err.filename or args.out or args.csv}: {err.strerror or err}")
+    except KVBenchError as err:  # e.g. two points that would share a cell of the paper's table
+        parser.error(str(err))
+    if source.spec.not_in_kvbench:
+        print(skipped_line(source.name, source.spec))
     if result["missing"]:
         print(f"{len(result['missing'])} expected points have no records (shown as 'missing')")
     print(f"report: {result['out_dir'] / 'index.html'} ({len(result['figures'])} figures)")

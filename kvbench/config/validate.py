@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from omegaconf import DictConfig
 
-from kvbench.config.paths import GROUPS, POINT_GROUPS, choices, default_choice, settings
+from kvbench.config.paths import GROUPS, POINT_GROUPS, choice_name, choices, default_choice, settings
 from kvbench.core.checks import is_int
 from kvbench.core.errors import KVBenchError
 from kvbench.models import LoadedModel
@@ -23,6 +23,9 @@ def validate(cfg: DictConfig) -> None:
         raise KVBenchError(f"budget must be a positive number of tokens per KV head (or a ratio in (0, 1)), got {budget!r}")
     elif isinstance(budget, float) and budget >= 1 and not budget.is_integer():
         raise KVBenchError(f"budget {budget} is neither a token count nor a ratio in (0, 1)")
+    elif budget == 1.0 and isinstance(budget, float):  # a ratio of 1 or one token: say which, run neither
+        raise KVBenchError("budget=1.0 is ambiguous: write budget=1 for one token per KV head; to keep everything "
+                           "use method=full (or any budget at or above the context length)")
     if not is_int(cfg.seed):
         raise KVBenchError(f"seed must be an integer, got {cfg.seed!r}")
     for key in ("compress_question", "show_progress"):
@@ -35,6 +38,14 @@ def validate(cfg: DictConfig) -> None:
     for key, low in (("snapshot_window", 1), ("snapshot_cache_mb", 0)):
         if key in engine and (not is_int(engine[key]) or engine[key] < low):
             raise KVBenchError(f"engine.{key} must be an integer >= {low}, got {engine[key]!r}")
+    for key in ("sample_batch", "batch_rows"):
+        if key in engine and (not is_int(engine[key]) or engine[key] < 1):
+            raise KVBenchError(f"engine.{key} must be a positive integer, got {engine[key]!r}")
+    profiler = cfg.get("profiler") or {}
+    if "repeats" in profiler and (not is_int(profiler.repeats) or profiler.repeats < 1):
+        raise KVBenchError(f"profiler.repeats must be a positive integer, got {profiler.repeats!r}")
+    if "warmup_steps" in profiler and (not is_int(profiler.warmup_steps) or profiler.warmup_steps < 0):
+        raise KVBenchError(f"profiler.warmup_steps must be an integer >= 0, got {profiler.warmup_steps!r}")
     if engine.get("system_prompt") is not None and not isinstance(engine.system_prompt, str):
         raise KVBenchError(f"engine.system_prompt must be text or null, got {engine.system_prompt!r}")
     num_samples = cfg.task.get("num_samples")
@@ -92,6 +103,8 @@ def check_settings(argv: list[str]) -> list[str]:
         group, _, setting = key.partition(".")
         if "=" in arg and group in POINT_GROUPS and setting and not preset:
             for name in chosen.get(group, [default_choice(group)]):
+                if group == "method" and not compresses(name):
+                    continue  # `full` ignores a setting a sweep shares (kvbench.methods.method_parameters)
                 known = settings(group, name)
                 if setting.split(".")[0] not in known:
                     raise KVBenchError(f"{key} is not a setting of {group} {name} (its settings: "
@@ -99,3 +112,11 @@ def check_settings(argv: list[str]) -> list[str]:
         out.append("++" + arg if group == "method" and setting and "=" in arg and not arg.startswith(("+", "~"))
                    else arg)
     return out
+
+
+def compresses(method_choice: str) -> bool:
+    """Whether a method config's method can change a result through its budget and settings (not `full`)."""
+    from kvbench.methods import METHODS
+
+    method = METHODS.get(choice_name("method", method_choice))
+    return method is None or method.uses_budget

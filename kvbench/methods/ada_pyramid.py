@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from kvbench.methods.adakv import AdaKV
 from kvbench.methods.base import register_method
-from kvbench.methods.pyramidkv import check_beta, pyramid_layer_budget
+from kvbench.methods.pyramidkv import check_beta, check_layer_schedule, pyramid_layer_budget
 
 
 @register_method
@@ -15,10 +15,12 @@ from kvbench.methods.pyramidkv import check_beta, pyramid_layer_budget
 class AdaPyramid(AdaKV):
     name = "ada_pyramid"
     beta: int = 20
+    layer_schedule: str = "authors"  # the layers' budgets: kvbench.methods.pyramidkv (authors' floored step, or exact)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         check_beta(self.beta)
+        check_layer_schedule(self.layer_schedule)
 
     def layer_budget(self, layer, budget, step):
-        return pyramid_layer_budget(layer, budget, self.window, self.beta, step.num_layers)
+        return pyramid_layer_budget(layer, budget, self.window, self.beta, step.num_layers, self.layer_schedule)

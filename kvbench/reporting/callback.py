@@ -10,9 +10,10 @@ from typing import Any
 
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from kvbench.reporting.table import _split, report_text
+from kvbench.results.sweeps import note_point, start_sweep, sweep_points
 
 log = logging.getLogger(__name__)
 
@@ -32,9 +33,15 @@ class PrintSweepSummary(Callback):
         self.pivot = _split(pivot) if pivot else None
         self.sweep_dir: Path | None = None
         self.failed: list[str] = []
+        self.sweep_id: str | None = None
+        self.note: str | None = None
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self.sweep_dir = Path(config.hydra.sweep.dir)
+        # each job's end (here or on a SLURM node, which inherits the environment) notes its directory in a
+        # file of this sweep's own, so the closing table shows this sweep's points, not the whole results tree
+        self.sweep_id = start_sweep()
+        self.note = (config.get("report") or {}).get("note")  # how to read the table: printed under it
         skipped = (config.get("report") or {}).get("not_in_kvbench")
         if skipped:  # a paper's methods that kvbench lacks: said once, never silently absent
             name = config.hydra.runtime.choices.get("experiment") or self.sweep_dir.name
@@ -44,6 +51,9 @@ class PrintSweepSummary(Callback):
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if job_return.status == JobStatus.FAILED:
             self.failed.append(" ".join(job_return.overrides or []))
+        output_dir = OmegaConf.select(config, "hydra.runtime.output_dir")
+        if output_dir:  # here or on a SLURM node (where the sweep id comes through the environment)
+            note_point(Path(str(config.hydra.sweep.dir)), Path(str(output_dir)))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         atexit.unregister(self._print)
@@ -54,14 +64,15 @@ class PrintSweepSummary(Callback):
         if self.sweep_dir is None:
             return
         try:
-            text = report_text(self.sweep_dir, markdown=self.markdown, pivot=self.pivot)
+            run_dirs = sweep_points(self.sweep_dir, self.sweep_id) if self.sweep_id else None
+            text = report_text(self.sweep_dir, markdown=self.markdown, pivot=self.pivot, run_dirs=run_dirs)
         except Exception:  # see the class docstring
             log.exception("could not summarise sweep %s", self.sweep_dir)
             return
         header = f"Results of sweep {self.sweep_dir}"
         if aborted:
             header += " (sweep did not finish: partial results)"
-        print(f"\n{header}\n{text}")
+        print(f"\n{header}\n{text}" + (f"\n\n{self.note}" if self.note else ""))
         for overrides in self.failed:
             print(f"FAILED: {overrides}")
         sys.stdout.flush()

@@ -26,6 +26,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 
+from kvbench.reporting.table import method_labels
 from kvbench.results.collect import collect
 
 MiB = 2**20
@@ -45,10 +46,11 @@ COLUMNS = {  # table column <- record column (profile fields flattened by `colle
 }
 
 
-def efficiency_table(results_root: Path) -> pd.DataFrame:
+def efficiency_table(records: Path | pd.DataFrame) -> pd.DataFrame:
     """One row per profiled point: its label, budget and length, medians of the profile fields over its
-    samples, and whether any sample ran out of memory."""
-    df = collect(results_root)
+    samples, and whether any sample ran out of memory. `records`: a results directory, or its records
+    (`collect`) as a report selected them."""
+    df = collect(records) if isinstance(records, (str, Path)) else records
     if df.empty or "profile.decode_ms_median" not in df.columns and "oom" not in df.columns:
         return pd.DataFrame()
     df = df.copy()
@@ -76,14 +78,12 @@ def efficiency_table(results_root: Path) -> pd.DataFrame:
 
 
 def _labels(df: pd.DataFrame) -> pd.Series:
-    """The method name, plus the method parameters that differ between points of that method."""
-    params = [c for c in df.columns if c.startswith("method_params.")]
-    labels = df["method"].astype(str).copy()
-    for method, rows in df.groupby("method"):
-        varying = [c for c in params if rows[c].astype(str).nunique() > 1]
-        for index, row in rows.iterrows():
-            extra = ", ".join(f"{c.split('.', 1)[1]}={row[c]}" for c in varying)
-            labels[index] = f"{method} ({extra})" if extra else str(method)
+    """The method, named by variant (`method_labels`), and the model and dtype where points differ in them: a
+    line or a median never spans two of either."""
+    labels = method_labels(df, exclude=("profile",)).astype(str)  # every point here is profiled
+    for field in ("model", "dtype"):
+        if field in df.columns and df[field].nunique() > 1:
+            labels = labels + " " + df[field].astype(str)
     return labels
 
 
@@ -173,11 +173,13 @@ LAYOUTS: dict[str, Callable[[pd.DataFrame, Sequence[plt.Axes]], pd.DataFrame]] =
 }
 
 
-def render(results_root: Path, layout: str, out_dir: Path | None = None) -> list[Path]:
-    """Write the layout's figure (PNG, PDF) and table (CSV, markdown); returns the paths written."""
+def render(results_root: Path, layout: str, out_dir: Path | None = None,
+           records: pd.DataFrame | None = None) -> list[Path]:
+    """Write the layout's figure (PNG, PDF) and table (CSV, markdown); returns the paths written. `records`:
+    the records of `results_root` to draw (a report's selection), default all of them."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; layouts: {', '.join(LAYOUTS)}")
-    table = efficiency_table(results_root)
+    table = efficiency_table(results_root if records is None else records)
     if table.empty:
         raise ValueError(f"no profiled records under {results_root} (run the preset with profile=true)")
     out_dir = Path(out_dir or results_root)

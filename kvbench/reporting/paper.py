@@ -26,6 +26,7 @@ from kvbench.reporting.paper_tables import (
     MISSING,
     ReportSpec,
     Source,
+    _point_key,
     _row_fields,
     main_table,
     math_table,
@@ -34,6 +35,8 @@ from kvbench.reporting.paper_tables import (
     resolve,
     storage_traffic_table,
 )
+from kvbench.reporting.preset_points import left_out_lines, select_points
+from kvbench.reporting.table import point_table
 from kvbench.results.collect import collect
 
 log = logging.getLogger(__name__)
@@ -45,10 +48,11 @@ def _display(table: pd.DataFrame, float_format: str = "{:.1f}") -> pd.DataFrame:
         else ("-" if isinstance(v, (float, np.floating)) else str(v))))
 
 
-def build(source: str | Path, out_dir: Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
-    """Write the report of `source` (see the module docstring); returns what was written and found."""
-    src = resolve(source, overrides)
-    df = collect(src.root)
+def build(source: str | Path | Source, out_dir: Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:
+    """Write the report of `source` (see the module docstring; a `Source` already resolved, or what `resolve`
+    takes); returns what was written and found."""
+    src = source if isinstance(source, Source) else resolve(source, overrides)
+    df, left_out = select_points(src, collect(src.root))
     out = Path(out_dir) if out_dir is not None else src.root / "report"
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
@@ -56,10 +60,13 @@ def build(source: str | Path, out_dir: Path | None = None, overrides: Sequence[s
         points = pd.DataFrame(columns=["score", "n", *IDENTITY])
         subtasks = pd.DataFrame(columns=["subtask", "score", "n"])
     else:
-        points, subtasks = point_scores(df)
+        points, subtasks = point_scores(df, list(src.grid[0]) if src.grid else ())
+        # the figures draw records: each under its point's name (a method variant's own), split by dtype
+        key = _point_key(df)
+        df = df.assign(method=df[key].map(points.set_index(key)["method"]))
     missing = missing_points(points, src.grid)
     spec = src.spec
-    efficiency = efficiency_table(src.root) if len(points) else pd.DataFrame()
+    efficiency = efficiency_table(df) if len(points) else pd.DataFrame()
     if spec.efficiency_layout and len(points):  # synthetic prompts, no scores: the profile is the table
         table = efficiency
     elif spec.kind == "storage_traffic" and len(points):
@@ -79,7 +86,7 @@ def build(source: str | Path, out_dir: Path | None = None, overrides: Sequence[s
         figures["kept_tokens"] = kept_tokens_figure(df, spec)
         figures["efficiency"] = efficiency_figure(efficiency, spec)
     if spec.efficiency_layout and len(points):
-        png, pdf, csv, md = render(src.root, spec.efficiency_layout, out)
+        png, pdf, csv, md = render(src.root, spec.efficiency_layout, out, records=df)
         figure_paths[spec.efficiency_layout] = png
         written += [png, pdf, csv, md]
     for name, fig in figures.items():
@@ -96,17 +103,19 @@ def build(source: str | Path, out_dir: Path | None = None, overrides: Sequence[s
     table.to_csv(out / "table.csv", index=False)
     (out / "table.md").write_text(shown.to_markdown(index=False, disable_numparse=True) + "\n")
     (out / "table.tex").write_text(shown.to_latex(index=False, caption=spec.title, label=f"tab:{src.name}"))
-    if len(subtasks):
-        subtasks.to_csv(out / "points.csv", index=False)
+    if len(df):
+        point_table(df).to_csv(out / "points.csv", index=False)
         written.append(out / "points.csv")
     written += [out / "table.csv", out / "table.md", out / "table.tex"]
     skipped = skipped_line(src.name, spec)
-    facts = {"points": len(points), "records": len(df), "missing": missing, "skipped": skipped}
+    dtypes = sorted({str(d) for d in points["dtype"].dropna()}) if "dtype" in points else []
+    facts = {"points": len(points), "records": len(df), "missing": missing, "skipped": skipped,
+             "left_out": left_out_lines(left_out), "dtypes": dtypes}
     (out / "report.md").write_text(_markdown(src, shown, figure_paths, facts))
     (out / "index.html").write_text(_html(src, shown, figure_paths, facts))
     written += [out / "report.md", out / "index.html"]
     return {"out_dir": out, "written": written, "figures": figure_paths, "table": table, "missing": missing,
-            "points": points, "source": src}
+            "points": points, "source": src, "left_out": left_out}
 
 
 def skipped_line(name: str, spec: ReportSpec) -> str | None:
@@ -116,11 +125,19 @@ def skipped_line(name: str, spec: ReportSpec) -> str | None:
     return f"{name}: skipping methods not in kvbench: {', '.join(spec.not_in_kvbench)}"
 
 
+def _dtypes(facts: Mapping[str, Any]) -> str:
+    return f"; dtype {', '.join(facts['dtypes'])}" if facts["dtypes"] else ""
+
+
 def _markdown(src: Source, shown: pd.DataFrame, figures: Mapping[str, Path], facts: Mapping[str, Any]) -> str:
     lines = [f"# {src.spec.title}", "", f"Records under `{src.root}`: {facts['points']} points, "
-             f"{facts['records']} records.", ""]
+             f"{facts['records']} records{_dtypes(facts)}.", ""]
+    if src.spec.note:
+        lines += [src.spec.note, ""]
     if facts["skipped"]:
         lines += [facts["skipped"], ""]
+    if facts["left_out"]:
+        lines += [facts["left_out"][0], "", *(f"- `{line.strip()}`" for line in facts["left_out"][1:]), ""]
     if facts["missing"]:
         lines += [f"{len(facts['missing'])} expected points have no records (shown as `{MISSING}`):", ""]
         lines += [f"- {', '.join(f'{k}={v}' for k, v in p.items())}" for p in facts["missing"]] + [""]
@@ -135,9 +152,14 @@ def _html(src: Source, shown: pd.DataFrame, figures: Mapping[str, Path], facts: 
              "td,th{border:1px solid #ccc;padding:3px 7px;text-align:right}img{max-width:100%}</style></head><body>",
              f"<h1>{html.escape(src.spec.title)}</h1>",
              f"<p>Records under <code>{html.escape(str(src.root))}</code>: {facts['points']} points, "
-             f"{facts['records']} records.</p>"]
+             f"{facts['records']} records{html.escape(_dtypes(facts))}.</p>"]
+    if src.spec.note:
+        parts.append(f"<p>{html.escape(src.spec.note)}</p>")
     if facts["skipped"]:
         parts.append(f"<p>{html.escape(facts['skipped'])}</p>")
+    if facts["left_out"]:
+        items = "".join(f"<li><code>{html.escape(line.strip())}</code></li>" for line in facts["left_out"][1:])
+        parts.append(f"<p>{html.escape(facts['left_out'][0])}</p><ul>{items}</ul>")
     if facts["missing"]:
         items = "".join(f"<li>{html.escape(', '.join(f'{k}={v}' for k, v in p.items()))}</li>"
                         for p in facts["missing"])

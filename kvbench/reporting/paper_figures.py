@@ -18,8 +18,8 @@ from kvbench.reporting.paper_tables import (
     _sort_key,
     _varying,
     missing_points,
-    norm,
 )
+from kvbench.reporting.preset_points import norm
 
 
 def _grid_axes(n: int, width: float = 4.6, height: float = 3.6, **kwargs: Any) -> tuple[plt.Figure, list[plt.Axes]]:
@@ -110,18 +110,20 @@ def niah_heatmap_figure(df: pd.DataFrame, spec: ReportSpec) -> plt.Figure | None
         return None
     niah["score"] = pd.to_numeric(niah["score"], errors="coerce") * 100
     niah["budget_label"] = niah["budget"].map(norm)
-    groups = sorted(niah.groupby(["model", "method", "budget_label"], sort=False),
-                    key=lambda g: (g[0][0], g[0][1] != spec.reference, g[0][1], _sort_key(g[0][2])))[:24]
+    niah["dtype_label"] = niah["dtype"].map(norm) if "dtype" in niah else "-"  # a cell never mixes two dtypes
+    groups = sorted(niah.groupby(["model", "method", "budget_label", "dtype_label"], sort=False),
+                    key=lambda g: (g[0][0], g[0][1] != spec.reference, g[0][1], _sort_key(g[0][2]), g[0][3]))[:24]
+    several_dtypes = niah["dtype_label"].nunique() > 1
     fig, axes = _grid_axes(len(groups), width=4.2, height=3.4, layout="constrained")
     image = None
-    for ax, ((model, method, budget), rows) in zip(axes, groups):
+    for ax, ((model, method, budget, dtype), rows) in zip(axes, groups):
         grid = rows.pivot_table(index="meta.depth", columns="meta.length", values="score", aggfunc="mean")
         image = ax.imshow(grid.values, vmin=0, vmax=100, cmap="RdYlGn", aspect="auto", origin="upper")
         ax.set_xticks(range(len(grid.columns)), [f"{c:g}" for c in grid.columns], fontsize=7, rotation=45)
         ax.set_yticks(range(len(grid.index)), [f"{d:g}" for d in grid.index], fontsize=7)
         ax.set_xlabel("context length")
         ax.set_ylabel("needle depth (%)")
-        ax.set_title(f"{method} @ {budget} ({model})", fontsize=9)
+        ax.set_title(f"{method} @ {budget} ({model}{', ' + dtype if several_dtypes else ''})", fontsize=9)
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.8, label="score")
     fig.suptitle(f"{spec.title}: needle-in-a-haystack", fontsize=10)
@@ -135,10 +137,13 @@ def kept_tokens_figure(df: pd.DataFrame, spec: ReportSpec) -> plt.Figure | None:
     import json
 
     dists = {}
-    for (method, budget), rows in df.groupby(["method", df["budget"].map(norm)], sort=True):
+    # one box per method, budget, and model and dtype where they differ: heads of two models are not one sample
+    split = [f for f in ("model", "dtype") if f in df.columns and df[f].map(norm).nunique() > 1]
+    keys = ["method", df["budget"].map(norm), *(df[f].map(norm) for f in split)]
+    for (method, budget, *other), rows in df.groupby(keys, sort=True):
         per_sample = [json.loads(text) for text in rows["kept_tokens_per_head"].dropna()]
         if any(min(flat) != max(flat) for flat in ([n for layer in s for n in layer] for s in per_sample)):
-            dists[f"{method}\n@{budget}"] = [n for s in per_sample for layer in s for n in layer]
+            dists["\n".join([str(method), f"@{budget}", *other])] = [n for s in per_sample for layer in s for n in layer]
     if not dists:
         return None
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(dists)), 4.2))

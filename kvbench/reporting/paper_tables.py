@@ -3,6 +3,9 @@
 The layout comes from the preset's ``report:`` block (`ReportSpec`); the numbers only from ``records.jsonl``
 files (`kvbench.results.load`). The expected grid is the preset's sweep (``hydra.sweeper.params``): a point of
 that grid with no records is shown as "missing" in every table and as a gap in every figure, never as zero.
+A point stored under the preset's results_dir whose settings are not those of any grid point (another
+sequence length, subtask list, sample count, method setting...) is left out, and the report says so
+(`select_points`); no cell ever holds two points (two dtypes or models split the row, or the report refuses).
 
 Written into the output directory (default ``<results_dir>/report``):
 
@@ -27,11 +30,12 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pandas as pd
 
-from kvbench.config.paths import POINT_GROUPS, choice_name, experiment_config
+from kvbench.config.paths import POINT_GROUPS, choice_name, experiment_config, experiments
 from kvbench.core.errors import KVBenchError
+from kvbench.reporting.preset_points import expected_identities, norm, sweep_axes
+from kvbench.reporting.table import method_labels
 from kvbench.results.summary import mean_of_subtasks
 
 log = logging.getLogger(__name__)
@@ -50,8 +54,9 @@ COLUMN_KINDS = ("budget", "subtask", "category")
 
 
 # point fields a sweep varies (results.collect.POINT_FIELDS) in a paper's row order, not the record's: the mode
-# beside model and task, budget (usually the column axis) last; it orders the row fields a spec leaves out
-IDENTITY = ("model", "task", "compress_question", "seq_len", "method", "budget")
+# beside model and task, budget (usually the column axis) last; it orders the row fields a spec leaves out.
+# dtype and seed: points differing in them get rows of their own rather than one cell.
+IDENTITY = ("model", "task", "compress_question", "seq_len", "dtype", "seed", "method", "budget")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +75,7 @@ class ReportSpec:
     delta: bool = False
     not_in_kvbench: tuple[str, ...] = ()
     efficiency_layout: str | None = None  # a `kvbench.figures` layout drawn from the profiled records
+    note: str | None = None  # how to read the table, printed under it (the sweep's table) and in the report
 
     @classmethod
     def from_block(cls, block: Mapping[str, Any] | None, default_title: str) -> ReportSpec:
@@ -103,63 +109,71 @@ class Source:
     root: Path
     spec: ReportSpec
     grid: list[dict[str, str]] | None
+    identities: list[dict[str, Any]] | None = None  # the grid's points' identities, flattened; None: take any
+
+
+def _one_line(err: Exception) -> str:
+    """A Hydra or OmegaConf error in one line: its first, plus the options Hydra lists for a missing choice."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    text = lines[0] if lines else type(err).__name__
+    if "Could not override" in text:
+        text += " (not a setting of the preset's config)"
+    start = next((i for i, line in enumerate(lines) if line.startswith("Available options")), None)
+    if start is not None:
+        options = [line for line in lines[start + 1:] if not line.startswith(("Config search path", "provider="))]
+        text += f" (available: {', '.join(options)})"
+    return text
 
 
 def resolve(source: str | Path, overrides: Sequence[str] = ()) -> Source:
     """`experiment=NAME` / `NAME` (a preset) or a results directory."""
     text = str(source)
-    name = text.split("=", 1)[1] if text.startswith("experiment=") else text
-    if not text.startswith("experiment=") and Path(text).is_dir():
+    preset = text.startswith("experiment=")
+    name = text.split("=", 1)[1] if preset else text
+    if not preset and Path(text).is_dir():
+        if overrides:
+            raise KVBenchError(f"{' '.join(overrides)}: KEY=VALUE overrides apply to experiment=NAME, not to a "
+                               f"results directory")
         root = Path(text)
         return Source(root.name, root, ReportSpec(title=f"results under {root}"), None)
+    if not preset and name not in experiments():
+        raise KVBenchError(f"results directory {text} does not exist" + (
+            "" if "/" in text or text.startswith(".") else f" (nor is {text!r} an experiment; experiments: "
+                                                           f"{', '.join(experiments())})"))
     from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
     from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
 
-    # the sweep's own overrides: sweeps (budget=64,128) and single values of a swept key replace the preset's
-    # axes; every override but a sweep also composes
-    parsed = list(zip(overrides, OverridesParser.create().parse_overrides(list(overrides))))
-    cfg = experiment_config(name, [text for text, o in parsed if not o.is_sweep_override()])
-    block = OmegaConf.to_container(cfg.report, resolve=True) if "report" in cfg else None
-    params = OmegaConf.to_container(cfg.hydra.sweeper.params, resolve=True) if cfg.hydra.sweeper.get("params") else {}
-    for text, o in parsed:
-        key = o.get_key_element().lstrip("+~")
-        if o.is_sweep_override() or key in params:
-            params[key] = text.split("=", 1)[1]
-    # every grid point's fields: POINT_FIELDS less seq_len (a grid has it only as a swept task.seq_len)
-    base = {"model": cfg.model.name, "task": cfg.task.name, "method": cfg.method.name, "budget": cfg.budget,
-            "compress_question": cfg.compress_question}
-    return Source(name, Path(cfg.results_dir), ReportSpec.from_block(block, name), expected_grid(params, base))
-
-
-def norm(value: Any) -> str:
-    """One spelling per value, so sweep strings ("0.2", "true") match recorded values (0.2, True)."""
-    if value is None or (isinstance(value, float) and np.isnan(value)) or value is pd.NA:
-        return "-"
-    if isinstance(value, (bool, np.bool_)):
-        return str(bool(value)).lower()
-    if isinstance(value, (int, float, np.integer, np.floating)):
-        return f"{float(value):g}"
-    text = str(value)
     try:
-        return f"{float(text):g}"
-    except ValueError:
-        return {"True": "true", "False": "false", "null": "-", "None": "-"}.get(text, text)
+        # the sweep's own overrides: sweeps (budget=64,128) and single values of a swept key replace the
+        # preset's axes; every override but a sweep also composes
+        parsed = list(zip(overrides, OverridesParser.create().parse_overrides(list(overrides))))
+        fixed = [arg for arg, o in parsed if not o.is_sweep_override()]
+        cfg = experiment_config(name, fixed)
+        block = OmegaConf.to_container(cfg.report, resolve=True) if "report" in cfg else None
+        params = (OmegaConf.to_container(cfg.hydra.sweeper.params, resolve=True) if cfg.hydra.sweeper.get("params")
+                  else {})
+        for arg, o in parsed:
+            key = o.get_key_element().lstrip("+~")
+            if o.is_sweep_override() or key in params:
+                params[key] = arg.split("=", 1)[1]
+        # every grid point's fields: POINT_FIELDS less seq_len (a grid has it only as a swept task.seq_len)
+        base = {"model": cfg.model.name, "task": cfg.task.name, "method": cfg.method.name, "budget": cfg.budget,
+                "compress_question": cfg.compress_question}
+        axes = sweep_axes(params)
+        return Source(name, Path(cfg.results_dir), ReportSpec.from_block(block, name), expected_grid(params, base),
+                      expected_identities(name, fixed, axes))
+    except (HydraException, OmegaConfBaseException) as err:  # a bad override: one line, not a traceback
+        raise KVBenchError(f"experiment {name}: {_one_line(err)}") from None
 
 
 def expected_grid(params: Mapping[str, Any], base: Mapping[str, Any]) -> list[dict[str, str]]:
     """Every point a sweep of `params` makes, as {key: normalised value} over the swept keys plus the base
     identity. A method that takes no budget is one point whatever the budget (its budget is "-")."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     from kvbench.methods import METHODS  # torch and the kernels: reports otherwise read records without them
 
-    parser = OverridesParser.create()
-    axes: dict[str, list[str]] = {}
-    for key, value in params.items():
-        (override,) = parser.parse_overrides([f"{key}={value}"])
-        values = list(override.sweep_string_iterator()) if override.is_sweep_override() else [
-            override.get_value_element_as_str()]
-        axes[key.lstrip("+~")] = values
+    axes = sweep_axes(params)
     grid: dict[tuple, dict[str, str]] = {}
     for combo in itertools.product(*axes.values()):
         point = {k: norm(v) for k, v in base.items()}
@@ -176,10 +190,12 @@ def _point_key(df: pd.DataFrame) -> str:
     return "point_hash" if "point_hash" in df.columns and df["point_hash"].notna().all() else "run_dir"
 
 
-def point_scores(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+def point_scores(df: pd.DataFrame, shown: Sequence[str] = ()) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(points, subtasks): one row per point with its score (the unweighted mean of its subtask means, x100,
     the RULER/LongBench rule: `mean_of_subtasks`) and sample count, and one row per point and subtask. Every other column keeps
-    the point's first value (identity and config columns are constant within a point)."""
+    the point's first value (identity and config columns are constant within a point). A method's variants
+    get names of their own (`method_labels`), but for the settings in `shown` (the grid's swept keys, shown as
+    fields of their own: `method.window`, `profile`)."""
     key = _point_key(df)
     numeric = df.assign(score=pd.to_numeric(df["score"], errors="coerce") * 100.0)
     subtasks = numeric.groupby([key, "subtask"], sort=False, dropna=False).agg(
@@ -190,6 +206,9 @@ def point_scores(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
     for field in POINT_GROUPS:  # the config name a sweep used (a method variant's own name)
         if f"choice.{field}" in points.columns:
             points[field] = points[f"choice.{field}"].fillna(points[field])
+    if len(points):
+        settings = [k.split(".", 1)[1] for k in shown if k.startswith("method.")]
+        points["method"] = method_labels(points, [*settings, *(["profile"] if "profile" in shown else [])])
     return points, subtasks
 
 
@@ -259,6 +278,7 @@ def main_table(source: Source, points: pd.DataFrame, subtasks: pd.DataFrame) -> 
     rows = _row_fields(spec, points, grid)
     key = _point_key(points)
     ident = _norm_frame(points, rows)
+    _refuse_shared_cells(points, ident, spec)
     if spec.columns == "budget":
         columns = sorted({norm(v) for v in points.get(spec.x, [])} | {p.get(spec.x, "-") for p in grid or []},
                          key=_sort_key)
@@ -306,6 +326,20 @@ def main_table(source: Source, points: pd.DataFrame, subtasks: pd.DataFrame) -> 
         out = _as_delta(out, rows, spec)
     out.attrs.update(row_fields=rows, value_columns=[c for c in out.columns if c not in rows])
     return out
+
+
+def _refuse_shared_cells(points: pd.DataFrame, ident: pd.DataFrame, spec: ReportSpec) -> None:
+    """Raise where two points would fill one cell of the table: a cell shows one point, never a mix."""
+    cells = ident.copy()
+    if spec.columns == "budget":
+        cells[spec.x] = [norm(v) for v in points[spec.x]]
+    shared = cells.duplicated(keep=False)
+    if shared.any():
+        first = cells[shared].iloc[0]
+        names = points.loc[(cells == first).all(axis=1), _point_key(points)]
+        raise KVBenchError(f"points {', '.join(map(str, names))} would share one cell of the table "
+                           f"({', '.join(f'{k}={v}' for k, v in first.items())}): they differ only in settings "
+                           f"the table does not show (seed? engine settings?); report their directories apart")
 
 
 def _as_delta(table: pd.DataFrame, rows: list[str], spec: ReportSpec) -> pd.DataFrame:

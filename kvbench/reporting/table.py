@@ -7,6 +7,8 @@ may run while a sweep is still writing.
     kvbench report experiment=NAME | RESULTS_DIR [--out DIR] [--publish] [--csv FILE] [--markdown] [--pivot a,b]
 
 prints the point table and writes the paper's layout (kvbench/reporting/paper.py) under <results_dir>/report/.
+A printed table shows what differs between its rows, under one line naming the settings they share; the CSV
+files hold every column.
 """
 
 from __future__ import annotations
@@ -17,16 +19,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
-from kvbench.results.collect import POINT_FIELDS, collect
+from kvbench.results.collect import POINT_FIELDS, _flatten, collect
 from kvbench.results.summary import mean_of_subtasks
 
 log = logging.getLogger(__name__)
 
 
 # Per-(point, subtask) means reported by `point_table`, when the records have them.
-TABLE_METRICS = ("nll", "decode_ms_per_token", "kv_bytes_after_prefill")
+TABLE_METRICS = ("nll", "kept_tokens_mean", "kv_bytes_after_prefill", "decode_ms_per_token")
+
+
+# Short names of the metrics in a printed table (the CSV keeps the record names); KV bytes are printed in MiB.
+DISPLAY_NAMES = {"kept_tokens_mean": "kept", "kv_bytes_after_prefill": "KV MiB", "decode_ms_per_token": "ms/token"}
+
+
+# Columns a printed table always shows, constant or not: the comparison's axes and what was measured.
+ALWAYS_SHOWN = ("method", "budget", "score", *TABLE_METRICS)
 
 
 # Label of the row holding a suite's unweighted mean over its subtasks.
@@ -53,15 +64,80 @@ def _sorted(df: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
         return df.reset_index(drop=True)
 
 
+def _profiled(df: pd.DataFrame) -> pd.Series:
+    """Which rows come from profiled points: their config says so, or their records carry profile fields."""
+    flag = pd.Series(False, index=df.index)
+    if "profile" in df.columns:
+        flag |= df["profile"].map(lambda v: not _is_missing(v) and bool(v))
+    fields = [c for c in df.columns if c.startswith("profile.")]
+    if fields:
+        flag |= df[fields].notna().any(axis=1)
+    return flag
+
+
+def _param_text(value: Any) -> str:
+    """A method setting as `method_labels` compares and shows it: a column holding a null stores 128 as 128.0."""
+    if _is_missing(value):
+        return "null"
+    if isinstance(value, (bool, np.bool_)):
+        return str(bool(value)).lower()
+    if isinstance(value, (float, np.floating)) and float(value).is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def _method_defaults(name: str) -> dict[str, str] | None:
+    """The registered defaults of method `name` (a config name such as snapkv_head counts as its method), flattened
+    and spelled as `method_labels` compares them; None for a method kvbench does not know."""
+    from kvbench.config.paths import choice_name
+    from kvbench.methods import METHODS  # torch: only once some method has variants to name
+
+    cls = METHODS.get(name) or METHODS.get(choice_name("method", name))
+    if cls is None:
+        return None
+    flat: dict[str, Any] = {}
+    _flatten("", cls().params(), flat)  # built, not the dataclass fields: __post_init__ fills some in
+    return {k: _param_text(v) for k, v in flat.items()}
+
+
+def method_labels(df: pd.DataFrame, exclude: Sequence[str] = ()) -> pd.Series:
+    """Each row's method, named by variant where one method has several among the rows.
+
+    Points of one method that differ in its settings (records' ``method_params``) or in being profiled would
+    otherwise read as the same row: such a variant is named by its settings that differ from the method's
+    registered defaults, ``snapkv[block_size=128]``, and a profiled one gets ``+profile``. A method with one
+    variant keeps its plain name. `exclude`: settings shown as columns of their own (a swept ``method.window``).
+    """
+    labels = df["method"].astype(object).copy()
+    params = [c for c in df.columns if c.startswith("method_params.") and c.split(".", 1)[1] not in exclude]
+    profiled = _profiled(df) if "profile" not in exclude else pd.Series(False, index=df.index)
+    for method, rows in df.groupby("method", sort=False):
+        used = [c for c in params if rows[c].notna().any()]  # the others are other methods' settings
+        settings = rows[used].map(_param_text).rename(columns=lambda c: c.split(".", 1)[1])
+        if len(settings.assign(_profiled=profiled[rows.index]).drop_duplicates()) < 2:
+            continue
+        defaults = _method_defaults(str(method))
+        if defaults is None:  # unknown defaults: the settings that differ between its variants
+            defaults = {n: "" for n in settings.columns if settings[n].nunique() > 1}
+        for index, row in settings.iterrows():
+            diff = [f"{n}={v}" for n, v in row.items() if n in defaults and defaults[n] != v]
+            labels[index] = (f"{method}[{','.join(diff)}]" if diff else str(method)) + (
+                "+profile" if profiled[index] else "")
+    return labels
+
+
 def point_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per point and subtask: n, mean score x100, and the means of `TABLE_METRICS` present.
 
     Points with several subtasks (suites) get an extra `TASK_MEAN_LABEL` row after their subtask rows: the
-    unweighted mean of those rows (`mean_of_subtasks`, RULER's rule), with n the total sample count.
+    unweighted mean of those rows (`mean_of_subtasks`, RULER's rule), with n the total sample count. Variants
+    of a method get their own names (`method_labels`).
     """
     if df.empty:
         return pd.DataFrame()
     keys = _point_keys(df)
+    if "method" in df.columns:
+        df = df.assign(method=method_labels(df))
     metrics = [m for m in TABLE_METRICS if m in df.columns]
     agg: dict[str, tuple[str, str]] = {"n": ("sample_id", "size"), "score": ("score", "mean")}
     agg.update({m: (m, "mean") for m in metrics})
@@ -131,10 +207,16 @@ def _format_cell(column: str, value: Any, score_columns: set[str]) -> str:
         return f"{value:.1f}"
     if column == "nll":
         return f"{value:.3f}"
-    if column == "decode_ms_per_token":
+    if column in ("decode_ms_per_token", "ms/token"):
         return f"{value:.2f}"
     if column == "kv_bytes_after_prefill":
         return f"{value / 2**20:.1f} MiB"
+    if column == "KV MiB":
+        return f"{value:.1f}"
+    if column in ("kept_tokens_mean", "kept"):
+        return f"{value:.6g}"
+    if column == "budget" and isinstance(value, float) and value.is_integer() and value >= 2:
+        return str(int(value))  # a token count beside full's missing budget (pandas made it 128.0)
     return str(value)
 
 
@@ -159,10 +241,56 @@ def format_table(table: pd.DataFrame, markdown: bool = False) -> str:
     return "\n".join(lines)
 
 
-def report_text(results_root: Path, markdown: bool = False, pivot: Sequence[str] | None = None) -> str:
-    """The rendered report of a results tree: point table, or its score pivot."""
-    table = point_table(collect(results_root))
-    return format_table(pivot_scores(table, pivot) if pivot and not table.empty else table, markdown=markdown)
+def compact(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
+    """The columns of a `point_table` (or its `pivot_scores`) worth printing, and a line naming the rest.
+
+    Shown: `ALWAYS_SHOWN` (measurements missing everywhere left out) and every other column that differs
+    between rows; the point hash only where rows would otherwise read alike. The constant columns go into the
+    line ("model m, task t, dtype float32, seed 42"); a subtask equal to its task is not repeated there.
+    """
+    scores = set(table.attrs.get("score_columns", []))
+    texts = {c: table[c].map(_label) for c in table.columns}
+    varying = {c for c in table.columns if texts[c].nunique() > 1}
+    measured = ("score", *TABLE_METRICS)
+    shown = {c for c in table.columns if c != "point_hash" and (
+        c in scores or c in varying or c in ALWAYS_SHOWN and not (c in measured and table[c].isna().all()))}
+    identity = [c for c in table.columns if c in shown and c not in (*scores, *measured, "n")]
+    if "point_hash" in varying and identity and table.duplicated(identity).any():
+        shown.add("point_hash")  # points that differ only in settings not shown: their hashes tell them apart
+    constant = [c for c in table.columns if c not in shown and c not in varying and c != "point_hash"
+                and not table[c].isna().all()]
+    note = ", ".join(f"{c} {texts[c].iloc[0]}" for c in constant if not (
+        c == "subtask" and "task" in table and texts[c].iloc[0] == texts["task"].iloc[0]))
+    shown = [c for c in table.columns if c in shown]
+    out = table[shown].copy()
+    if "kv_bytes_after_prefill" in out:
+        out["kv_bytes_after_prefill"] = out["kv_bytes_after_prefill"] / 2**20
+    out = out.rename(columns=DISPLAY_NAMES)
+    out.attrs["score_columns"] = list(scores)
+    return out, note
+
+
+def points_text(table: pd.DataFrame, markdown: bool = False, pivot: Sequence[str] | None = None) -> str:
+    """A `point_table` as printed: its score pivot when `pivot` is given, then `compact`. Raises ValueError
+    for a pivot that cannot be made (see `pivot_scores`)."""
+    if table.empty:
+        return format_table(table)
+    shown, note = compact(pivot_scores(table, pivot) if pivot else table)
+    text = format_table(shown, markdown=markdown)
+    return f"{note}\n\n{text}" if note and markdown else f"{note}\n{text}" if note else text
+
+
+def report_text(results_root: Path, markdown: bool = False, pivot: Sequence[str] | None = None,
+                run_dirs: list[Path] | None = None) -> str:
+    """The rendered report of a results tree: point table, or its score pivot. `run_dirs`: only these point
+    directories (a sweep's own points in a results tree it shares with others)."""
+    df = collect(results_root)
+    if run_dirs is not None and not df.empty:
+        attrs = dict(df.attrs)
+        wanted = {Path(d).resolve() for d in run_dirs}
+        df = df[[(Path(results_root) / d).resolve() in wanted for d in df["run_dir"]]]
+        df.attrs.update(attrs)
+    return points_text(point_table(df), markdown=markdown, pivot=pivot)
 
 
 def _split(fields: str) -> list[str]:

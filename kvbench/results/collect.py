@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvbench.config.paths import POINT_GROUPS, experiment_config, experiments
 from kvbench.core.errors import KVBenchError
+from kvbench.results.manifest import MANIFEST_FILE
 from kvbench.results.store import RECORDS_FILE, load_records
 from kvbench.results.summary import _is_number
 
@@ -32,7 +33,7 @@ _UNFLATTENED_RECORD_FIELDS = ("point", "meta")
 # A record's point fields (`point`, written by run.prepare) that a sweep varies, in the record's order: the
 # columns that identify a point in a table when a frame does not list its own (reporting.paper_tables.IDENTITY
 # has the same fields in a paper's row order).
-POINT_FIELDS = ("model", "task", "method", "budget", "seq_len", "compress_question")
+POINT_FIELDS = ("model", "task", "method", "budget", "seq_len", "compress_question", "dtype")
 
 
 # Sections and keys of a run directory's config.yaml that become columns (`method.window`, `task.seq_len`, ...):
@@ -133,6 +134,17 @@ def collect(results_root: Path) -> "pd.DataFrame":
     return df
 
 
+def recorded_identity(run_dir: Path) -> dict[str, Any] | None:
+    """The identity a point directory was stored under (its manifest's ``point``: `run.identity.point_identity`
+    of its config); None when it has no readable manifest."""
+    try:
+        manifest = json.loads((Path(run_dir) / MANIFEST_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    point = manifest.get("point") if isinstance(manifest, dict) else None
+    return point if isinstance(point, dict) else None
+
+
 def results_root(source: str | os.PathLike[str]) -> Path:
     """The results directory of `source`: a directory as given, or an experiment preset's ``results_dir``."""
     path = Path(source)
@@ -144,7 +156,18 @@ def results_root(source: str | os.PathLike[str]) -> Path:
                        f"{', '.join(experiments())})")
 
 
-def load(source: str | os.PathLike[str]) -> "pd.DataFrame":
-    """All records of an experiment preset (``load("adakv_fig4")``, read from its ``results_dir``) or of a
-    results directory, one row per record with the point's config flattened into columns (see `collect`)."""
-    return collect(results_root(source))
+def load(source: str | os.PathLike[str], results_dir: str | os.PathLike[str] | None = None) -> "pd.DataFrame":
+    """All records of an experiment preset (``load("adakv_fig4")``, read from its ``results_dir``, or from
+    `results_dir` where the sweep wrote elsewhere) or of a results directory, one row per record with the
+    point's config flattened into columns (see `collect`). Finding no records is an error naming where it looked:
+    an empty frame would read as "no results" rather than "wrong place"."""
+    root = results_root(source)
+    if results_dir is not None:
+        root = Path(results_dir)
+    df = collect(root)
+    if df.empty:
+        where = str(root) if root.is_absolute() else f"{root} ({root.resolve()}, relative to the current directory)"
+        hint = ("" if results_dir is not None or Path(source).is_dir() else
+                f"; pass load({str(source)!r}, results_dir=...) with the directory the sweep wrote to")
+        raise KVBenchError(f"no records under {where}{hint}")
+    return df

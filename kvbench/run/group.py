@@ -7,7 +7,6 @@ import logging
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
-from tqdm.auto import tqdm
 
 from kvbench.core.errors import KVBenchError
 from kvbench.results.store import point_lock
@@ -15,6 +14,7 @@ from kvbench.run.caches import release_host_memory
 from kvbench.run.identity import POINT_KEYS
 from kvbench.run.policy import run_rows
 from kvbench.run.prepare import PreparedPoint, prepare_point
+from kvbench.run.progress import SampleProgress, sample_count
 
 log = logging.getLogger("kvbench")
 
@@ -61,13 +61,16 @@ def _run_group_samples(prepared: list[PreparedPoint], max_group: int) -> None:
     samples = prepared[0].samples
     todo = {p.run_dir: {s.id for s in p.todo()} for p in prepared}
     pending = [s for s in samples if any(s.id in ids for ids in todo.values())]
-    log.info("decoding %d points together, %d samples to run", len(prepared), len(pending))
-    bar = tqdm(pending, desc=f"group of {len(prepared)} points, {prepared[0].cfg.task.name}", unit="sample",
-               disable=not prepared[0].cfg.show_progress or not pending)
-    for sample in bar:
+    log.info("decoding %d points together, %s to run", len(prepared),
+             sample_count(pending, prepared[0].cfg.task.get("num_samples")))
+    bar = SampleProgress(len(pending), f"group of {len(prepared)} points, {prepared[0].cfg.task.name}",
+                         prepared[0].cfg.show_progress)
+    for sample in pending:
         rows = [p for p in prepared if sample.id in todo[p.run_dir]]
         for start in range(0, len(rows), max_group):
             run_rows(prepared[0], [(point, sample) for point in rows[start:start + max_group]])
+        bar.update()
         release_host_memory()
+    bar.close()
 
 

@@ -1,17 +1,27 @@
 """A point's identity: what decides its numbers, hashed into its directory name (the `kvbench_point_dir`
-resolver Hydra's run and sweep directories use)."""
+resolver Hydra's run and sweep directories use).
+
+The identity holds the dtype and device kind a run resolves to (`model.dtype=auto` on a CPU with native
+bfloat16 is the point `model.dtype=bfloat16`), and a custom data file's content, not the path it was reached by.
+Points stored before that rule (hashed with `auto` and the path as written: `legacy_point_identity`) are still
+resumed where their records were computed in the dtype and on the device kind this run resolves to.
+"""
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.methods import METHODS
-from kvbench.results.store import point_hash
+from kvbench.results.store import load_records, point_hash
+
+log = logging.getLogger("kvbench")
 
 # The config sections and settings a point's identity hashes (config names, not the fields records show:
 # results.collect.POINT_FIELDS); changing the set changes every point hash.
@@ -25,6 +35,19 @@ NON_IDENTITY_ENGINE_KEYS = ("reuse_prefill", "snapshot_window", "snapshot_cache_
 
 
 def point_identity(cfg: DictConfig) -> dict[str, Any]:
+    """The settings that decide a point's numbers, as this machine resolves them (hashed into its directory)."""
+    point = legacy_point_identity(cfg)
+    from kvbench.models import resolved_precision  # torch and transformers: only once a point runs
+
+    point["model"].update(resolved_precision(cfg.model))
+    if "task_file_sha256" in point:  # the content is the identity, not the path it was reached by
+        point["task"].pop("path", None)
+    return point
+
+
+def legacy_point_identity(cfg: DictConfig) -> dict[str, Any]:
+    """The identity as points were hashed before resolved dtypes and content-only data files (issue 25): the
+    settings as written. Only to find, and resume, points stored under those hashes."""
     point = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
              for k in POINT_KEYS}
     point["engine"] = {k: v for k, v in point["engine"].items() if k not in NON_IDENTITY_ENGINE_KEYS}
@@ -64,13 +87,53 @@ def budget_matters(cfg: DictConfig) -> bool:
     return method is None or method.uses_budget
 
 
-def _point_dir(*, _root_: DictConfig) -> str:
-    point = point_identity(_root_)
-    budget = str(_root_.budget).replace(".", "p") if point["budget"] is not None else "-"
+def point_dir_name(cfg: DictConfig, point: dict[str, Any]) -> str:
+    """`<task>/<model>/<method>/b<budget>-<mode>-<hash>`: the point's directory under `results_dir`."""
+    budget = str(cfg.budget).replace(".", "p") if point["budget"] is not None else "-"
     if point.get("compression_ratio") is not None:
         budget = "cr" + str(point["compression_ratio"]).replace(".", "p")
-    mode = ("qa" if _root_.compress_question else "qagn") + ("-prof" if _root_.get("profile") else "")
-    return f"{_root_.task.name}/{_root_.model.name}/{_root_.method.name}/b{budget}-{mode}-{point_hash(point)}"
+    mode = ("qa" if cfg.compress_question else "qagn") + ("-prof" if cfg.get("profile") else "")
+    return f"{cfg.task.name}/{cfg.model.name}/{cfg.method.name}/b{budget}-{mode}-{point_hash(point)}"
+
+
+def stored_point_identity(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
+    """The identity `run_dir` was named with: the legacy one for a point stored before issue 25's rule."""
+    point = point_identity(cfg)
+    if not run_dir.name.endswith(point_hash(point)):
+        legacy = legacy_point_identity(cfg)
+        if run_dir.name.endswith(point_hash(legacy)):
+            return legacy
+    return point
+
+
+def _legacy_dir_matches(run_dir: Path, precision: dict[str, str]) -> bool:
+    """Whether a legacy point's records were computed in `precision` (dtype and device kind), so that resuming
+    it mixes nothing. The device kind of a legacy point: the one it named, or for `auto` whether its manifest
+    lists GPUs."""
+    try:
+        manifest = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    named = str(manifest.get("point", {}).get("model", {}).get("device", "auto"))
+    device = ("cuda" if manifest.get("gpus") else "cpu") if named == "auto" else named.split(":")[0]
+    dtypes = {r.get("point", {}).get("dtype") for r in load_records(run_dir)} or {precision["dtype"]}
+    return device == precision["device"] and dtypes == {precision["dtype"]}
+
+
+def _point_dir(*, _root_: DictConfig) -> str:
+    point = point_identity(_root_)
+    name = point_dir_name(_root_, point)
+    root = Path(str(_root_.results_dir))
+    if not (root / name).exists():
+        legacy = point_dir_name(_root_, legacy_point_identity(_root_))
+        if legacy != name and (root / legacy).is_dir():
+            precision = {k: point["model"][k] for k in ("dtype", "device")}
+            if _legacy_dir_matches(root / legacy, precision):
+                return legacy
+            log.warning("%s holds records computed in another dtype or on another device kind than this run's "
+                        "(%s on %s): this run starts its own point %s", root / legacy, precision["dtype"],
+                        precision["device"], root / name)
+    return name
 
 
 OmegaConf.register_new_resolver("kvbench_point_dir", _point_dir, replace=True)

@@ -8,31 +8,35 @@ only computes the missing samples.
 from __future__ import annotations
 
 import logging
+import shutil
 from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
-from tqdm.auto import tqdm
 
-from kvbench.results.store import point_lock
+from kvbench.core.errors import KVBenchError
+from kvbench.results.store import RECORDS_FILE, point_lock
 from kvbench.results.summary import summarize, write_summary
 from kvbench.run.caches import release_host_memory
 from kvbench.run.policy import run_rows
 from kvbench.run.prepare import PreparedPoint, prepare_point
+from kvbench.run.progress import SampleProgress, sample_count
 
 log = logging.getLogger("kvbench")
-
-
-
-
 
 
 def run_point(cfg: DictConfig) -> dict[str, Any]:
     """Run (or resume) one experiment point and return its summary."""
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     with point_lock(run_dir):
-        return _run_prepared(prepare_point(cfg, run_dir))
+        try:
+            prepared = prepare_point(cfg, run_dir)
+        except KVBenchError:
+            if not (run_dir / RECORDS_FILE).exists():  # nothing recorded: leave no empty point behind
+                shutil.rmtree(run_dir, ignore_errors=True)
+            raise
+        return _run_prepared(prepared)
 
 
 def _run_prepared(prepared: PreparedPoint) -> dict[str, Any]:
@@ -41,14 +45,14 @@ def _run_prepared(prepared: PreparedPoint) -> dict[str, Any]:
     if len(todo) < len(prepared.samples):
         log.info("resuming %s: %d of %d samples already recorded", prepared.run_dir,
                  len(prepared.samples) - len(todo), len(prepared.samples))
-    bar = tqdm(total=len(todo), desc=f"{cfg.method.name} b={prepared.budget} {cfg.task.name}", unit="sample",
-               disable=not cfg.show_progress or not todo)
+    if todo:
+        log.info("%s: %s to run", prepared.run_dir.name, sample_count(todo, cfg.task.get("num_samples")))
+    bar = SampleProgress(len(todo), f"{cfg.method.name} b={prepared.budget} {cfg.task.name}", cfg.show_progress)
     batch = 1 if cfg.profile else max(1, int(prepared.engine_cfg.sample_batch))
     for start in range(0, len(todo), batch):
-        for record in run_rows(prepared, [(prepared, sample) for sample in todo[start:start + batch]]):
-            if record.get("score") is not None:
-                bar.set_postfix(score=f"{record['score']:.2f}")
-        bar.update(len(todo[start:start + batch]))
+        records = run_rows(prepared, [(prepared, sample) for sample in todo[start:start + batch]])
+        scores = [r["score"] for r in records if r.get("score") is not None]
+        bar.update(len(records), **({"score": f"{scores[-1]:.2f}"} if scores else {}))
         release_host_memory()
     bar.close()
     records = prepared.store.records()

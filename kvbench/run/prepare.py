@@ -14,12 +14,12 @@ from kvbench.core.budget import CompressionRatio
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.prompt import PromptBuilder
 from kvbench.engine.snapshots import PrefillSnapshots
-from kvbench.methods import build_method
+from kvbench.methods import build_method, method_parameters
 from kvbench.models import LoadedModel
 from kvbench.results.manifest import build_manifest, write_manifest
 from kvbench.results.store import RecordStore, point_hash
 from kvbench.run.caches import cached_model, cached_samples, prefill_snapshots, seed_everything
-from kvbench.run.identity import point_identity
+from kvbench.run.identity import stored_point_identity
 from kvbench.tasks.base import Sample
 
 log = logging.getLogger("kvbench")
@@ -55,11 +55,10 @@ class PreparedPoint:
 def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
     """Validate a point, load its model and samples, and set up its directory (manifest, config, records)."""
     validate(cfg)
-    point = point_identity(cfg)
+    point = stored_point_identity(cfg, run_dir)
     phash = point_hash(point)
     seed_everything(cfg.seed)
-    method_params = {k: v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items() if k != "name"}
-    method = build_method(cfg.method.name, **method_params)
+    method = build_method(cfg.method.name, **method_parameters(cfg.method))
     lm = cached_model(cfg.model)
     check_length(cfg, lm)
     engine_cfg = EngineConfig(compress_question=cfg.compress_question, **OmegaConf.to_container(cfg.engine))

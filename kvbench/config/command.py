@@ -1,0 +1,157 @@
+"""The whole command checked before Hydra creates anything: every job of a sweep composed and validated, so a
+bad value, an unknown key or an unreachable cluster is one line and no point directory is left behind."""
+
+from __future__ import annotations
+
+import difflib
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig
+
+from kvbench.config.paths import GROUPS, compose_config
+from kvbench.config.validate import check_group_overrides, check_settings, validate
+from kvbench.core.errors import KVBenchError
+
+# Hydra's flags that print something or point at another config tree: the command is Hydra's to answer.
+_HYDRA_INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--resolve", "--package", "-p",
+                     "--config-path", "-cp", "--config-name", "-cn", "--config-dir", "-cd", "--shell-completion",
+                     "-sc", "--version", "--experimental-rerun")
+_MULTIRUN_FLAGS = ("-m", "--multirun")
+_SLURM_LAUNCHERS = ("slurm", "slurm_local", "submitit_slurm")
+
+
+def check_command(argv: Sequence[str]) -> list[str]:
+    """The arguments to hand to Hydra (method settings a sweep shares written as `++method.KEY`), after checking
+    every job the command would run; a KVBenchError names the first problem."""
+    argv = list(argv)
+    check_group_overrides(argv)
+    argv = check_settings(argv)
+    if any(arg.split("=", 1)[0] in _HYDRA_INFO_FLAGS for arg in argv):
+        return argv
+    multirun = any(arg in _MULTIRUN_FLAGS for arg in argv)
+    overrides = [arg for arg in argv if not arg.startswith("-")]
+    keys = {_key(arg) for arg in overrides}
+    if "budget" in keys and "compression_ratio" in keys:
+        raise KVBenchError("budget and compression_ratio both given: they set the same thing (tokens kept); "
+                           "give one of them")
+    launcher = next((arg.split("=", 1)[1] for arg in overrides if _key(arg) == "hydra/launcher"), None)
+    if launcher in _SLURM_LAUNCHERS and not multirun:
+        raise KVBenchError(f"hydra/launcher={launcher} submits sweeps: add -m (a single point runs here, "
+                           f"without a launcher)")
+    _check_unknown_keys(overrides)
+    base = _compose(overrides, multirun)
+    _check_launcher(base)
+    jobs = _jobs(overrides, base) if multirun else [overrides]
+    for job in jobs:
+        cfg = _compose(job, multirun=False)
+        check_job(cfg, runs_here=launcher not in _SLURM_LAUNCHERS)
+    if launcher in _SLURM_LAUNCHERS:
+        check_slurm_reachable()
+    return argv
+
+
+def check_job(cfg: DictConfig, runs_here: bool = True) -> None:
+    """One composed point: its settings, its method's parameters, its results directory and, when it runs on
+    this machine (not on a cluster's node), its device."""
+    validate(cfg)
+    from kvbench.methods import build_method, method_parameters
+
+    build_method(cfg.method.name, **method_parameters(cfg.method))
+    if runs_here:
+        from kvbench.models import resolved_precision
+
+        resolved_precision(cfg.model)  # an absent device or unknown dtype, named before its directory exists
+    check_results_dir(Path(str(cfg.results_dir)))
+
+
+def check_results_dir(path: Path) -> None:
+    """`results_dir` must be a directory this process can create and write files in (a file there, a read-only
+    place or /proc are refused before the model loads)."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise KVBenchError(f"results_dir={str(path)!r} cannot hold results: {reason}; give a writable directory "
+                           f"(results_dir=PATH)") from None
+
+
+def check_slurm_reachable(timeout: float = 20) -> None:
+    """A SLURM controller answers from here, before any job is submitted (not a CalledProcessError later)."""
+    advice = ("run the sweep locally (leave out hydra/launcher=slurm), or from a login node of your cluster "
+              "(SLURM_CONF pointing at its slurm.conf)")
+    if shutil.which("sbatch") is None or shutil.which("sinfo") is None:
+        raise KVBenchError(f"SLURM is not reachable from here (no sbatch/sinfo on PATH): {advice}")
+    try:
+        probe = subprocess.run(["sinfo", "--noheader", "--summarize"], capture_output=True, text=True,
+                               timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise KVBenchError(f"SLURM is not reachable from here (sinfo gave no answer in {timeout:.0f} s): "
+                           f"{advice}") from None
+    if probe.returncode != 0:
+        said = next((line.strip() for line in probe.stderr.splitlines() if line.strip()), f"exit {probe.returncode}")
+        raise KVBenchError(f"SLURM is not reachable from here (sinfo: {said}): {advice}")
+
+
+def _key(arg: str) -> str:
+    return arg.split("=", 1)[0].lstrip("+~")
+
+
+def _compose(overrides: Sequence[str], multirun: bool) -> DictConfig:
+    """The config Hydra would compose; a multirun's base without its swept values (as Hydra composes it)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    import hydra_plugins.kvbench_launcher.grouped_launcher  # noqa: F401 - registers hydra/launcher=grouped
+
+    if multirun:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+        overrides = [o.input_line for o in parsed if not o.is_sweep_override()]
+    try:
+        return compose_config(overrides, return_hydra_config=True)
+    except (HydraException, OmegaConfBaseException) as exc:
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise KVBenchError(first) from None
+
+
+def _check_unknown_keys(overrides: Sequence[str]) -> None:
+    """A key the config does not have, `+` or not: `+budgt=64` would otherwise run with the default budget.
+    The keys known are those of the config the command's groups compose (a preset may add some, e.g. report)."""
+    groups = [o for o in overrides if _key(o) in GROUPS and "," not in o]
+    known = sorted({k for k in _compose(groups, multirun=False) if k != "hydra"} | set(GROUPS))
+    for arg in overrides:
+        key = _key(arg)
+        top = key.split(".")[0]
+        if "=" not in arg or top == "hydra" or key.startswith("hydra/") or top in known:
+            continue
+        close = difflib.get_close_matches(top, known, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise KVBenchError(f"unknown setting {top!r}{hint}; top-level settings: {', '.join(sorted(known))}")
+
+
+def _check_launcher(base: DictConfig) -> None:
+    launcher = base.hydra.launcher
+    for key in ("max_group", "array_parallelism", "timeout_min"):
+        value = launcher.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise KVBenchError(f"hydra.launcher.{key} must be a positive integer, got {value!r}")
+
+
+def _jobs(overrides: Sequence[str], base: DictConfig) -> list[list[str]]:
+    """Every job of a multirun, as Hydra's basic sweeper forms them: the preset's `hydra.sweeper.params`, then
+    the command line's overrides (swept or not), one job per combination."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    params: dict[str, Any] = dict(base.hydra.sweeper.get("params") or {})
+    lines = [f"{k}={v}" for k, v in params.items()] + [o for o in overrides if not _key(o).startswith("hydra")]
+    parsed = OverridesParser.create().parse_overrides(lines)
+    hydra_overrides = [o for o in overrides if _key(o).startswith("hydra")]
+    return [job + hydra_overrides for job in BasicSweeper.split_arguments(parsed, None)[0]]

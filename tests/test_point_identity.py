@@ -1,0 +1,95 @@
+"""A point's identity is what decides its numbers: the dtype and device kind it resolves to (not the word
+`auto`), a data file's content (not its path); points stored under the older hashes resume only where their
+records match what this run would compute."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from kvbench import models
+from kvbench.results.store import point_hash
+from kvbench.run.identity import _point_dir, legacy_point_identity, point_dir_name, point_identity
+
+
+def config(results_dir: Path, dtype: str = "auto", path: str | None = None) -> OmegaConf:
+    task = {"name": "custom", "path": path} if path else {"name": "ruler_niah_single_1", "seq_len": 1024}
+    return OmegaConf.create({
+        "model": {"name": "smollm2_135m", "dtype": dtype, "device": "auto"}, "task": task,
+        "method": {"name": "snapkv", "window": 32}, "budget": 64, "compress_question": True,
+        "engine": {"nll": True}, "seed": 0, "results_dir": str(results_dir)})
+
+
+@pytest.fixture(params=[True, False], ids=["native-bf16", "no-bf16"])
+def cpu_bf16(request, monkeypatch):
+    """Force what `auto` resolves to on this CPU (CUDA absent)."""
+    monkeypatch.setattr(models, "fast_cpu_bfloat16", lambda: request.param)
+    monkeypatch.setattr(models.torch.cuda, "is_available", lambda: False)
+    return request.param
+
+
+def test_auto_is_the_point_of_the_dtype_it_resolves_to(tmp_path, cpu_bf16):
+    resolved = "bfloat16" if cpu_bf16 else "float32"
+    other = "float32" if cpu_bf16 else "bfloat16"
+    auto = point_identity(config(tmp_path, "auto"))
+    assert auto == point_identity(config(tmp_path, resolved))
+    assert auto != point_identity(config(tmp_path, other))
+    assert auto["model"]["dtype"] == resolved and auto["model"]["device"] == "cpu"
+
+
+def test_auto_names_different_points_where_it_resolves_differently(tmp_path, monkeypatch):
+    monkeypatch.setattr(models.torch.cuda, "is_available", lambda: False)
+    names = set()
+    for native in (True, False):
+        monkeypatch.setattr(models, "fast_cpu_bfloat16", lambda native=native: native)
+        names.add(_point_dir(_root_=config(tmp_path, "auto")))
+    assert len(names) == 2
+
+
+def write_legacy_point(results_dir: Path, cfg, dtype: str, gpus: list | None = None) -> Path:
+    run_dir = results_dir / point_dir_name(cfg, legacy_point_identity(cfg))
+    run_dir.mkdir(parents=True)
+    (run_dir / "manifest.json").write_text(json.dumps({"point": legacy_point_identity(cfg), "gpus": gpus or []}))
+    (run_dir / "records.jsonl").write_text(json.dumps({"sample_id": "s0", "point": {"dtype": dtype}}) + "\n")
+    return run_dir
+
+
+def test_a_legacy_point_resumes_where_its_records_match_this_run(tmp_path, cpu_bf16):
+    cfg = config(tmp_path, "auto")
+    resolved = "bfloat16" if cpu_bf16 else "float32"
+    legacy = write_legacy_point(tmp_path, cfg, resolved)
+    assert _point_dir(_root_=cfg) == str(legacy.relative_to(tmp_path))
+
+
+def test_a_legacy_point_of_another_dtype_is_not_resumed(tmp_path, cpu_bf16, caplog):
+    cfg = config(tmp_path, "auto")
+    other = "float32" if cpu_bf16 else "bfloat16"
+    legacy = write_legacy_point(tmp_path, cfg, other)
+    with caplog.at_level("WARNING", logger="kvbench"):
+        name = _point_dir(_root_=cfg)
+    assert name != str(legacy.relative_to(tmp_path)) and name == point_dir_name(cfg, point_identity(cfg))
+    assert "starts its own point" in caplog.text
+
+
+def test_a_legacy_point_computed_on_a_gpu_is_not_resumed_on_a_cpu(tmp_path, cpu_bf16):
+    cfg = config(tmp_path, "auto")
+    legacy = write_legacy_point(tmp_path, cfg, "bfloat16" if cpu_bf16 else "float32", gpus=[{"name": "H100"}])
+    assert _point_dir(_root_=cfg) != str(legacy.relative_to(tmp_path))
+
+
+def test_the_same_data_file_through_two_paths_is_one_point(tmp_path, monkeypatch):
+    data = tmp_path / "data" / "samples.jsonl"
+    data.parent.mkdir()
+    data.write_text('{"context": "c", "question": "q", "answers": ["a"]}\n')
+    (tmp_path / "link.jsonl").symlink_to(data)
+    monkeypatch.chdir(tmp_path / "data")
+    paths = [str(data), "samples.jsonl", "../data/samples.jsonl", str(tmp_path / "link.jsonl")]
+    hashes = {point_hash(point_identity(config(tmp_path, "float32", p))) for p in paths}
+    assert len(hashes) == 1
+    data.write_text('{"context": "edited", "question": "q", "answers": ["a"]}\n')
+    os.utime(data, ns=(1, 1))  # a new mtime even on coarse-clock filesystems
+    assert point_hash(point_identity(config(tmp_path, "float32", str(data)))) not in hashes
