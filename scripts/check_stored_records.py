@@ -172,11 +172,11 @@ def current_point_dirs(repo: Path = REPO) -> dict[str, str]:
 
     Issue 25 changed what a point's hash covers (the resolved dtype and device kind instead of the settings as
     written; the data file's content without its path), so the same points have new directory names. The old
-    names are recomputed with `legacy_point_identity`, which must reproduce d6b26fe's hashes exactly (a stored
+    names are recomputed with `written_point_identity`, which must reproduce d6b26fe's hashes exactly (a stored
     name it does not produce shows up as a missing directory): the records are compared under the new name."""
     import hydra_plugins.kvbench_launcher.grouped_launcher  # noqa: F401 - registers hydra/launcher=grouped
     from kvbench.config.paths import compose_config
-    from kvbench.run.identity import legacy_point_identity, point_dir_name, point_identity
+    from kvbench.run.identity import point_dir_name, point_identity, written_point_identity
 
     cwd = os.getcwd()
     os.chdir(repo)  # task.path is relative to the repository root, as the sweep gives it
@@ -184,7 +184,7 @@ def current_point_dirs(repo: Path = REPO) -> dict[str, str]:
         renamed = {}
         for method in METHODS:
             cfg = compose_config([o for o in OVERRIDES if not o.startswith("method=")] + [f"method={method}"])
-            renamed[point_dir_name(cfg, legacy_point_identity(cfg))] = point_dir_name(cfg, point_identity(cfg))
+            renamed[point_dir_name(cfg, written_point_identity(cfg))] = point_dir_name(cfg, point_identity(cfg))
         return renamed
     finally:
         os.chdir(cwd)

@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 
 from kvbench import models
 from kvbench.results.store import point_hash
-from kvbench.run.identity import _point_dir, legacy_point_identity, point_dir_name, point_identity
+from kvbench.run.identity import _point_dir, point_dir_name, point_identity, written_point_identity
 
 
 def config(results_dir: Path, dtype: str = "auto", path: str | None = None) -> OmegaConf:
@@ -51,9 +51,9 @@ def test_auto_names_different_points_where_it_resolves_differently(tmp_path, mon
 
 
 def write_legacy_point(results_dir: Path, cfg, dtype: str, gpus: list | None = None) -> Path:
-    run_dir = results_dir / point_dir_name(cfg, legacy_point_identity(cfg))
+    run_dir = results_dir / point_dir_name(cfg, written_point_identity(cfg))
     run_dir.mkdir(parents=True)
-    (run_dir / "manifest.json").write_text(json.dumps({"point": legacy_point_identity(cfg), "gpus": gpus or []}))
+    (run_dir / "manifest.json").write_text(json.dumps({"point": written_point_identity(cfg), "gpus": gpus or []}))
     (run_dir / "records.jsonl").write_text(json.dumps({"sample_id": "s0", "point": {"dtype": dtype}}) + "\n")
     return run_dir
 

@@ -40,11 +40,13 @@ def sweep_axes(params: Mapping[str, Any]) -> dict[str, list[str]]:
 
 
 def expected_identities(name: str, fixed: Sequence[str], axes: Mapping[str, list[str]]) -> list[dict[str, Any]]:
-    """The identity of every point a sweep of preset `name` with overrides `fixed` over `axes` runs: what
-    `run.identity.point_identity` makes of each composed point config, flattened (`method.window`, ...), with
-    the model's dtype and device as the preset writes them (`LOOSE_KEYS`)."""
+    """The identity of every point a sweep of preset `name` with overrides `fixed` over `axes` runs, with the
+    settings as the preset writes them (`run.identity.written_point_identity`: `auto` stays `auto`, see
+    `LOOSE_KEYS`), flattened (`method.window`, ...)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from omegaconf import OmegaConf
+
+    from kvbench.run.identity import written_point_identity  # torch: only for a preset's report
 
     parser = OverridesParser.create()
     groups = [k for k in axes if k in GROUPS]  # a config choice: composed; any other key is set on the result
@@ -58,26 +60,10 @@ def expected_identities(name: str, fixed: Sequence[str], axes: Mapping[str, list
             for key, value in zip(others, combo):
                 (override,) = parser.parse_overrides([f"{key}={value}"])
                 OmegaConf.update(point, key, override.value(), force_add=True)
-            identity = _written_identity(point)
+            identity: dict[str, Any] = {}
+            _flatten("", written_point_identity(point), identity)
             out[repr(sorted(identity.items()))] = identity
     return list(out.values())
-
-
-def _written_identity(cfg: Any) -> dict[str, Any]:
-    """`point_identity` of a composed point config, flattened, with model.dtype and model.device as written:
-    `point_identity` may resolve `auto` on this machine (or refuse a device this machine lacks)."""
-    from omegaconf import OmegaConf
-
-    from kvbench.run.identity import point_identity  # torch: only for a preset's report
-
-    written = {key: cfg.model.get(key.split(".")[1]) for key in LOOSE_KEYS}
-    cfg = copy.deepcopy(cfg)
-    OmegaConf.update(cfg, "model.dtype", "float32")  # resolvable anywhere; replaced by the written value below
-    OmegaConf.update(cfg, "model.device", "cpu")
-    flat: dict[str, Any] = {}
-    _flatten("", point_identity(cfg), flat)
-    flat.update(written)
-    return flat
 
 
 def _precision(value: Any) -> str:

@@ -3,8 +3,9 @@ resolver Hydra's run and sweep directories use).
 
 The identity holds the dtype and device kind a run resolves to (`model.dtype=auto` on a CPU with native
 bfloat16 is the point `model.dtype=bfloat16`), and a custom data file's content, not the path it was reached by.
-Points stored before that rule (hashed with `auto` and the path as written: `legacy_point_identity`) are still
-resumed where their records were computed in the dtype and on the device kind this run resolves to.
+Points stored before that rule were hashed with the settings as written (`auto`, the path given:
+`written_point_identity`); they are still resumed where their records were computed in the dtype and on the
+device kind this run resolves to.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ NON_IDENTITY_ENGINE_KEYS = ("reuse_prefill", "snapshot_window", "snapshot_cache_
 
 def point_identity(cfg: DictConfig) -> dict[str, Any]:
     """The settings that decide a point's numbers, as this machine resolves them (hashed into its directory)."""
-    point = legacy_point_identity(cfg)
+    point = written_point_identity(cfg)
     from kvbench.models import resolved_precision  # torch and transformers: only once a point runs
 
     point["model"].update(resolved_precision(cfg.model))
@@ -45,9 +46,10 @@ def point_identity(cfg: DictConfig) -> dict[str, Any]:
     return point
 
 
-def legacy_point_identity(cfg: DictConfig) -> dict[str, Any]:
-    """The identity as points were hashed before resolved dtypes and content-only data files (issue 25): the
-    settings as written. Only to find, and resume, points stored under those hashes."""
+def written_point_identity(cfg: DictConfig) -> dict[str, Any]:
+    """The identity with the settings as written (`auto`, the data file's path beside its digest): how points
+    were hashed before issue 25, so points stored then are found and resumed; and what a report compares a
+    preset's points by, since the machine that reports cannot know what `auto` resolved to where they ran."""
     point = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
              for k in POINT_KEYS}
     point["engine"] = {k: v for k, v in point["engine"].items() if k not in NON_IDENTITY_ENGINE_KEYS}
@@ -100,7 +102,7 @@ def stored_point_identity(cfg: DictConfig, run_dir: Path) -> dict[str, Any]:
     """The identity `run_dir` was named with: the legacy one for a point stored before issue 25's rule."""
     point = point_identity(cfg)
     if not run_dir.name.endswith(point_hash(point)):
-        legacy = legacy_point_identity(cfg)
+        legacy = written_point_identity(cfg)
         if run_dir.name.endswith(point_hash(legacy)):
             return legacy
     return point
@@ -125,7 +127,7 @@ def _point_dir(*, _root_: DictConfig) -> str:
     name = point_dir_name(_root_, point)
     root = Path(str(_root_.results_dir))
     if not (root / name).exists():
-        legacy = point_dir_name(_root_, legacy_point_identity(_root_))
+        legacy = point_dir_name(_root_, written_point_identity(_root_))
         if legacy != name and (root / legacy).is_dir():
             precision = {k: point["model"][k] for k in ("dtype", "device")}
             if _legacy_dir_matches(root / legacy, precision):
