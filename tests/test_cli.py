@@ -311,3 +311,24 @@ def test_runs_from_the_folder_that_contains_the_checkout(tmp_path):
     result = kvbench("model=tiny_llama", "budget=1.0", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "kvbench: error: budget=1.0 is ambiguous" in result.stderr
+
+
+def test_a_point_whose_samples_are_now_generated_differently_is_refused_not_mixed(tmp_path):
+    args = (*TINY, "task.num_samples=2", "method=snapkv", "budget=64", f"results_dir={tmp_path}")
+    assert kvbench(*args, cwd=tmp_path).returncode == 0
+    (path,) = tmp_path.rglob("records.jsonl")
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert all(len(r["sample_digest"]) == 64 for r in rows)
+    # what an older generator left behind: the first sample's record computed on another prompt
+    rows[0]["sample_digest"] = "0" * 64
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:1]))
+    before = path.read_bytes()
+    result = kvbench(*args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert "generates differently: move that directory away" in result.stderr
+    assert path.read_bytes() == before  # nothing added, nothing lost
+    # a record from before records carried a digest resumes as before
+    del rows[0]["sample_digest"]
+    path.write_text(json.dumps(rows[0]) + "\n")
+    assert kvbench(*args, cwd=tmp_path).returncode == 0
+    assert [json.loads(line)["sample_id"] for line in path.read_text().splitlines()] == [r["sample_id"] for r in rows]

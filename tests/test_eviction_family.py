@@ -218,8 +218,8 @@ def test_pyramid_default_schedule_is_the_authors_floored_step():
     assert pyramid_budgets(32, 992, 30000)[-1] == 75 and pyramid_budgets(32, 992, 30000, schedule="exact")[-1] == 49
 
 
-def test_pyramid_layers_hold_their_schedule_and_ada_pyramid_heads_sum_to_it_with_the_floor(smollm2_tiny_slice):
-    lm = smollm2_tiny_slice
+def test_pyramid_layers_hold_their_schedule_and_ada_pyramid_heads_sum_to_it_with_the_floor(tiny_llama_deep):
+    lm = tiny_llama_deep
     ids = random_ids(PROMPT, seed=25)
     budget, window, alpha = 64, 8, 0.2
     for name, schedule_name in (("pyramidkv", "authors"), ("ada_pyramid", "authors"), ("pyramidkv", "exact")):
@@ -238,19 +238,6 @@ def test_pyramid_layers_hold_their_schedule_and_ada_pyramid_heads_sum_to_it_with
         assert sum(layer.budget for layer in session.cache.layers) == sum(schedule) + window * len(schedule)
         if schedule_name == "exact":
             assert sum(schedule) == (budget - window) * len(schedule)
-
-
-@pytest.fixture(scope="module")
-def smollm2_tiny_slice():
-    """A random 6-layer GQA Llama (PyramidKV needs depth to show a schedule)."""
-    from conftest import model_cfg
-    from omegaconf import OmegaConf
-
-    from kvbench.models import load_model
-
-    cfg = model_cfg("tiny_llama")
-    OmegaConf.update(cfg, "config.num_hidden_layers", 6)
-    return load_model(cfg)
 
 
 def test_keydiff_normalized_mean_anchor_ranks_exactly_as_pairwise():

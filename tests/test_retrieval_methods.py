@@ -10,7 +10,6 @@ import torch
 from conftest import model_cfg, random_ids
 from kvbench.kernels.sparse_attention import merge_attention, topk_attention
 from kvbench.tasks.base import Sample, Turn
-from omegaconf import OmegaConf
 from reference import reference_chunks
 
 from kvbench.attention.hooks import evict_layer
@@ -23,14 +22,6 @@ from kvbench.models import load_model
 
 PROMPT = 400
 SMALL_CTKVR = {"n_init": 8, "n_local": 48, "max_centroids": 64}
-
-
-@pytest.fixture(scope="module")
-def deep_llama():
-    """A random 6-layer GQA Llama: OmniKV needs layers before, between and after its filter layers."""
-    cfg = model_cfg("tiny_llama")
-    OmegaConf.update(cfg, "config.num_hidden_layers", 6)
-    return load_model(cfg)
 
 
 def decode(session: Session, logits: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -173,7 +164,7 @@ def test_ctkvr_host_rows_are_in_pinned_host_memory_on_cuda():
     assert torch.isfinite(session.step(5)).all()
 
 
-def test_omnikv_sparse_layers_attend_exactly_to_the_filter_layers_choice(deep_llama):
+def test_omnikv_sparse_layers_attend_exactly_to_the_filter_layers_choice(tiny_llama_deep):
     method = build_method("omnikv", filter_layers=[1, 3], wait_layers=1)
     assert [method.role(i) for i in range(6)] == ["dense", "filter", "wait", "filter", "wait", "sparse"]
     choices = []
@@ -187,7 +178,7 @@ def test_omnikv_sparse_layers_attend_exactly_to_the_filter_layers_choice(deep_ll
 
     method.select = spy
     ids = random_ids(PROMPT, seed=65)
-    session = Session(deep_llama, method, 24, sequence_length=PROMPT + 24)
+    session = Session(tiny_llama_deep, method, 24, sequence_length=PROMPT + 24)
     logits, _ = session.prefill(ids, compress=True)
     chunks, past, outs = [ids], [None], [logits]
     for _ in range(4):
@@ -202,15 +193,15 @@ def test_omnikv_sparse_layers_attend_exactly_to_the_filter_layers_choice(deep_ll
         mask[:, PROMPT:] = True
         past.append({5: mask})
         assert len(choices[-1][1]) == 24 and not torch.equal(choices[-1][1], choices[-1][3])
-    for ours, theirs in zip(outs, reference_chunks(deep_llama.model, chunks, past)):
+    for ours, theirs in zip(outs, reference_chunks(tiny_llama_deep.model, chunks, past)):
         torch.testing.assert_close(ours, theirs, atol=2e-5, rtol=1e-5)
 
 
-def test_omnikv_offload_equals_no_offload_bit_for_bit_and_keeps_the_bank_on_the_host(deep_llama):
+def test_omnikv_offload_equals_no_offload_bit_for_bit_and_keeps_the_bank_on_the_host(tiny_llama_deep):
     ids = random_ids(PROMPT, seed=66)
     results = {}
     for offload in (False, True):
-        session = Session(deep_llama, build_method("omnikv", filter_layers=[1, 3], offload=offload), 24,
+        session = Session(tiny_llama_deep, build_method("omnikv", filter_layers=[1, 3], offload=offload), 24,
                           sequence_length=PROMPT + 30)
         results[offload] = (session, decode(session, session.prefill(ids, compress=True)[0], 8))
     (plain, outs_plain), (banked, outs_banked) = results[False], results[True]
@@ -241,11 +232,11 @@ def test_ctkvr_multi_turn_sends_new_turns_through_the_index(tiny_llama, turn_ind
     assert record["storage_ratio_table1"] > 0.9
 
 
-def test_omnikv_runs_multi_turn_and_question_agnostic(deep_llama):
+def test_omnikv_runs_multi_turn_and_question_agnostic(tiny_llama_deep):
     method = build_method("omnikv", filter_layers=[1, 3], offload=True)
-    record = run_sample(deep_llama, method, 32, kv_turns(2), EngineConfig(nll=False))
+    record = run_sample(tiny_llama_deep, method, 32, kv_turns(2), EngineConfig(nll=False))
     assert len(record["turns"]) == 2 and record["topk_recall"] is not None
-    agnostic = run_sample(deep_llama, build_method("omnikv", filter_layers=[1, 3]), 32, kv_turns(1),
+    agnostic = run_sample(tiny_llama_deep, build_method("omnikv", filter_layers=[1, 3]), 32, kv_turns(1),
                           EngineConfig(compress_question=False))
     assert agnostic["nll"] is not None and agnostic["decode_read_tokens_per_group"] > 0
 
@@ -273,9 +264,9 @@ def test_ctkvr_with_every_centroid_and_full_lists_chooses_what_flat_chooses_and_
 
 
 @pytest.mark.parametrize("compress_question,turns", [(False, 1), (True, 2)])
-def test_omnikv_offload_equals_no_offload_with_a_question_or_a_turn_appended(deep_llama, compress_question, turns):
+def test_omnikv_offload_equals_no_offload_with_a_question_or_a_turn_appended(tiny_llama_deep, compress_question, turns):
     """A chunk appended after the prompt attends densely to the whole prompt, the Context Bank's rows too."""
-    records = [run_sample(deep_llama, build_method("omnikv", filter_layers=[1, 3], offload=offload), 32,
+    records = [run_sample(tiny_llama_deep, build_method("omnikv", filter_layers=[1, 3], offload=offload), 32,
                           kv_turns(turns), EngineConfig(compress_question=compress_question))
                for offload in (False, True)]
     for a, b in zip(*(r["turns"] for r in records)):

@@ -93,7 +93,7 @@ def _after_attention(layer: KVLayer, step: Step, query: torch.Tensor) -> None:
     keep the queries its scores read, let it observe the attention, and evict when the step says so."""
     if step.query_window:
         layer.remember_queries(query[0], step.query_window)
-    if step.observe:
+    if step.observe and not step.method.is_dense_layer(layer.layer_idx):
         step.method.observe(layer, query[0], step)
     if step.evict:
         evict_layer(layer, step)
@@ -101,7 +101,8 @@ def _after_attention(layer: KVLayer, step: Step, query: torch.Tensor) -> None:
 
 def _decode(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> torch.Tensor:
     method, plan = step.method, step.plan
-    if method is not None and method.selects and plan is not None and plan.select is not None:
+    if (method is not None and method.selects and plan is not None and plan.select is not None
+            and not method.is_dense_layer(layer.layer_idx)):
         view = layer.head_view()
         q = query[0, :, 0, :].view(view.keys.shape[0], -1, query.shape[-1])  # [H_kv, G, D]
         selection = method.select(layer, q, view, step, scaling)
@@ -116,7 +117,8 @@ def _decode(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> 
         keys, values, starts, lens, caps, copies = _repeated_kv(layer, q.shape[1])
         q = q.reshape(-1, 1, q.shape[-1])
     if method is not None:
-        layer.cache.stats.add(layer, copies * method.step_traffic(layer, None, step), None)
+        lengths = layer.lengths()
+        layer.cache.stats.add(layer, copies * method.step_traffic(layer, None, step), None, sum(lengths) / len(lengths))
     out = decode_attention(q, keys, values, scaling, starts, lens, caps)
     return out.reshape(1, -1, 1, out.shape[-1])
 

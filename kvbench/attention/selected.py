@@ -25,9 +25,19 @@ def selected_attention(layer: KVLayer, step: Step, q: torch.Tensor, view: HeadVi
     recall = None
     if step.measure_recall:
         recall = selection.recall if selection.recall is not None else attention_recall(q, view, selection.idx, scaling)
-    layer.cache.stats.add(layer, step.method.step_traffic(layer, selection, step), recall, selection.moved_bytes,
-                          selection.extra)
+    layer.cache.stats.add(layer, step.method.step_traffic(layer, selection, step), recall,
+                          attended_per_head(selection), selection.moved_bytes, selection.extra)
     return out
+
+
+def attended_per_head(selection: Selection) -> float:
+    """Rows each query head attended this step, averaged over the query heads: its selected storage rows plus
+    the (valid) rows from outside the storage (a blended fallback is not a row)."""
+    attended = float(selection.idx.shape[-1])
+    if selection.external is not None:
+        keys, valid = selection.external[0], selection.external[2] if len(selection.external) == 3 else None
+        attended += float(valid.sum()) / valid.shape[0] if valid is not None else keys.shape[1]
+    return attended
 
 
 def _external_attention(

@@ -108,12 +108,15 @@ class DecodeStats:
     extra_sums: dict[str, float] = field(default_factory=dict)  # a method's own per-step numbers
     extra_steps: int = 0
     read_token_equivalents: float = 0.0  # read_elements / (2 D) per KV group: comparable to a token budget
+    attended_tokens: float = 0.0  # K/V rows each query head attended, averaged over the query heads
     recall_sum: float = 0.0
     recall_steps: int = 0
 
-    def add(self, layer: "KVLayer", elements: int, recall: float | None, moved_bytes: int = 0,
+    def add(self, layer: "KVLayer", elements: int, recall: float | None, attended: float, moved_bytes: int = 0,
             extra: dict[str, float] | None = None) -> None:
+        """One layer's decode step: `elements` read (the method's cost model), `attended` rows per query head."""
         self.layer_steps += 1
+        self.attended_tokens += attended
         self.read_elements += elements
         self.moved_bytes += moved_bytes
         if extra:

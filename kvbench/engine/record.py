@@ -132,6 +132,8 @@ def _decode_accounting(cache: KVBenchCache, lm: LoadedModel, sequence_length: in
     return {
         "decode_read_bytes_per_step": stats.read_elements * elem / steps if steps else None,
         "decode_read_tokens_per_group": stats.read_token_equivalents / stats.layer_steps if stats.layer_steps else None,
+        # the paper's axis beside the traffic one: K/V rows each query head attended per layer and step
+        "decode_attended_tokens_per_head": stats.attended_tokens / stats.layer_steps if stats.layer_steps else None,
         "decode_moved_bytes_per_step": stats.moved_bytes / steps if steps else None,
         "decode_method_stats": {k: v / stats.extra_steps for k, v in stats.extra_sums.items()} or None,
         "topk_recall": stats.recall_sum / stats.recall_steps if stats.recall_steps else None,

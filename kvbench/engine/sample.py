@@ -158,7 +158,7 @@ def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | Compr
     first = sample.turns[0]
     sequence_length = min(len(ctx_ids) + len(q_ids) + first.max_new_tokens, lm.max_positions)
     plan = method.plan(budget, sequence_length=sequence_length, new_tokens=first.max_new_tokens,
-                       head_dim=model_head_dim(lm))
+                       head_dim=model_head_dim(lm), num_layers=lm.model.config.num_hidden_layers)
     if method.last_prompt_token_via_decode:  # the prompt's last token goes through the decode path (RocketKV)
         held_back = (appended or segment)[-1:]
         segment, appended = (segment, appended[:-1]) if appended else (segment[:-1], [])

@@ -46,7 +46,7 @@ class Session:
         self.schedule = method.schedule() if method is not None else None
         if isinstance(budget, int) and method is not None:
             budget = method.plan(budget, sequence_length=sequence_length or lm.max_positions, new_tokens=0,
-                                 head_dim=model_head_dim(lm))
+                                 head_dim=model_head_dim(lm), num_layers=lm.model.config.num_hidden_layers)
         self.plan: Plan | None = budget if method is not None else None
         self.query_window = 0  # queries each layer keeps for the method's scores
         self.observe = False  # the method observes every attention call (H2O)
@@ -77,7 +77,7 @@ class Session:
         if self.method is not None:
             step = self.step_context()
             for layer in self.cache.layers:
-                if not layer.derived and layer.keys is not None:
+                if not layer.derived and layer.keys is not None and not self.method.is_dense_layer(layer.layer_idx):
                     layer.derived = self.method.build_derived(layer, step)
 
     def evict_deferred(self) -> None:

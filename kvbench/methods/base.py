@@ -16,6 +16,11 @@ attention function and `attention.hooks.evict_layer` call them, never the other 
 - `build_derived(layer, step)`: state a selection reads (page summaries), kept current by its own
   `append` / `truncate`; `step_traffic(layer, selection, step)`: elements one decode step reads.
 
+Every method has `dense_layers` (null: none; N: the first N layers; a list: those layer indices): a dense layer
+keeps its whole cache and attends densely, whatever the method (RocketKV App. A.1 skips layers 0-1 for every
+method on LongChat; Quest's release keeps its first two layers dense). The dispatcher and the eviction hook ask
+`is_dense_layer`, so no method's own code checks it.
+
 Budgets are tokens per KV head (the RocketKV / Ada-KV unit); for selection methods the per-step, per-KV-group
 token budget, the estimate's traffic counted. A budget at or above what is stored means nothing to evict.
 """
@@ -57,6 +62,23 @@ class Method:
     last_prompt_token_via_decode: ClassVar[bool] = False  # the prompt's last token goes through decode (RocketKV)
     steps_through_chunks: ClassVar[bool] = False  # later chunks (question, turns) go token by token (CTKVR)
     uses_budget: ClassVar[bool] = True  # False: the budget cannot change a result (full), so sweeps share one point
+    dense_layers: int | list[int] | None = None
+
+    def __post_init__(self) -> None:
+        dense = self.dense_layers
+        if not (dense is None or (is_int(dense) and dense >= 0)
+                or (isinstance(dense, (list, tuple)) and all(is_int(x) and x >= 0 for x in dense))):
+            raise ValueError("dense_layers must be null, a number of first layers >= 0 or a list of layer indices, "
+                             f"got {dense!r}")
+        if isinstance(dense, tuple):
+            self.dense_layers = list(dense)
+
+    def is_dense_layer(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` keeps its whole cache and attends densely (`dense_layers`)."""
+        dense = self.dense_layers
+        if dense is None:
+            return False
+        return layer_idx < dense if is_int(dense) else layer_idx in dense
 
     @property
     def repeats_kv(self) -> bool:
@@ -71,9 +93,11 @@ class Method:
     def schedule(self) -> Schedule | None:
         return None
 
-    def plan(self, budget: int, *, sequence_length: int, new_tokens: int, head_dim: int) -> Plan:
+    def plan(self, budget: int, *, sequence_length: int, new_tokens: int, head_dim: int,
+             num_layers: int | None = None) -> Plan:
         """This sample's budgets. `sequence_length`: its prompt plus the tokens it may generate, capped at the
-        model's limit (RocketKV's S); `new_tokens`: the first turn's generation budget."""
+        model's limit (RocketKV's S); `new_tokens`: the first turn's generation budget; `num_layers`: the
+        model's depth (OmniKV's memory share)."""
         return Plan(evict=budget, select=budget if self.selects else None)
 
     def layer_budget(self, layer: "KVLayer", budget: int, step: Step) -> int:
@@ -129,6 +153,7 @@ class EvictionMethod(Method):
     decode_every: int | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.block_size is not None and (not is_int(self.block_size) or self.block_size < 1):
             raise ValueError(f"block_size must be a positive number of tokens or null, got {self.block_size!r}")
         if self.decode_every is not None and (not is_int(self.decode_every) or self.decode_every < 0):

@@ -18,10 +18,11 @@ Every decode step, per layer (Algorithm 2, §2.3):
    (initial + local + generated): the two sets are disjoint;
 4. DCU: the query and its top-rho reranked keys replace the oldest centroid (a FIFO of capacity C).
 
-Placement: the host segment lives on the CPU; with CUDA the resident attention is launched on the GPU first,
-so the host rerank and attention overlap it (the paper's co-execution; only the query, the partial output and
-its log-sum-exp cross). On a CPU-only machine both sides are the same device and no second copy exists: the
-record's bytes say which. Later chunks (the question, a new turn) go token by token through this decode path
+Placement: the host segment lives on the CPU; with CUDA the resident set stays on the GPU and only the query,
+the host side's partial output and its log-sum-exp cross. The paper's co-execution (the resident attention on
+the GPU while the CPU recalls and reranks) is not reproduced: recall and rerank run first, then both
+attentions, one after the other, so a CUDA decode time here is an upper bound of the paper's. On a CPU-only
+machine both sides are the same device and no second copy exists: the record's bytes say which. Later chunks (the question, a new turn) go token by token through this decode path
 (`turn_index=dcu`, spec §8.8: each token also enters the index), or are attended the same way and the index
 is rebuilt from the turn's last C queries when it ends (`turn_index=rebuild`).
 
@@ -34,7 +35,7 @@ disjointly; all layers use CTKVR (`dense_layers` keeps some dense).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -128,10 +129,10 @@ class CTKVR(Method):
     n_init: int = 64
     n_local: int | None = None  # null: 5% of the prompt, at least C
     turn_index: str = "dcu"  # dcu: turn tokens enter the index through DCU; rebuild: Algorithm 1 at each turn end
-    dense_layers: list[int] = field(default_factory=list)
     build_chunk: int = 256  # centroids scored at once while building the qcIVF
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("max_centroids", "retrieved_centroids", "build_chunk"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
@@ -145,8 +146,6 @@ class CTKVR(Method):
             raise ValueError(f"list_ratio (rho / rho') must be a number >= 1, got {self.list_ratio!r}")
         if self.turn_index not in ("dcu", "rebuild"):
             raise ValueError(f"turn_index must be dcu or rebuild, not {self.turn_index!r}")
-        if not isinstance(self.dense_layers, (list, tuple)) or not all(is_int(x) and x >= 0 for x in self.dense_layers):
-            raise ValueError(f"dense_layers must be a list of layer indices, got {self.dense_layers!r}")
 
     @property
     def obs_window(self) -> int:
@@ -156,7 +155,7 @@ class CTKVR(Method):
         # the "eviction" events move the prompt's middle to host memory (nothing is dropped) and build the index
         return Schedule(block_size=None, decode_every=0, every_turn=self.turn_index == "rebuild")
 
-    def plan(self, budget, *, sequence_length, new_tokens, head_dim):
+    def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
             return Plan(evict=None, select=None, derived={"full_attention": True})
         prompt = sequence_length - new_tokens
@@ -168,8 +167,6 @@ class CTKVR(Method):
 
     # -- prefill end (and turn ends with turn_index=rebuild): offload the middle, build the qcIVF -------------
     def keep(self, layer, budget, step):
-        if layer.layer_idx in self.dense_layers:
-            return None
         view = layer.head_view()
         positions = view.positions
         first_local = layer.seen - step.plan.derived["n_local"]
@@ -201,7 +198,6 @@ class CTKVR(Method):
         heads, group, dim = q.shape
         n_res = view.keys.shape[1]
         resident = torch.arange(n_res, device=q.device).expand(heads, group, n_res)
-        # resident attention is launched first (on the accelerator) so the host work below overlaps it
         top_lists = min(step.plan.derived["retrieved_centroids"], index.centroids.shape[1])
         rows, valid = self._recall(q, index, top_lists)
         host_q = q.to(host.keys.device)

@@ -25,6 +25,7 @@ class ExactTopK(Method):
     granularity: str = "head"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.granularity not in ("head", "group"):
             raise ValueError(f"granularity must be head or group, not {self.granularity!r}")
 

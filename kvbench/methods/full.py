@@ -22,6 +22,7 @@ class Full(Method):
     repeat_kv: bool | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.repeat_kv not in (None, True, False):
             raise ValueError(f"repeat_kv must be true, false or null, got {self.repeat_kv!r}")
 

@@ -60,23 +60,18 @@ def hsa_select(q: torch.Tensor, pages: PageSummary, k1: int, k2: int, length: in
 class HSAStage:
     """HSA as a decode stage any method can run (HSA alone, RocketKV's stage 2): pages built when the segment
     ends and kept current, `k2` tokens selected per step, the estimate's traffic counted. The method's plan
-    derives page_size, k1 and k2. The first `skip_layers` layers keep dense attention (RocketKV on LongChat)."""
-
-    skip_layers: int = 0
-
-    def skips(self, layer) -> bool:
-        return layer.layer_idx < self.skip_layers
+    derives page_size, k1 and k2."""
 
     def build_derived(self, layer, step) -> dict:
         plan = step.plan
-        if not plan.select or self.skips(layer):
+        if not plan.select:
             return {}
         return {"pages": PageSummary.of(layer.head_view().keys, plan.derived["page_size"])}
 
     def select(self, layer, q, step) -> torch.Tensor | None:
         d = step.plan.derived
         length = layer.physical_length()
-        if self.skips(layer) or d["k2"] >= length:
+        if d["k2"] >= length:
             return None
         return hsa_select(q, layer_pages(layer, d["page_size"]), d["k1"], d["k2"], length)
 
@@ -95,7 +90,7 @@ class HSA(Method):
     selects = True
     stage: ClassVar[HSAStage] = HSAStage()
 
-    def plan(self, budget, *, sequence_length, new_tokens, head_dim):
+    def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
             return Plan(evict=None, select=None, derived={"full_attention": True})
         return Plan(evict=None, select=budget, derived={"c2": sequence_length / budget, "k2": budget // 2,

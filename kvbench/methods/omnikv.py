@@ -6,7 +6,8 @@ own current query before its own (dense) attention: the max over all query heads
 released code's `last` selector; `score_space=softmax` is the paper's Eq. 3), and keeps the top `budget`
 (k) as one sorted index set shared by every KV head. Every later layer up to the next filter layer attends
 to those prompt tokens plus every token generated since (never dropped); the `wait_layers` (1) right after
-a filter layer and the layers before the first one attend densely.
+a filter layer and the layers before the first one attend densely. `dense_layers` may make more layers dense,
+but no filter layer (the layers after it need its selection).
 
 `offload=true` is the Context Bank: the prompt KV of the sparse layers moves to host memory when the prompt
 ends and only the selected rows come back each step (bytes moved are recorded); results equal
@@ -14,6 +15,12 @@ ends and only the selected rows come back each step (bytes moved are recorded); 
 rows and the generated tail, merged by log-sum-exp). The prompt is every token stored when the prompt (or a
 later turn's input) ends; a question appended after the compressed segment counts as prompt too. The
 paper's optional chunked "OmniKV-prefill" (App. D.10) is not implemented; its prefill is the dense one.
+
+Budget: by default the budget is k, the prompt tokens each sparse layer attends (spec §3.3 item 7). The
+paper compares with eviction baselines at equal GPU memory instead (§4.1): `budget_unit=memory` reads the
+budget as Mem% of the prompt's KV, dense layers included, so k = N (Mem - f) / (1 - f) with N the prompt and
+f the share of dense layers, (L_0 + |filter| (1 + W)) / L in the paper's terms (Llama-3-8B, {2, 8, 18}:
+f = 0.25, Mem 30% -> k = 6.7% of N). A Mem% below f leaves k = 0: the record's `budget_plan` shows it.
 """
 
 from __future__ import annotations
@@ -38,16 +45,23 @@ class OmniKV(Method):
     wait_layers: int = 1
     score_space: str = "logits"
     offload: bool = False
+    budget_unit: str | None = None  # null/tokens: the budget is k; memory: it is the paper's Mem% (module doc)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         layers = self.filter_layers
         if not isinstance(layers, (list, tuple)) or not layers or not all(is_int(x) and x >= 0 for x in layers) \
                 or list(layers) != sorted(set(layers)):
             raise ValueError(f"filter_layers must be increasing layer indices (0-based), got {layers!r}")
+        if any(self.is_dense_layer(f) for f in layers):
+            raise ValueError(f"dense_layers {self.dense_layers!r} include a filter layer of {list(layers)}: a filter "
+                             "layer attends densely already, and the layers after it need its selection")
         if not is_int(self.wait_layers) or self.wait_layers < 0:
             raise ValueError(f"wait_layers must be a number of layers >= 0, got {self.wait_layers!r}")
         if self.score_space not in ("logits", "softmax"):
             raise ValueError(f"score_space must be logits or softmax, not {self.score_space!r}")
+        if self.budget_unit not in (None, "tokens", "memory"):
+            raise ValueError(f"budget_unit must be tokens, memory or null, not {self.budget_unit!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"offload must be true or false, got {self.offload!r}")
 
@@ -55,10 +69,23 @@ class OmniKV(Method):
         # the events only mark where the prompt ends (and move the sparse layers' prompt KV to the bank)
         return Schedule(block_size=None, decode_every=0, every_turn=True)
 
-    def plan(self, budget, *, sequence_length, new_tokens, head_dim):
+    def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
             return Plan(evict=None, select=None, derived={"full_attention": True})
-        return Plan(evict=budget, select=budget, derived={"k": budget, "filter_layers": list(self.filter_layers)})
+        derived = {"k": budget, "filter_layers": list(self.filter_layers)}
+        if self.budget_unit == "memory":
+            if num_layers is None:
+                raise ValueError("budget_unit=memory needs the model's number of layers")
+            prompt = sequence_length - new_tokens
+            dense = self.dense_share(num_layers)
+            k = max(0, round((budget - dense * prompt) / (1 - dense))) if dense < 1 else prompt
+            derived.update(k=min(k, prompt), memory_share=budget / prompt, dense_share=dense)
+        return Plan(evict=budget, select=budget, derived=derived)
+
+    def dense_share(self, num_layers: int) -> float:
+        """f: the share of layers that keep and attend to their whole prompt (before the first filter layer,
+        filter and wait layers, and `dense_layers`)."""
+        return sum(self.role(i) != "sparse" or self.is_dense_layer(i) for i in range(num_layers)) / num_layers
 
     def role(self, layer_idx: int) -> str:
         if layer_idx < self.filter_layers[0]:

@@ -9,6 +9,12 @@ Budget (per KV group and step, estimate included, as RocketKV evaluates it; the 
 released, specs/rocketkv.md §8.8): fetching a page's min and max costs one token-equivalent, so with
 page_size = max(1, round(2 S / t)) the S / page_size page bounds cost t/2 and the exact attention k2 = t/2
 tokens. `page_size` fixes the page instead. A budget at or above S is full attention.
+
+`budget_unit=attended` is Quest's own accounting, which CTKVR's baselines use (CTKVR §4.1.2: "a sparsity
+budget of 1,024 tokens", Quest with its page of 16): the group attends to `budget` tokens and the page bounds
+are read on top (the records' read tokens say how many). `conf/method/quest_page16.yaml` is Quest as its
+release runs it: page 16, `budget_unit=attended`, the first two layers dense (mit-han-lab/Quest,
+`evaluation/quest_attention.py`: `if q_len > 1 or self.layer_id < 2: return self.flash_forward(...)`).
 """
 
 from __future__ import annotations
@@ -30,17 +36,22 @@ class Quest(Method):
     family = "selection"
     selects = True
     page_size: int | None = None  # null: the traffic-equivalent page max(1, round(2 S / t))
+    budget_unit: str | None = None  # null/traffic: RocketKV's, bounds count as half; attended: Quest's, CTKVR's
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.page_size is not None and (isinstance(self.page_size, bool) or not isinstance(self.page_size, int)
                                            or self.page_size < 1):
             raise ValueError(f"page_size must be a positive number of tokens or null, got {self.page_size!r}")
+        if self.budget_unit not in (None, "traffic", "attended"):
+            raise ValueError(f"budget_unit must be traffic, attended or null, not {self.budget_unit!r}")
 
-    def plan(self, budget, *, sequence_length, new_tokens, head_dim):
+    def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
             return Plan(evict=None, select=None, derived={"full_attention": True})
         page = self.page_size or max(1, round(2 * sequence_length / budget))
-        return Plan(evict=None, select=budget, derived={"page_size": page, "k2": budget // 2})
+        attended = budget if self.budget_unit == "attended" else budget // 2
+        return Plan(evict=None, select=budget, derived={"page_size": page, "k2": attended})
 
     def build_derived(self, layer, step):
         plan = step.plan

@@ -17,7 +17,7 @@ compressed cache and updated as tokens are appended.
 
 As in the released code, the prompt's last token is not prefilled: it goes through the decode path, so the
 observation window is the end of prompt[:-1] and the first answer token already comes from HSA
-(`last_prompt_token_via_decode`, spec §8.7). `skip_layers` keeps the first layers dense (LongChat: 2).
+(`last_prompt_token_via_decode`, spec §8.7). `skip_layers`, the released configs' name (LongChat: 2), keeps the first layers dense like `dense_layers`.
 Multi-turn: every later turn's input attends to the compressed past and SnapKV re-compresses past + input
 to `prompt_budget` (the `turn_end` event); `rocketkv_mt` keeps the full history instead. A budget at or
 above S is full attention (the default short-circuit, spec §2.8).
@@ -79,20 +79,23 @@ class RocketKV(EvictionMethod):
             raise ValueError("rocketkv's stage 1 is GQA-aware: granularity must be group")
         if not isinstance(self.last_prompt_token_via_decode, bool):
             raise ValueError(f"last_prompt_token_via_decode must be true or false, got {self.last_prompt_token_via_decode!r}")
-        self.selection = HSAStage(self.skip_layers)
+        self.selection = HSAStage()
 
     @property
     def obs_window(self) -> int:
         return self.window
 
-    def plan(self, budget, *, sequence_length, new_tokens, head_dim):
+    def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
             return Plan(evict=None, select=None, derived={"full_attention": True})
         derived = rocket_plan(sequence_length, budget, head_dim, new_tokens, self.split)
         return Plan(evict=derived["prompt_budget"], select=budget, derived=derived)
 
+    def is_dense_layer(self, layer_idx: int) -> bool:
+        return layer_idx < self.skip_layers or super().is_dense_layer(layer_idx)
+
     def keep(self, layer, budget, step):
-        return None if self.selection.skips(layer) else self.eviction.keep(layer, budget, step)
+        return self.eviction.keep(layer, budget, step)
 
     def build_derived(self, layer, step):
         return self.selection.build_derived(layer, step)

@@ -69,12 +69,13 @@ class SparQ(Method):
     granularity: str = "group"
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.granularity not in ("group", "head"):
             raise ValueError(f"granularity must be group or head, not {self.granularity!r}")
         if not isinstance(self.reallocation, bool):
             raise ValueError(f"reallocation must be true or false, got {self.reallocation!r}")
 
-    def plan(self, budget, *, sequence_length, new_tokens, head_dim):
+    def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
             return Plan(evict=None, select=None, derived={"full_attention": True})
         compression = sequence_length / budget

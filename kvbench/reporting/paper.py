@@ -17,6 +17,7 @@ from kvbench.reporting.efficiency import efficiency_table, render
 from kvbench.reporting.paper_figures import (
     accuracy_figure,
     efficiency_figure,
+    equal_traffic_figure,
     kept_tokens_figure,
     niah_heatmap_figure,
     storage_traffic_figure,
@@ -80,6 +81,7 @@ def build(source: str | Path | Source, out_dir: Path | None = None, overrides: S
     if len(points):
         if spec.kind == "accuracy" and points["score"].notna().any():
             figures["accuracy"] = accuracy_figure(src, points)
+            figures["accuracy_equal_traffic"] = equal_traffic_figure(src, points)
         if spec.kind == "storage_traffic":
             figures["storage_traffic"] = storage_traffic_figure(table, spec)
         figures["niah_heatmap"] = niah_heatmap_figure(df, spec)

@@ -33,6 +33,59 @@ def _grid_axes(n: int, width: float = 4.6, height: float = 3.6, **kwargs: Any) -
     return fig, flat[:n]
 
 
+def _panels(source: Source, points: pd.DataFrame) -> tuple[list[str], list[tuple], pd.DataFrame]:
+    """The fields that split an accuracy figure into panels, each panel's values, and each point's values."""
+    spec = source.spec
+    panel_fields = [f for f in spec.panels if f in _varying(points, source.grid, spec.panels)]
+    others = [f for f in _row_fields(spec, points, source.grid) if f not in (*panel_fields, spec.series, spec.x)]
+    panel_fields += others  # any other varying field gets its own panels rather than merged lines
+    ident = _norm_frame(points, panel_fields)
+    panel_ids = sorted({tuple(r) for r in ident.itertuples(index=False)}
+                       | {tuple(p.get(f, "-") for f in panel_fields) for p in source.grid or []},
+                       key=lambda r: tuple(map(_sort_key, r)))
+    return panel_fields, panel_ids, ident
+
+
+def equal_traffic_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
+    """Score vs the K/V tokens each point's decode steps read per KV group and step (measured, estimates and
+    page bounds included): the papers' budget axes count differently (RocketKV's t includes the estimate,
+    CTKVR's and Quest's budget is the tokens attended), so this is the equal-traffic comparison. Drawn when a
+    sparse or retrieval method is among the series."""
+    spec = source.spec
+    if "read_tokens" not in points.columns or not points["family"].isin(["selection", "two-stage"]).any():
+        return None
+    drawn = points[(points[spec.series] != spec.reference) & points["read_tokens"].notna()]
+    if drawn.empty:
+        return None
+    panel_fields, panel_ids, ident = _panels(source, points)
+    fig, axes = _grid_axes(len(panel_ids))
+    series_values = sorted({norm(v) for v in drawn[spec.series]})
+    for ax, pid in zip(axes, panel_ids):
+        mask = (ident == list(pid)).all(axis=1) if panel_fields else pd.Series(True, index=points.index)
+        here = points[mask]
+        for i, series in enumerate(series_values):
+            line = drawn[mask.reindex(drawn.index)]
+            line = line[line[spec.series].map(norm) == series].sort_values("read_tokens")
+            if len(line):
+                ax.plot(line["read_tokens"], line["score"], color=plt.cm.tab10(i % 10), label=series,
+                        marker="osD^vPX*"[i % 8], linestyle=("-", "--", "-.", ":")[i % 4])
+        ref = here[here[spec.series] == spec.reference]
+        if len(ref):
+            ax.axhline(float(ref["score"].mean()), color="black", linestyle="--", linewidth=1, label=spec.reference)
+        if drawn["read_tokens"].min() > 0:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel("K/V tokens read per KV group and step")
+        ax.set_ylabel("score")
+        ax.set_title(", ".join(f"{f}={v}" for f, v in zip(panel_fields, pid)) or spec.title, fontsize=9)
+        ax.grid(alpha=0.3)
+    handles = {label: h for ax in axes for h, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(6, len(handles)), fontsize=8,
+               frameon=False)
+    fig.suptitle(f"{spec.title}: at equal traffic (measured reads, not the budget)", fontsize=10)
+    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
+    return fig
+
+
 def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
     """Score vs x, one panel per combination of the spec's panel fields, one line per series value; the
     reference as a dashed line; an expected point without records is a gap with a "missing" mark."""
@@ -43,13 +96,7 @@ def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
     compressed = points[points[spec.series] != spec.reference]
     if compressed.empty or compressed[x].map(norm).nunique() < 2 and not source.grid:
         return None
-    panel_fields = [f for f in spec.panels if f in _varying(points, source.grid, spec.panels)]
-    others = [f for f in _row_fields(spec, points, source.grid) if f not in (*panel_fields, spec.series, x)]
-    panel_fields += others  # any other varying field gets its own panels rather than merged lines
-    ident = _norm_frame(points, panel_fields)
-    panel_ids = sorted({tuple(r) for r in ident.itertuples(index=False)}
-                       | {tuple(p.get(f, "-") for f in panel_fields) for p in source.grid or []},
-                       key=lambda r: tuple(map(_sort_key, r)))
+    panel_fields, panel_ids, ident = _panels(source, points)
     missing = missing_points(points, source.grid)
     fig, axes = _grid_axes(len(panel_ids))
     series_values = sorted({norm(v) for v in compressed[spec.series]}

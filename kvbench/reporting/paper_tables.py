@@ -203,6 +203,12 @@ def point_scores(df: pd.DataFrame, shown: Sequence[str] = ()) -> tuple[pd.DataFr
     first = numeric.drop(columns=["score", "subtask", "sample_id"]).groupby(key, sort=False).first()
     points = subtasks.groupby(key, sort=False).agg(score=("score", _mean_of_subtasks), n=("n", "sum"))
     points = points.join(first).reset_index()
+    if "decode_read_tokens_per_group" in numeric.columns:  # the equal-traffic axis: the point's mean reads
+        reads = pd.to_numeric(numeric["decode_read_tokens_per_group"], errors="coerce").groupby(numeric[key]).mean()
+        points["read_tokens"] = points[key].map(reads)
+    from kvbench.methods import METHODS  # lazily, as in expected_grid
+
+    points["family"] = points["method"].map(lambda m: METHODS[m].family if m in METHODS else "none")
     for field in POINT_GROUPS:  # the config name a sweep used (a method variant's own name)
         if f"choice.{field}" in points.columns:
             points[field] = points[f"choice.{field}"].fillna(points[field])

@@ -231,6 +231,11 @@ class RecordStore:
         """Sample ids already recorded: the samples a resumed job skips."""
         return {rec["sample_id"] for rec in self.records()}
 
+    def recorded_digests(self) -> dict[str, str | None]:
+        """Each recorded sample id and the digest of the sample it was computed on (None: a record from before
+        records carried one)."""
+        return {rec["sample_id"]: rec.get("sample_digest") for rec in self.records()}
+
 
 def _atomic_write_json(path: Path, obj: Any) -> None:
     """Write JSON via a temp file and rename, so a kill never leaves a half-written manifest or summary."""

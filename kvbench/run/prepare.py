@@ -11,6 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from kvbench.config.validate import check_length, validate
 from kvbench.core.budget import CompressionRatio
+from kvbench.core.errors import KVBenchError
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.prompt import PromptBuilder
 from kvbench.engine.snapshots import PrefillSnapshots
@@ -44,11 +45,21 @@ class PreparedPoint:
     snapshots: PrefillSnapshots | None  # None: no reuse (engine.reuse_prefill off, profiled points)
 
     def todo(self) -> list["Sample"]:
-        done = self.store.completed_ids()
-        return [s for s in self.samples if s.id not in done]
+        """The samples without a record. A record of a sample that is now generated differently (a task's
+        generator changed since) is refused: resuming would mix two datasets in one point."""
+        recorded = self.store.recorded_digests()
+        stale = [s.id for s in self.samples if recorded.get(s.id) not in (None, s.digest())]
+        if stale:
+            raise KVBenchError(
+                f"{self.run_dir} holds records of {len(stale)} sample(s) ({', '.join(stale[:3])}"
+                f"{', ...' if len(stale) > 3 else ''}) that this version of task {self.cfg.task.name} generates "
+                "differently: move that directory away (or set another results_dir) to compute the point again")
+        return [s for s in self.samples if s.id not in recorded]
 
     def append(self, record: dict[str, Any]) -> None:
-        record.update(point=self.point_fields, point_hash=self.phash, method_params=self.method.params())
+        sample = next(s for s in self.samples if s.id == record["sample_id"])
+        record.update(point=self.point_fields, point_hash=self.phash, method_params=self.method.params(),
+                      sample_digest=sample.digest())
         self.store.append(record)
 
 
