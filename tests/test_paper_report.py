@@ -28,7 +28,8 @@ from kvbench.results.store import RecordStore, point_hash
 
 
 def write_point(root: Path, method: str, budget, scores: dict[str, list[float]], *, task: str = "suite",
-                model: str = "m", compress_question: bool = True, kept=None, meta=None, dtype=None) -> None:
+                model: str = "m", compress_question: bool = True, kept=None, meta=None, dtype=None,
+                reads: float | None = None) -> None:
     point = {"model": model, "task": task, "method": method, "budget": None if method == "full" else budget,
              "compress_question": compress_question, "seq_len": 2048, **({"dtype": dtype} if dtype else {})}
     run_dir = root / f"{model}-{task}-{method}-{budget}-{compress_question}{dtype or ''}"
@@ -41,6 +42,7 @@ def write_point(root: Path, method: str, budget, scores: dict[str, list[float]],
             store.append({"sample_id": f"{subtask}-{i}", "task": subtask, "score": score, "point": point,
                           "point_hash": point_hash(point), "turns": [{"score": score}],
                           **({"kept_tokens_per_head": kept} if kept is not None else {}),
+                          **({"decode_read_tokens_per_group": reads + i} if reads is not None else {}),
                           **({"meta": meta[i]} if meta is not None else {})})
 
 
@@ -112,6 +114,24 @@ def test_build_writes_tables_figures_and_one_html_page(tmp_path: Path) -> None:
     assert "\\begin{tabular}" in (tmp_path / "report" / "table.tex").read_text()
     page = (tmp_path / "report" / "index.html").read_text()
     assert page.count("data:image/png;base64,") == 3 and "<table" in page
+
+
+def test_a_sparse_comparison_also_draws_scores_against_the_measured_reads(tmp_path: Path) -> None:
+    """Issue 21: the papers' budget axes count differently, so a report with a sparse method draws a second
+    figure at equal traffic: x is each point's mean K/V tokens read per KV group and step."""
+    results = tmp_path / "results"
+    write_point(results, "full", None, {"niah": [1.0, 1.0]}, reads=2000)
+    for budget in (64, 128):
+        write_point(results, "quest", budget, {"niah": [0.0, 1.0]}, reads=budget)
+        write_point(results, "exact_topk", budget, {"niah": [1.0, 1.0]}, reads=3 * budget)  # per query head
+    out = build(results, tmp_path / "report")
+    shape, drawn = _drawn(out["figures"]["accuracy_equal_traffic"])
+    assert shape[1] >= 800 and 0.02 < drawn < 0.95
+    reads = out["points"].set_index(["method", "budget"])["read_tokens"]
+    assert reads[("exact_topk", 128)] == 3 * 128 + 0.5 and reads[("quest", 64)] == 64.5  # the mean over samples
+    # an eviction-only comparison keeps its one figure: its budget is what it keeps and reads
+    write_point(tmp_path / "eviction", "snapkv", 64, {"niah": [1.0]}, reads=64)
+    assert "accuracy_equal_traffic" not in build(tmp_path / "eviction", tmp_path / "r2")["figures"]
 
 
 def test_load_flattens_the_run_config_into_columns(tmp_path: Path) -> None:

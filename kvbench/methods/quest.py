@@ -5,10 +5,12 @@ query head bounds every page's logit by sum_d max(q_d * max_d, q_d * min_d) (>= 
 page); the bounds are summed over the query heads of each KV group, broadcast to the page's tokens, and the
 group attends exactly to the top `k2` tokens (whole pages, the boundary page cut at its first tokens).
 
-Budget (per KV group and step, estimate included, as RocketKV evaluates it; the paper's pages are not
-released, specs/rocketkv.md §8.8): fetching a page's min and max costs one token-equivalent, so with
-page_size = max(1, round(2 S / t)) the S / page_size page bounds cost t/2 and the exact attention k2 = t/2
-tokens. `page_size` fixes the page instead. A budget at or above S is full attention.
+Budget (per KV group and step, estimate included, as RocketKV evaluates it): fetching a page's min and max
+costs one token-equivalent, so with page_size = max(1, round(2 S / t)) the S / page_size page bounds cost t/2
+and the exact attention k2 = t/2 tokens. That page size is kvbench's inference from RocketKV's equal-traffic
+rule (RocketKV does not state its Quest pages, specs/rocketkv.md §8.8), not Quest's own: at S = 96K and
+t = 256 it is about 750 tokens, with 128 tokens attended, where Quest's release uses pages of 16 tokens.
+`page_size` fixes the page instead. A budget at or above S is full attention.
 
 `budget_unit=attended` is Quest's own accounting, which CTKVR's baselines use (CTKVR §4.1.2: "a sparsity
 budget of 1,024 tokens", Quest with its page of 16): the group attends to `budget` tokens and the page bounds
