@@ -62,9 +62,12 @@ class Sample:
 
     def digest(self) -> str:
         """sha256 of everything the sample is (prompt parts, answers, settings, meta): records carry it, so a
-        resumed point notices when a task now generates a sample of the same id differently."""
-        text = json.dumps(self.to_dict(), sort_keys=True, ensure_ascii=False, default=str)
-        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+        resumed point notices when a task now generates a sample of the same id differently. Samples are not
+        changed once built, so it is computed once."""
+        if "_digest" not in self.__dict__:  # once per sample: a sweep asks for it once per point and record
+            text = json.dumps(self.to_dict(), sort_keys=True, ensure_ascii=False, default=str)
+            self.__dict__["_digest"] = hashlib.sha256(text.encode("utf-8")).hexdigest()
+        return self.__dict__["_digest"]
 
     @classmethod
     def from_dict(cls, row: dict[str, Any]) -> "Sample":

@@ -74,14 +74,23 @@ def equal_traffic_figure(source: Source, points: pd.DataFrame) -> plt.Figure | N
             ax.axhline(float(ref["score"].mean()), color="black", linestyle="--", linewidth=1, label=spec.reference)
         if drawn["read_tokens"].min() > 0:
             ax.set_xscale("log", base=2)
-        ax.set_xlabel("K/V tokens read per KV group and step")
-        ax.set_ylabel("score")
-        ax.set_title(", ".join(f"{f}={v}" for f, v in zip(panel_fields, pid)) or spec.title, fontsize=9)
-        ax.grid(alpha=0.3)
+        _label_panel(ax, "K/V tokens read per KV group and step", panel_fields, pid, spec)
+    return _finish(fig, axes, f"{spec.title}: at equal traffic (measured reads, not the budget)")
+
+
+def _label_panel(ax: plt.Axes, xlabel: str, panel_fields: list[str], pid: tuple, spec: ReportSpec) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("score")
+    ax.set_title(", ".join(f"{f}={v}" for f, v in zip(panel_fields, pid)) or spec.title, fontsize=9)
+    ax.grid(alpha=0.3)
+
+
+def _finish(fig: plt.Figure, axes: list[plt.Axes], title: str) -> plt.Figure:
+    """One legend for every panel's lines, under them, and the figure's title."""
     handles = {label: h for ax in axes for h, label in zip(*ax.get_legend_handles_labels())}
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(6, len(handles)), fontsize=8,
                frameon=False)
-    fig.suptitle(f"{spec.title}: at equal traffic (measured reads, not the budget)", fontsize=10)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.08, 1, 0.96))
     return fig
 
@@ -135,17 +144,8 @@ def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
             ax.set_xscale("log", base=2)
             ax.set_xticks(numeric_x, [f"{v:g}" for v in numeric_x])
             ax.minorticks_off()
-        ax.set_xlabel(x)
-        ax.set_ylabel("score")
-        ax.set_title(", ".join(f"{f}={v}" for f, v in zip(panel_fields, pid)) or spec.title, fontsize=9)
-        ax.grid(alpha=0.3)
-    handles = {label: h for ax in axes for h, label in zip(*ax.get_legend_handles_labels())}
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(6, len(handles)), fontsize=8,
-               frameon=False)
-    note = f"  (x: {MISSING} point)" if missing else ""
-    fig.suptitle(spec.title + note, fontsize=10)
-    fig.tight_layout(rect=(0, 0.08, 1, 0.96))
-    return fig
+        _label_panel(ax, x, panel_fields, pid, spec)
+    return _finish(fig, axes, spec.title + (f"  (x: {MISSING} point)" if missing else ""))
 
 
 def niah_heatmap_figure(df: pd.DataFrame, spec: ReportSpec) -> plt.Figure | None:
