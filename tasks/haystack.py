@@ -139,7 +139,12 @@ def fit_below(length_of: Callable[[int], int], limit: int, low: int, high: int) 
     when even `low` is too long."""
     if length_of(low) > limit:
         return None
-    best, lo, hi = low, low + 1, high - 1
+    return _largest_fitting(length_of, limit, low, high)
+
+
+def _largest_fitting(length_of: Callable[[int], int], limit: int, fits: int, high: int) -> int:
+    """The largest n in [fits, high) with `length_of(n) <= limit`, `fits` known to fit."""
+    best, lo, hi = fits, fits + 1, high - 1
     while lo <= hi:
         mid = (lo + hi) // 2
         if length_of(mid) <= limit:
@@ -165,6 +170,4 @@ def fit_haystack(length_of: Callable[[int], int], limit: int, start: int) -> int
     lo, hi = start, max(int(limit / per_unit * 3), 2 * start)
     while length_of(hi) <= limit:
         lo, hi = hi, hi * 2
-    best = fit_below(length_of, limit, lo, hi)
-    assert best is not None  # length_of(lo) fits: lo is start or a size that fitted
-    return best
+    return _largest_fitting(length_of, limit, lo, hi)  # lo is start or a size that fitted

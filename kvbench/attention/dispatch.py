@@ -117,8 +117,7 @@ def _decode(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> 
         keys, values, starts, lens, caps, copies = _repeated_kv(layer, q.shape[1])
         q = q.reshape(-1, 1, q.shape[-1])
     if method is not None:
-        lengths = layer.lengths()
-        layer.cache.stats.add(layer, copies * method.step_traffic(layer, None, step), None, sum(lengths) / len(lengths))
+        layer.cache.stats.add(layer, copies * method.step_traffic(layer, None, step), None, sum(lens) / len(lens))
     out = decode_attention(q, keys, values, scaling, starts, lens, caps)
     return out.reshape(1, -1, 1, out.shape[-1])
 

@@ -35,9 +35,14 @@ def attended_per_head(selection: Selection) -> float:
     the (valid) rows from outside the storage (a blended fallback is not a row)."""
     attended = float(selection.idx.shape[-1])
     if selection.external is not None:
-        keys, valid = selection.external[0], selection.external[2] if len(selection.external) == 3 else None
+        keys, _, valid = _unpack(selection.external)
         attended += float(valid.sum()) / valid.shape[0] if valid is not None else keys.shape[1]
     return attended
+
+
+def _unpack(external: tuple) -> tuple:
+    """(keys, values, valid or None) of a selection's rows from outside the storage."""
+    return external if len(external) == 3 else (*external, None)
 
 
 def _external_attention(
@@ -45,7 +50,7 @@ def _external_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention over rows outside the layer's storage, computed where they live (CTKVR's host rows on the
     CPU; rows a method moved to the device there), with its log-sum-exp, returned on q's device."""
-    keys, values, valid = external if len(external) == 3 else (*external, None)
+    keys, values, valid = _unpack(external)
     every = torch.arange(keys.shape[1], device=keys.device).expand(q.shape[0], q.shape[1], -1)
     out, lse = topk_attention(q.to(keys.device), keys, values, every, scaling, valid, return_lse=True)
     return out.to(q.device), lse.to(q.device)

@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.methods import METHODS
+from kvbench.results.manifest import MANIFEST_FILE
 from kvbench.results.store import load_records, point_hash
 
 log = logging.getLogger("kvbench")
@@ -113,7 +114,7 @@ def _legacy_dir_matches(run_dir: Path, precision: dict[str, str]) -> bool:
     it mixes nothing. The device kind of a legacy point: the one it named, or for `auto` whether its manifest
     lists GPUs."""
     try:
-        manifest = json.loads((run_dir / "manifest.json").read_text(encoding="utf-8"))
+        manifest = json.loads((run_dir / MANIFEST_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
     named = str(manifest.get("point", {}).get("model", {}).get("device", "auto"))
