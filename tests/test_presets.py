@@ -26,7 +26,7 @@ CPU_MODEL = "smollm2_135m"
 
 REPORT_KEYS = {"title", "kind", "x", "series", "panels", "rows", "columns", "categories", "reference", "delta", "note",
                "not_in_kvbench", "efficiency_layout"}  # efficiency_layout: a kvbench.figures layout (profiled presets)
-KINDS = {"accuracy", "storage_traffic", "math"}
+KINDS = {"accuracy", "storage_traffic", "math", "claims"}
 COLUMNS = {"budget", "subtask", "category"}
 POINT_FIELDS = {"model", "task", "method", "budget", "compress_question", "seq_len"}
 
@@ -126,6 +126,9 @@ def test_report_block_keeps_to_the_schema(name):
 
         assert cfg.get("profile") and report["efficiency_layout"] in LAYOUTS
     assert isinstance(report.get("title"), str) and report["title"].strip(), "report.title is required"
+    if report.get("kind") == "claims":  # `kvbench analyze` verdicts: no point layout (tests/test_analysis.py)
+        assert set(report) == {"title", "kind"} and cfg.get("claims")
+        return
     swept_params = {k for k in sweep(cfg) if k.startswith(("method.", "task."))}
     fields = POINT_FIELDS | swept_params
     assert report.get("kind", "accuracy") in KINDS

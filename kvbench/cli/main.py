@@ -66,6 +66,10 @@ def main() -> None:
         from kvbench.cli.report import main as report_main  # pandas, matplotlib: a run does without them
 
         sys.exit(report_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["analyze"]:  # `kvbench analyze ...`: the papers' observations about attention, measured
+        from kvbench.cli.analyze import main as analyze_main
+
+        sys.exit(analyze_main(sys.argv[2:]))
     try:
         sys.argv[1:] = check_command(sys.argv[1:])
     except KVBenchError as exc:

@@ -10,12 +10,14 @@ from pathlib import Path
 import pandas as pd
 
 from kvbench.core.errors import KVBenchError
+from kvbench.reporting.claims import verdicts, write_claims
 from kvbench.reporting.paper import build, skipped_line
-from kvbench.reporting.paper_tables import resolve
+from kvbench.reporting.paper_tables import Source, resolve
 from kvbench.reporting.preset_points import left_out_lines, select_points
 from kvbench.reporting.table import _split, point_table, points_text
 from kvbench.reporting.wandb import publish_report
 from kvbench.results.collect import collect
+from kvbench.results.store import RECORDS_FILE
 
 
 def _argv_with_options(argv: Sequence[str]) -> list[str]:
@@ -58,6 +60,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         source = resolve(args.source, args.overrides)
     except KVBenchError as err:
         parser.error(str(err))
+    if source.spec.kind == "claims" or (source.grid is None and verdicts(source.root)
+                                        and not any(source.root.rglob(RECORDS_FILE))):
+        return _claims_report(source, args.out)
     df, left_out = select_points(source, collect(source.root) if source.root.is_dir() else pd.DataFrame())
     for line in left_out_lines(left_out):
         print(line)
@@ -88,6 +93,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.publish:
         print(publish_report(result, project=args.wandb_project, entity=args.wandb_entity))
     return 0 if not table.empty else 1
+
+
+def _claims_report(source: Source, out: Path | None) -> int:
+    """A results tree of `kvbench analyze` verdicts: their table printed and the claims report written."""
+    result = write_claims(source.root, out or source.root / "report", source.spec.title)
+    if result["table"].empty:
+        print(f"no verdicts under {source.root} (run: python -m kvbench analyze experiment={source.name})",
+              file=sys.stderr)
+        return 1
+    print(result["table"].to_markdown(index=False, disable_numparse=True))
+    print(f"report: {result['out_dir'] / 'index.html'} ({len(result['figures'])} figures)")
+    return 0
 
 
 if __name__ == "__main__":

@@ -14,6 +14,9 @@ from kvbench.models import LoadedModel
 def validate(cfg: DictConfig) -> None:
     """Every top-level, engine and generic task setting, before anything runs: one line naming the setting and
     what it accepts. (Method parameters are checked where the method is built; model ones where it loads.)"""
+    if cfg.get("claims"):
+        raise KVBenchError(f"this experiment is a claims preset (it measures {', '.join(cfg.claims)}, it runs no "
+                           "method): run it with `python -m kvbench analyze experiment=NAME`")
     budget, ratio = cfg.budget, cfg.get("compression_ratio")
     if ratio is not None:
         if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio < 1:

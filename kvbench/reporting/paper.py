@@ -13,6 +13,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
+from kvbench.reporting.claims import html_section, verdicts, write_claims
 from kvbench.reporting.efficiency import efficiency_table, render
 from kvbench.reporting.paper_figures import (
     accuracy_figure,
@@ -116,6 +117,13 @@ def build(source: str | Path | Source, out_dir: Path | None = None, overrides: S
     (out / "report.md").write_text(_markdown(src, shown, figure_paths, facts))
     (out / "index.html").write_text(_html(src, shown, figure_paths, facts))
     written += [out / "report.md", out / "index.html"]
+    if verdicts(src.root):  # `kvbench analyze` verdicts stored beside the points: their table joins the report
+        claims = write_claims(src.root, out, src.spec.title, pages=False)
+        (out / "index.html").write_text((out / "index.html").read_text().replace(
+            "</body></html>", html_section(claims["table"], claims["figures"]) + "\n</body></html>"))
+        with open(out / "report.md", "a") as report:
+            report.write("\n## Claims about attention\n\n" + (out / "claims.md").read_text())
+        written += [out / "claims.md", out / "claims.csv", *claims["figures"].values()]
     return {"out_dir": out, "written": written, "figures": figure_paths, "table": table, "missing": missing,
             "points": points, "source": src, "left_out": left_out}
 

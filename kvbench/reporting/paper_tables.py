@@ -47,7 +47,7 @@ MISSING = "missing"  # an expected point without records
 ABSENT = "n/a"  # a point that ran but has no value for this cell (a subtask without data)
 
 
-KINDS = ("accuracy", "storage_traffic", "math")
+KINDS = ("accuracy", "storage_traffic", "math", "claims")  # claims: `kvbench analyze` verdicts
 
 
 COLUMN_KINDS = ("budget", "subtask", "category")
@@ -161,6 +161,8 @@ def resolve(source: str | Path, overrides: Sequence[str] = ()) -> Source:
         # every grid point's fields: POINT_FIELDS less seq_len (a grid has it only as a swept task.seq_len)
         base = {"model": cfg.model.name, "task": cfg.task.name, "method": cfg.method.name, "budget": cfg.budget,
                 "compress_question": cfg.compress_question}
+        if block and block.get("kind") == "claims":  # verdicts, not points: no grid of points to expect
+            return Source(name, Path(cfg.results_dir), ReportSpec.from_block(block, name), None)
         axes = sweep_axes(params)
         return Source(name, Path(cfg.results_dir), ReportSpec.from_block(block, name), expected_grid(params, base),
                       expected_identities(name, fixed, axes))

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 
 RECORDS_FILE = "records.jsonl"
+MEASUREMENTS_FILE = "measurements.jsonl"  # `kvbench analyze`'s per-sample records (not points: reports skip them)
 
 
 def to_jsonable(obj: Any, *, where: str = "", strict: bool = False) -> Any:
@@ -167,9 +168,9 @@ class RecordStore:
     so the next append starts on a fresh line, and the lost sample is recomputed on resume.
     """
 
-    def __init__(self, run_dir: Path) -> None:
+    def __init__(self, run_dir: Path, filename: str = RECORDS_FILE) -> None:
         self.run_dir = Path(run_dir)
-        self.path = self.run_dir / RECORDS_FILE
+        self.path = self.run_dir / filename
         self.run_dir.mkdir(parents=True, exist_ok=True)
         created = not self.path.exists()
         self._repair_tail()

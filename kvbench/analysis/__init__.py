@@ -1,0 +1,6 @@
+"""`kvbench analyze`: each seed paper's observations about attention, measured on a model, with a verdict.
+
+trace (one sample's full-cache run, every query kept) -> claims/<name>.py (one module per claim: its
+measurement per sample, its verdict rule, its figure) -> base (bootstrap interval and verdict) -> runner
+(directory, resumable records, verdict.json, figure).
+"""

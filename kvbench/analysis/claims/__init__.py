@@ -1,0 +1,15 @@
+"""One module per claim; importing this package registers them all (`kvbench analyze --list`)."""
+
+from kvbench.analysis.claims import (  # noqa: F401
+    adakv_concentration,
+    adakv_eviction_loss,
+    adakv_toy,
+    ctkvr_query_similarity,
+    ctkvr_topk_overlap,
+    keydiff_dissimilarity,
+    keydiff_geometry,
+    omnikv_interlayer,
+    omnikv_sparsity,
+    omnikv_static_set,
+    rocketkv_unique_topk,
+)

@@ -1,0 +1,180 @@
+"""`kvbench analyze`: the claims' measurements on tiny random models, the verdict rule, the toy example exactly,
+and the command (records, resume, verdict.json, figures, report)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import pytest
+import torch
+
+from kvbench.analysis.base import bootstrap_ci, verdict
+from kvbench.analysis.runner import build_claim, claims
+from kvbench.analysis.trace import capture, dense_weight, share_for_mass, spearman
+from kvbench.cli.analyze import main as analyze
+from kvbench.core.errors import KVBenchError
+from kvbench.models import load_model
+from tests.conftest import model_cfg, random_ids
+
+TINY = ["model=tiny_llama", "task=twostage_retr", "num_samples=3"]
+
+
+def test_the_list_covers_the_five_papers_with_at_least_ten_claims(capsys):
+    assert analyze(["--list"]) == 0
+    listed = capsys.readouterr().out.splitlines()
+    assert len(listed) >= 10
+    assert {c.paper for c in claims().values()} == {"RocketKV", "Ada-KV", "KeyDiff", "CTKVR", "OmniKV"}
+
+
+def test_adakv_toy_example_gives_the_papers_numbers_exactly():
+    claim = build_claim("adakv_toy", {})
+    record = claim.measure_once()
+    assert record["allocation"] == [4, 1, 1]
+    assert round(record["uniform"], 12) == 2.26 and round(record["adaptive"], 12) == 2.48
+    assert verdict(claim, [record], seed=0)["verdict"] == "holds"
+
+
+@pytest.mark.parametrize("effects,expected", [([0.05, 0.04, 0.06, 0.05], "holds"), ([0.2, 0.3, 0.25], "does_not_hold"),
+                                              ([0.05, 0.3, 0.02, 0.25, 0.01], "inconclusive"), ([0.05, 0.04], "inconclusive")])
+def test_verdict_compares_the_bootstrap_interval_with_the_threshold(effects, expected):
+    claim = build_claim("omnikv_sparsity", {})  # holds below 0.10
+    records = [{"effect": e, "first_layers_share": 1.0} for e in effects]
+    result = verdict(claim, records, seed=1)
+    assert result["verdict"] == expected
+    assert result["ci_low"] <= result["effect"] <= result["ci_high"] and result["n"] == len(effects)
+
+
+def test_bootstrap_is_seeded_and_brackets_the_mean():
+    effects = [0.1, 0.4, 0.35, 0.2, 0.5]
+    assert bootstrap_ci(effects, 3) == bootstrap_ci(effects, 3)
+    low, high = bootstrap_ci(effects, 3)
+    assert low < sum(effects) / 5 < high
+
+
+def test_helpers():
+    assert spearman(torch.arange(10.0), torch.arange(10.0) ** 2) == pytest.approx(1.0)
+    assert spearman(torch.arange(10.0), -torch.arange(10.0)) == pytest.approx(-1.0)
+    assert math.isnan(spearman(torch.ones(5), torch.arange(5.0)))
+    assert float(share_for_mass(torch.ones(1, 100), 0.9)) == pytest.approx(0.9)
+    assert float(share_for_mass(torch.eye(1, 50), 0.95)) == pytest.approx(1 / 50)
+    linear = torch.nn.Linear(12, 7, bias=False)
+    assert torch.equal(dense_weight(linear), linear.weight.detach())
+
+
+def test_trace_keeps_every_query_and_rows_are_causal_distributions(tiny):
+    ids = random_ids(96)
+    trace = capture(tiny, ids, new_tokens=5)
+    layer = trace.layers[0]
+    held = len(ids) + len(trace.generated) - 1
+    assert layer.keys.shape[1] == held and layer.queries.shape[1] == held
+    assert trace.decode_queries.tolist() == list(range(len(ids) - 1, held))
+    rows = layer.rows(torch.tensor([3, held - 1]))
+    assert torch.allclose(rows.sum(-1), torch.ones_like(rows[..., 0]))
+    assert float(rows[:, 0, 4:].abs().max()) == 0.0
+
+
+@pytest.fixture(scope="module", params=["tiny_llama", "tiny_qwen3"])
+def deep(request):
+    """Four layers: OmniKV's claims compare the first two layers with the rest."""
+    return load_model(model_cfg(request.param, **{"config.num_hidden_layers": 4}))
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in claims().items() if c.needs_samples))
+def test_every_claim_measures_a_tiny_model(deep, name):
+    claim = build_claim(name, {"new_tokens": 6} if build_claim(name, {}).new_tokens else {})
+    trace = capture(deep, random_ids(320), claim.new_tokens)
+    record = claim.measure(trace, sample=None, seed=0)
+    assert math.isfinite(record["effect"])
+    json.dumps(record)  # the record is stored as JSON
+    plt.close(claim.figure([record, record]))
+
+
+def test_measured_properties_that_hold_by_construction(tiny_llama_deep):
+    trace = capture(tiny_llama_deep, random_ids(320, seed=3), new_tokens=8)
+    unique = build_claim("rocketkv_unique_topk", {"k": 16, "new_tokens": 8}).measure(trace, None, 0)
+    steps = unique["decode_steps"]
+    assert all(16 <= u <= min(16 * steps, unique["sequence_length"]) for layer in unique["unique_per_head"] for u in layer)
+    # the oracle S(j -> j) is the best any k tokens can do for layer j
+    inter = build_claim("omnikv_interlayer", {"new_tokens": 8}).measure(trace, None, 0)
+    matrix = torch.tensor(inter["similarity"])
+    assert bool((matrix <= matrix.diagonal()[None, :] + 1e-9).all())
+    # alpha = 1 turns Ada-KV's allocation into the uniform one: the same loss
+    loss = build_claim("adakv_eviction_loss", {"alpha": 1.0, "budget": 0.3, "new_tokens": 8}).measure(trace, None, 0)
+    assert loss["loss_adaptive"] == pytest.approx(loss["loss_uniform"]) and loss["loss_uniform"] > 0
+    assert loss["effect"] == 0.0
+
+
+def test_analyze_writes_records_verdict_and_figure_and_resumes(tmp_path, capsys):
+    args = [*TINY, "claim=keydiff_geometry", f"results_dir={tmp_path}", "show_progress=false"]
+    assert analyze(args) == 0
+    (run_dir,) = list(tmp_path.glob("keydiff_geometry/tiny_llama/*"))
+    lines = (run_dir / "measurements.jsonl").read_text().splitlines()
+    assert len(lines) == 3 and len({json.loads(line)["sample_id"] for line in lines}) == 3
+    result = json.loads((run_dir / "verdict.json").read_text())
+    assert {"claim", "paper", "verdict", "effect", "ci_low", "ci_high", "n", "paper_number"} <= set(result)
+    assert result["n"] == 3 and result["verdict"] in ("holds", "does_not_hold", "inconclusive")
+    assert (run_dir / "keydiff_geometry.png").exists() and (run_dir / "keydiff_geometry.pdf").exists()
+    assert "git_sha" in json.loads((run_dir / "manifest.json").read_text())
+    assert analyze(args) == 0  # everything recorded: nothing measured twice
+    assert len((run_dir / "measurements.jsonl").read_text().splitlines()) == 3
+    assert analyze([*args, "num_samples=4"]) == 0  # more samples extend the same records
+    assert len((run_dir / "measurements.jsonl").read_text().splitlines()) == 4
+    assert json.loads((run_dir / "verdict.json").read_text())["n"] == 4
+    assert "keydiff_geometry (KeyDiff" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,message", [
+    (["claim=nope"], "unknown claim 'nope'"),
+    (["claim=rocketkv_unique_topk", "params.rocketkv_unique_topk.kk=3"], "unknown parameter(s) kk"),
+    ([], "name a claim (claim=NAME)"),
+    (["claim=adakv_eviction_loss", "params.adakv_eviction_loss={budget:5000}"], "evicts nothing"),
+    (["claim=omnikv_sparsity"], "needs more than 2 layers"),
+])
+def test_bad_input_is_one_error_line(tmp_path, capsys, args, message):
+    assert analyze([*TINY, f"results_dir={tmp_path}", "show_progress=false", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvbench: error:") and message in err
+
+
+CLAIMS_PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "experiment").glob("claims_*.yaml"))
+
+
+def test_every_paper_has_a_claims_preset_and_its_cpu_twin():
+    papers = {"rocketkv", "adakv", "keydiff", "ctkvr", "omnikv"}
+    assert set(CLAIMS_PRESETS) == {f"claims_{p}{twin}" for p in papers for twin in ("", "_cpu")}
+
+
+@pytest.mark.parametrize("name", CLAIMS_PRESETS)
+def test_claims_presets_compose_and_build_their_claims(name):
+    from kvbench.cli.analyze import compose
+
+    cfg = compose([f"experiment={name}"])
+    for claim in cfg.claims:
+        build_claim(claim, dict(cfg.params.get(claim) or {}))
+    assert {claims()[c].paper for c in cfg.claims} == {claims()[cfg.claims[0]].paper}
+    if name.endswith("_cpu"):
+        assert cfg.model.name == "smollm2_135m" and cfg.results_dir == f"results/{name}"
+        assert list(cfg.claims) == list(compose([f"experiment={name[:-4]}"]).claims)
+
+
+def test_a_claims_preset_is_refused_by_a_run():
+    from kvbench.config.command import check_command
+
+    with pytest.raises(KVBenchError, match="claims preset"):
+        check_command(["experiment=claims_keydiff_cpu", "model=tiny_llama"])
+
+
+def test_report_collects_the_verdicts_into_one_table(tmp_path):
+    from kvbench.cli.report import main as report
+
+    assert analyze([*TINY, "experiment=claims_adakv_cpu", "model=tiny_llama", "task=twostage_retr",
+                    "params.adakv_eviction_loss.budget=0.5", f"results_dir={tmp_path}", "show_progress=false"]) == 0
+    assert report(["experiment=claims_adakv_cpu", f"results_dir={tmp_path}"]) == 0
+    table = (tmp_path / "report" / "claims.md").read_text()
+    for claim in ("adakv_toy", "adakv_concentration", "adakv_eviction_loss"):
+        assert claim in table
+    assert "2.26" in table and (tmp_path / "report" / "adakv_toy.png").exists()
+    assert "Claims about attention" in (tmp_path / "report" / "index.html").read_text()
