@@ -26,7 +26,7 @@ from kvbench.analysis.figures import save
 from kvbench.analysis.trace import capture
 from kvbench.config.validate import check_length
 from kvbench.core.errors import KVBenchError
-from kvbench.engine.prompt import PromptBuilder
+from kvbench.engine.prompt import PromptBuilder, fit_to_model
 from kvbench.results.manifest import build_manifest, write_manifest
 from kvbench.results.store import MEASUREMENTS_FILE, RecordStore, _atomic_write_json, point_hash
 from kvbench.run.caches import cached_model, cached_samples, release_host_memory, seed_everything
@@ -90,7 +90,8 @@ def run_claim(cfg: DictConfig, name: str) -> dict[str, Any]:
         log.info("resuming %s: %d of %d samples already measured", run_dir, len(samples) - len(todo), len(samples))
     bar = SampleProgress(len(todo), name, cfg.show_progress)
     for sample in todo:
-        ids = sum(builder.first_turn(sample), [])
+        context, question = builder.first_turn(sample)
+        ids = fit_to_model(lm, sample, context, question) + question  # LongBench's middle truncation, as a run
         trace = capture(lm, ids, claim.new_tokens)
         try:
             record = claim.measure(trace, sample, seed=_sample_seed(cfg.seed, sample.id))
