@@ -28,13 +28,12 @@ from kvbench.config.validate import check_length
 from kvbench.core.errors import KVBenchError
 from kvbench.engine.prompt import PromptBuilder, fit_to_model
 from kvbench.results.manifest import build_manifest, write_manifest
-from kvbench.results.store import MEASUREMENTS_FILE, RecordStore, _atomic_write_json, point_hash
+from kvbench.results.store import MEASUREMENTS_FILE, VERDICT_FILE, RecordStore, _atomic_write_json, point_hash
 from kvbench.run.caches import cached_model, cached_samples, release_host_memory, seed_everything
+from kvbench.run.prepare import unrecorded
 from kvbench.run.progress import SampleProgress, duration
 
 log = logging.getLogger("kvbench")
-
-VERDICT_FILE = "verdict.json"
 
 
 def claims() -> dict[str, type[Claim]]:
@@ -80,12 +79,7 @@ def run_claim(cfg: DictConfig, name: str) -> dict[str, Any]:
     run_dir = (Path(cfg.results_dir) / name / lm.name.replace("/", "--")
                / f"{cfg.task.name}-{seq_len or 'native'}-{point_hash(identity)}")
     store = _open(run_dir, cfg, identity)
-    recorded = store.recorded_digests()
-    stale = [s.id for s in samples if recorded.get(s.id) not in (None, s.digest())]
-    if stale:
-        raise KVBenchError(f"{run_dir} holds measurements of {len(stale)} sample(s) ({', '.join(stale[:3])}) that "
-                           f"this version of task {cfg.task.name} generates differently: move that directory away")
-    todo = [s for s in samples if s.id not in recorded]
+    todo = unrecorded(store, samples, run_dir, cfg.task.name)
     if len(todo) < len(samples):
         log.info("resuming %s: %d of %d samples already measured", run_dir, len(samples) - len(todo), len(samples))
     bar = SampleProgress(len(todo), name, cfg.show_progress)

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from kvbench.analysis.runner import claims, run_claim
-from kvbench.config.paths import CONF_DIR
+from kvbench.config.paths import compose_config
 from kvbench.config.validate import check_group_overrides
 from kvbench.core.errors import KVBenchError
 
@@ -31,14 +31,11 @@ def list_claims() -> str:
 
 
 def compose(overrides: Sequence[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
     try:
-        with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-            return hydra_compose("analyze", overrides=list(overrides))
+        return compose_config(overrides, name="analyze")
     except (HydraException, OmegaConfBaseException) as err:
         raise KVBenchError(str(err).splitlines()[0]) from None
 

@@ -78,12 +78,13 @@ def experiments() -> list[str]:
     return choices("experiment")
 
 
-def compose_config(overrides: Sequence[str] = (), return_hydra_config: bool = False) -> Any:
-    """The main config composed with `overrides`, as a run (or, with Hydra's own config, a sweep) composes it."""
+def compose_config(overrides: Sequence[str] = (), return_hydra_config: bool = False, name: str = "config") -> Any:
+    """The main config (or `name`: `analyze` for `kvbench analyze`) composed with `overrides`, as a run (or, with
+    Hydra's own config, a sweep) composes it."""
     from hydra import compose, initialize_config_dir  # only to compose: listing and reading need omegaconf alone
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return compose("config", overrides=list(overrides), return_hydra_config=return_hydra_config)
+        return compose(name, overrides=list(overrides), return_hydra_config=return_hydra_config)
 
 
 def experiment_config(name: str, overrides: Sequence[str] = ()) -> Any:

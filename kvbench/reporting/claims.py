@@ -12,7 +12,8 @@ from typing import Any
 
 import pandas as pd
 
-VERDICT_FILE = "verdict.json"
+from kvbench.results.store import VERDICT_FILE
+
 COLUMNS = ["paper", "claim", "source", "paper_number", "measured", "ci_95", "n", "verdict", "model", "task"]
 
 

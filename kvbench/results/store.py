@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 
 RECORDS_FILE = "records.jsonl"
 MEASUREMENTS_FILE = "measurements.jsonl"  # `kvbench analyze`'s per-sample records (not points: reports skip them)
+VERDICT_FILE = "verdict.json"  # `kvbench analyze`'s verdict of a claim, beside its measurements
 
 
 def to_jsonable(obj: Any, *, where: str = "", strict: bool = False) -> Any:

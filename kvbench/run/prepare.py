@@ -45,22 +45,26 @@ class PreparedPoint:
     snapshots: PrefillSnapshots | None  # None: no reuse (engine.reuse_prefill off, profiled points)
 
     def todo(self) -> list["Sample"]:
-        """The samples without a record. A record of a sample that is now generated differently (a task's
-        generator changed since) is refused: resuming would mix two datasets in one point."""
-        recorded = self.store.recorded_digests()
-        stale = [s.id for s in self.samples if recorded.get(s.id) not in (None, s.digest())]
-        if stale:
-            raise KVBenchError(
-                f"{self.run_dir} holds records of {len(stale)} sample(s) ({', '.join(stale[:3])}"
-                f"{', ...' if len(stale) > 3 else ''}) that this version of task {self.cfg.task.name} generates "
-                "differently: move that directory away (or set another results_dir) to compute the point again")
-        return [s for s in self.samples if s.id not in recorded]
+        return unrecorded(self.store, self.samples, self.run_dir, self.cfg.task.name)
 
     def append(self, record: dict[str, Any]) -> None:
         sample = next(s for s in self.samples if s.id == record["sample_id"])
         record.update(point=self.point_fields, point_hash=self.phash, method_params=self.method.params(),
                       sample_digest=sample.digest())
         self.store.append(record)
+
+
+def unrecorded(store: RecordStore, samples: list["Sample"], run_dir: Path, task: str) -> list["Sample"]:
+    """The samples without a record in `store`. A record of a sample that is now generated differently (a
+    task's generator changed since) is refused: resuming would mix two datasets in one directory."""
+    recorded = store.recorded_digests()
+    stale = [s.id for s in samples if recorded.get(s.id) not in (None, s.digest())]
+    if stale:
+        raise KVBenchError(
+            f"{run_dir} holds records of {len(stale)} sample(s) ({', '.join(stale[:3])}"
+            f"{', ...' if len(stale) > 3 else ''}) that this version of task {task} generates "
+            "differently: move that directory away (or set another results_dir) to compute the point again")
+    return [s for s in samples if s.id not in recorded]
 
 
 def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
