@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -299,3 +300,19 @@ def _load_tiny(cfg: Any, dtype: torch.dtype) -> LoadedModel:
 def model_head_dim(lm: LoadedModel) -> int:
     config = lm.model.config
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rotary_of(lm: LoadedModel) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
+    """The model's rotary embedding as a function of logical positions `[N]` -> (cos, sin) `[N, D]` in fp32 (the
+    model's RoPE scaling and attention factor included), or None for a model without one."""
+    rotary = getattr(getattr(lm.model, "model", None), "rotary_emb", None)
+    if rotary is None:
+        return None
+
+    def cos_sin(positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probe = torch.empty(0, dtype=torch.float32, device=positions.device)
+        with torch.no_grad():
+            cos, sin = rotary(probe, positions.reshape(1, -1).long())
+        return cos[0].float(), sin[0].float()
+
+    return cos_sin

@@ -293,3 +293,16 @@ def test_kvpress_allocation_on_a_model_keeps_the_layer_total_and_the_floor(tiny)
         assert sum(lens) == 40 * layer.num_heads and min(lens) >= max(8, int(0.2 * 40))
         for positions in layer.head_view().positions:
             assert set(range(PROMPT - 8, PROMPT)) <= set(positions[positions >= 0].tolist())
+
+
+def test_exact_topk_group_max_is_flat_the_top_of_the_groups_max_softmax(tiny_llama):
+    """CTKVR's FLAT: one selection per KV group, the exact top-k of the max over the group's softmaxes."""
+    session = Session(tiny_llama, build_method("exact_topk", granularity="group_max"), 8)
+    session.prefill(random_ids(120, seed=10), compress=True)
+    layer = session.cache.layers[1]
+    q = torch.randn(layer.num_heads, 2, layer.head_dim)
+    view = layer.head_view()
+    idx = session.method.select(layer, q, view, session.step_context(), 0.25)
+    probs = torch.softmax(torch.einsum("hgd,hld->hgl", q, view.keys) * 0.25, dim=-1).amax(dim=1)
+    expected = probs.topk(8, dim=-1).indices
+    assert torch.equal(idx[:, 0].sort(-1).values, expected.sort(-1).values) and torch.equal(idx[:, 0], idx[:, 1])

@@ -272,3 +272,93 @@ def test_omnikv_offload_equals_no_offload_with_a_question_or_a_turn_appended(tin
     for a, b in zip(*(r["turns"] for r in records)):
         assert a["prediction"] == b["prediction"] and a["nll"] == b["nll"]
     assert records[1]["host_bytes_end"] > 0 and records[0]["host_bytes_end"] == 0
+
+
+def test_omnikv_prefill_sparse_layers_attend_to_the_filter_layers_chunk_choice_plus_the_chunk(tiny_llama_deep):
+    """OmniKV-prefill (App. D.10): in every chunk after the first, the filter layer keeps r x chunk past tokens
+    (the uniform selector over the chunk's queries) and the sparse layer after it attends causally to exactly
+    those plus the chunk; the logits match a dense reference with that visibility. Nothing is dropped."""
+    chunk, ratio = 96, 0.25
+    method = build_method("omnikv", filter_layers=[1, 3], prefill_chunk=chunk, prefill_ratio=ratio)
+    choices = []
+    context = method.chunk_context
+
+    def spy(layer, query, step, scaling):
+        out = context(layer, query, step, scaling)
+        if layer.layer_idx == 3:
+            choices.append(step.shared["omnikv_prefill_selected"].clone())
+        return out
+
+    method.chunk_context = spy
+    ids = random_ids(PROMPT, seed=68)
+    session = Session(tiny_llama_deep, method, 24, sequence_length=PROMPT + 24)
+    logits, _ = session.prefill(ids, compress=True)
+    chunks = [ids[i:i + chunk] for i in range(0, PROMPT, chunk)]
+    assert len(choices) == len(chunks) - 1
+    past = [None]
+    for c, chosen in enumerate(choices, start=1):
+        start = c * chunk
+        assert len(chosen) == round(ratio * len(chunks[c])) and int(chosen.max()) < start
+        mask = torch.zeros(2, start, dtype=torch.bool)
+        mask[:, chosen] = True
+        past.append({5: mask})
+    torch.testing.assert_close(logits, reference_chunks(tiny_llama_deep.model, chunks, past)[-1], atol=2e-5, rtol=1e-5)
+    assert all(layer.lengths() == [PROMPT, PROMPT] for layer in session.cache.layers)  # nothing dropped
+    assert torch.isfinite(session.step(int(logits.argmax()))).all()
+
+
+def test_omnikv_prefill_with_every_past_token_kept_is_the_chunked_dense_prefill_and_offload_changes_nothing(
+        tiny_llama_deep):
+    ids = random_ids(PROMPT, seed=69)
+    outs = {}
+    for name, params in {"dense": {}, "all": {"prefill_chunk": 128, "prefill_ratio": 100.0},
+                         "plain": {"prefill_chunk": 128}, "banked": {"prefill_chunk": 128, "offload": True}}.items():
+        session = Session(tiny_llama_deep, build_method("omnikv", filter_layers=[1, 3], **params), 24,
+                          sequence_length=PROMPT + 24)
+        outs[name] = decode(session, session.prefill(ids, compress=True)[0], 4)
+    for a, b in zip(outs["all"], outs["dense"]):  # chunked vs one-pass dense prefill: the same up to summation order
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(outs["plain"], outs["banked"]))
+    assert not torch.equal(outs["plain"][0], outs["all"][0])  # r = 2 at chunk 128 keeps 256 of 384: it changes something
+
+
+@pytest.mark.parametrize("selector", ["uniform", "exp"])
+def test_omnikv_window_selectors_keep_the_windows_prompt_tokens_and_k_tokens_in_all(tiny_llama_deep, selector):
+    method = build_method("omnikv", filter_layers=[1, 3], selector=selector, window=4)
+    chosen = []
+    select = method.select
+
+    def spy(layer, q, view, step, scaling):
+        out = select(layer, q, view, step, scaling)
+        if layer.layer_idx == 1:
+            chosen.append((layer.seen, step.shared["omnikv_selected"].clone()))
+        return out
+
+    method.select = spy
+    session = Session(tiny_llama_deep, method, 24, sequence_length=PROMPT + 24)
+    decode(session, session.prefill(random_ids(PROMPT, seed=70), compress=True)[0], 4)
+    for seen, picked in chosen:
+        window_prompt = [p for p in range(seen - 4, seen) if p < PROMPT]
+        assert len(picked) == 24 and set(window_prompt) <= set(picked.tolist())
+        assert torch.equal(picked, picked.sort().values)
+
+
+def test_omnikv_uniform_selector_over_one_query_is_the_softmax_last_selector(tiny_llama_deep):
+    ids = random_ids(PROMPT, seed=71)
+    outs = []
+    for params in ({"selector": "uniform", "window": 1}, {"score_space": "softmax"}):
+        session = Session(tiny_llama_deep, build_method("omnikv", filter_layers=[1, 3], **params), 24,
+                          sequence_length=PROMPT + 24)
+        outs.append(decode(session, session.prefill(ids, compress=True)[0], 4))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_omnikv_exp_selector_halves_each_older_querys_weight():
+    from kvbench.methods.omnikv import _window_score
+
+    keys = torch.eye(4)[None]  # one KV head, 4 keys; queries pick one key each, sharply
+    queries = 50 * torch.eye(4)[None, :3]  # window of 3 queries: keys 0, 1, 2
+    score = _window_score(queries, keys, 1, 1.0, "exp")
+    torch.testing.assert_close(score[:3], torch.tensor([0.25, 0.5, 1.0]), atol=1e-6, rtol=0)
+    torch.testing.assert_close(_window_score(queries, keys, 1, 1.0, "uniform")[:3], torch.ones(3), atol=1e-6, rtol=0)

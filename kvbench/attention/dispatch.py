@@ -143,8 +143,19 @@ def _continuation(layer: KVLayer, step: Step, query: torch.Tensor, scaling: floa
     view = layer.head_view()
     keys, values = view.keys, view.values
     lens = torch.tensor(layer.lengths(), device=query.device)
-    outside = step.method.offloaded(layer) if step.method is not None else None
-    if outside is not None:  # rows a method moved off the device are in this chunk's past too (a dense chunk)
+    method = step.method
+    context = None
+    if method is not None and step.plan is not None and step.plan.select is not None \
+            and not method.is_dense_layer(layer.layer_idx):
+        context = method.chunk_context(layer, query[0], step, scaling)
+    if context is not None:  # the method's past rows, then the chunk's own (each head's last q_len rows)
+        own = (lens[:, None] - q_len + torch.arange(q_len, device=query.device)).clamp(min=0)
+        own = own[..., None].expand(-1, -1, keys.shape[-1])
+        keys = torch.cat([context[0].to(keys.device), keys.gather(1, own)], dim=1)
+        values = torch.cat([context[1].to(values.device), values.gather(1, own)], dim=1)
+        lens = torch.full_like(lens, keys.shape[1])
+    elif (outside := method.offloaded(layer) if method is not None else None) is not None:
+        # rows a method moved off the device are in this chunk's past too (a dense chunk)
         keys = torch.cat([outside.keys.to(keys.device), keys], dim=1)
         values = torch.cat([outside.values.to(values.device), values], dim=1)
         lens = lens + outside.keys.shape[1]

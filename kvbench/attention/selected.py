@@ -42,7 +42,19 @@ def attended_per_head(selection: Selection) -> float:
 
 def _unpack(external: tuple) -> tuple:
     """(keys, values, valid or None) of a selection's rows from outside the storage."""
-    return external if len(external) == 3 else (*external, None)
+    return tuple(external[:3]) if len(external) >= 3 else (*external, None)
+
+
+def _weighted_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None,
+                        log_weights: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every query head of a group over rows `keys`/`values` [H_kv, m, D] whose logits carry a
+    per-query-head additive `log_weights` [H_kv, G, m] (fp32): (out [H_kv, G, D], lse [H_kv, G])."""
+    logits = torch.einsum("hgd,hmd->hgm", q.float(), keys.float()) * scaling + log_weights.float()
+    if valid is not None:
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.exp(logits - lse[..., None]).nan_to_num(0.0)
+    return torch.einsum("hgm,hmd->hgd", probs, values.float()).to(q.dtype), lse
 
 
 def _external_attention(
@@ -51,6 +63,9 @@ def _external_attention(
     """Attention over rows outside the layer's storage, computed where they live (CTKVR's host rows on the
     CPU; rows a method moved to the device there), with its log-sum-exp, returned on q's device."""
     keys, values, valid = _unpack(external)
+    if len(external) == 4:
+        out, lse = _weighted_attention(q.to(keys.device), keys, values, valid, external[3].to(keys.device), scaling)
+        return out.to(q.device), lse.to(q.device)
     every = torch.arange(keys.shape[1], device=keys.device).expand(q.shape[0], q.shape[1], -1)
     out, lse = topk_attention(q.to(keys.device), keys, values, every, scaling, valid, return_lse=True)
     return out.to(q.device), lse.to(q.device)

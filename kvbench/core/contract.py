@@ -5,6 +5,7 @@ context handed to the attention function and the hooks (`Step`)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +39,11 @@ class Plan:
 class Selection:
     """What a decode step attends to: `idx` [H_kv, G, k], per query head, the rows of the layer's storage.
 
-    - `external`: (keys, values[, valid]) [H_kv, m, D] ([H_kv, m] bool) from outside the layer's storage
-      (CTKVR's host segment, OmniKV's context bank), attended by every query head of the group where the
-      rows live; the two attentions merge exactly by log-sum-exp (the token sets must be disjoint).
+    - `external`: (keys, values[, valid[, log_weights]]) [H_kv, m, D] ([H_kv, m] bool; [H_kv, G, m] fp32) from
+      outside the layer's storage (CTKVR's host segment, OmniKV's context bank), attended by every query head
+      of the group where the rows live; the two attentions merge exactly by log-sum-exp (the token sets must
+      be disjoint). `log_weights` are added to each query head's logits of those rows (an importance-sampling
+      estimator's -log p, MagicPIG; -inf: a row that query head did not sample).
     - `weight`, `fallback`: the output is blended, `weight * out + (1 - weight) * fallback` (SparQ's mean
       value); weight [H_kv, G, 1], fallback [H_kv, G or 1, D].
     - `recall`: the step's top-k attention recall when only the method sees every row (else measured by the
@@ -85,6 +88,9 @@ class Step:
     query_window: int = 0  # queries each layer keeps for the method's scores (its observation window)
     measure_recall: bool = False  # selection methods: top-k attention-mass recall of this decode step
     shared: dict[str, Any] = dataclasses.field(default_factory=dict)  # the layers' common state (OmniKV)
+    # the model's rotary embedding: logical positions [N] -> (cos, sin) [N, D] fp32, for methods that work on
+    # pre-RoPE keys (ShadowKV's low-rank keys); None for a model without RoPE
+    rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
 
     @property
     def num_layers(self) -> int:

@@ -15,7 +15,7 @@ from kvbench.cache.kvcache import KVBenchCache
 from kvbench.core.contract import Plan, Step
 from kvbench.core.devices import sync
 from kvbench.methods.base import Method
-from kvbench.models import LoadedModel, model_head_dim
+from kvbench.models import LoadedModel, model_head_dim, rotary_of
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class Session:
         self.observe = False  # the method observes every attention call (H2O)
         self.measure_recall = False  # selection methods: top-k attention-mass recall of every decode step
         self.shared: dict[str, Any] = {}  # method state shared by the cache's layers (OmniKV)
+        self.rotary = rotary_of(lm)
         self.cache = cache if cache is not None else KVBenchCache(lm.model.config.num_hidden_layers)
         if cache is None:
             self.track_method_state(self.schedule is not None)
@@ -60,7 +61,8 @@ class Session:
 
     def step_context(self, evict: bool = False) -> Step:
         return Step(self.cache, self.method, self.plan, evict=evict, observe=self.observe,
-                    query_window=self.query_window, measure_recall=self.measure_recall, shared=self.shared)
+                    query_window=self.query_window, measure_recall=self.measure_recall, shared=self.shared,
+                    rotary=self.rotary)
 
     def track_method_state(self, live: bool) -> None:
         """Keep (and feed) the method's state only while an eviction event can still happen; free it after."""

@@ -13,6 +13,8 @@ attention function and `attention.hooks.evict_layer` call them, never the other 
   parameters (RocketKV's decomposition, Quest's page size), recorded with the sample.
 - `select(layer, q, view, step, scaling)` with `selects = True`: every decode step, `[H_kv, G, k]` indices
   (or a `Selection`), None for all tokens.
+- `chunk_context(layer, query, step, scaling)`: the past rows a multi-token chunk on top of the cache attends
+  to besides itself (None: everything, the dense default; OmniKV-prefill).
 - `build_derived(layer, step)`: state a selection reads (page summaries), kept current by its own
   `append` / `truncate`; `step_traffic(layer, selection, step)`: elements one decode step reads.
 
@@ -109,6 +111,13 @@ class Method:
     def offloaded(self, layer: "KVLayer") -> Any:
         """The rows this method moved off the layer's device storage (a `HostSegment`), or None: a dense
         chunk appended later (a question, a turn) attends to them too."""
+        return None
+
+    def chunk_context(self, layer: "KVLayer", query: torch.Tensor, step: Step,
+                      scaling: float) -> "tuple[torch.Tensor, torch.Tensor] | None":
+        """For a multi-token chunk attended on top of a cache (a prefill block, a question, a turn; `query`
+        `[H_q, q, D]`): the past keys and values `[H_kv, m, D]` the chunk attends to besides itself, causally,
+        or None for everything the layer holds (dense). OmniKV-prefill."""
         return None
 
     def step_traffic(self, layer: "KVLayer", selection: "Selection | None", step: Step) -> int:

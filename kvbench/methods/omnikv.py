@@ -13,8 +13,23 @@ but no filter layer (the layers after it need its selection).
 ends and only the selected rows come back each step (bytes moved are recorded); results equal
 `offload=false` bit for bit, since both attend to the same rows through the same path (the selected prompt
 rows and the generated tail, merged by log-sum-exp). The prompt is every token stored when the prompt (or a
-later turn's input) ends; a question appended after the compressed segment counts as prompt too. The
-paper's optional chunked "OmniKV-prefill" (App. D.10) is not implemented; its prefill is the dense one.
+later turn's input) ends; a question appended after the compressed segment counts as prompt too.
+
+Context selectors (§4.2, `selector`): `last` (the current query alone, the default and the released code's
+recommendation), `uniform` and `exp` over the window of the last `window` (16) queries, current included:
+s = sum_j alpha_j max_h softmax(Q_j K^T) (alpha_j = 1, or 2^(j - (w - 1)) with the newest 1), and, as the
+released code does, the window's own prompt tokens are kept outright and k shrinks by their count. Departures:
+each window query keeps the RoPE of its own position (the code rotates every window query with the current
+position, specs/omnikv.md §8.5), and exp scores are not accumulated across steps (the code's recursion, not
+the paper's Eq. 4).
+
+OmniKV-prefill (App. D.10, `prefill_chunk`): the compressed segment is fed in chunks of `prefill_chunk`
+tokens; in each chunk every filter layer scores the past tokens with the `uniform` selector over the chunk's
+queries (sum over the chunk of the max over query heads of the softmax over the past) and keeps the top
+r x chunk tokens (`prefill_ratio`, r = 2 recommended); the sparse layers of its segment attend causally to those
+tokens plus the chunk itself, the others densely. The paper gives neither the chunk size nor the masking
+(specs/omnikv.md §3.4): the chunk is a parameter (the spec's 4096; null: the dense prefill) and the softmax runs
+over the past tokens only. Nothing is dropped: the whole prompt is stored, and decoding is OmniKV's.
 
 Budget: by default the budget is k, the prompt tokens each sparse layer attends (spec §3.3 item 7). The
 paper compares with eviction baselines at equal GPU memory instead (§4.1): `budget_unit=memory` reads the
@@ -46,6 +61,10 @@ class OmniKV(Method):
     score_space: str = "logits"
     offload: bool = False
     budget_unit: str | None = None  # null/tokens: the budget is k; memory: it is the paper's Mem% (module doc)
+    selector: str = "last"  # last | uniform | exp (§4.2)
+    window: int = 16  # queries the uniform and exp selectors weigh (the paper's local window)
+    prefill_chunk: int | None = None  # OmniKV-prefill's chunk (App. D.10); null: the dense prefill
+    prefill_ratio: float = 2.0  # OmniKV-prefill's r: past tokens kept per chunk token
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -64,10 +83,23 @@ class OmniKV(Method):
             raise ValueError(f"budget_unit must be tokens, memory or null, not {self.budget_unit!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"offload must be true or false, got {self.offload!r}")
+        if self.selector not in ("last", "uniform", "exp"):
+            raise ValueError(f"selector must be last, uniform or exp, not {self.selector!r}")
+        if not is_int(self.window) or self.window < 1:
+            raise ValueError(f"window must be a positive number of queries, got {self.window!r}")
+        if self.prefill_chunk is not None and (not is_int(self.prefill_chunk) or self.prefill_chunk < 1):
+            raise ValueError(f"prefill_chunk must be a positive number of tokens or null, got {self.prefill_chunk!r}")
+        if isinstance(self.prefill_ratio, bool) or not isinstance(self.prefill_ratio, (int, float)) \
+                or self.prefill_ratio <= 0:
+            raise ValueError(f"prefill_ratio must be a positive number, got {self.prefill_ratio!r}")
+
+    @property
+    def obs_window(self) -> int:
+        return 0 if self.selector == "last" else self.window - 1  # the current query is the window's last
 
     def schedule(self) -> Schedule:
         # the events only mark where the prompt ends (and move the sparse layers' prompt KV to the bank)
-        return Schedule(block_size=None, decode_every=0, every_turn=True)
+        return Schedule(block_size=self.prefill_chunk, decode_every=0, every_turn=True)
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
@@ -112,11 +144,7 @@ class OmniKV(Method):
         if prompt is None or role in ("dense", "wait"):
             return None
         if role == "filter":
-            logits = torch.einsum("hgd,hnd->hgn", q.float(), view.keys[:, :prompt].float()) * scaling
-            if self.score_space == "softmax":
-                logits = torch.softmax(logits, dim=-1)
-            score = logits.flatten(0, 1).amax(dim=0)  # max over every query head: one set for the layer
-            shared["omnikv_selected"] = score.topk(min(step.plan.derived["k"], prompt)).indices.sort().values
+            shared["omnikv_selected"] = self._choose(layer, q, view.keys[:, :prompt], prompt, step, scaling)
             return None
         chosen = shared["omnikv_selected"]
         heads, group, _ = q.shape
@@ -140,6 +168,61 @@ class OmniKV(Method):
             recall = recall_of(q, everything, rows[None].expand(heads, -1), None, scaling)
         return Selection(tail.expand(heads, group, -1), external=(keys, values), recall=recall, moved_bytes=moved)
 
+    def _choose(self, layer, q, prompt_keys, prompt, step, scaling) -> torch.Tensor:
+        """The filter layer's sorted prompt-token set for this decode step (the context selector)."""
+        k = min(step.plan.derived["k"], prompt)
+        if self.selector == "last":
+            logits = torch.einsum("hgd,hnd->hgn", q.float(), prompt_keys.float()) * scaling
+            if self.score_space == "softmax":
+                logits = torch.softmax(logits, dim=-1)
+            score = logits.flatten(0, 1).amax(dim=0)  # max over every query head: one set for the layer
+            return score.topk(k).indices.sort().values
+        queries = q.reshape(-1, 1, q.shape[-1])  # [H_q, 1, D]: query head h * G + g
+        past, past_positions = layer.queries, layer.query_positions
+        if past is not None and self.window > 1:
+            queries = torch.cat([past[:, -(self.window - 1):], queries], dim=1)
+            positions = torch.cat([past_positions[-(self.window - 1):], past_positions.new_tensor([layer.seen - 1])])
+        else:
+            positions = torch.tensor([layer.seen - 1], device=q.device)
+        score = _window_score(queries, prompt_keys, q.shape[0], scaling, self.selector)
+        forced = positions[positions < prompt].long()  # the window's own prompt tokens are kept outright
+        score[forced] = float("-inf")
+        top = score.topk(max(0, min(k - forced.numel(), prompt - forced.numel()))).indices
+        return torch.cat([top, forced]).sort().values
+
+    # -- OmniKV-prefill: a prompt chunk's sparse layers attend to the filter layer's choice plus the chunk ----
+    def chunk_context(self, layer, query, step, scaling):
+        if self.prefill_chunk is None:
+            return None
+        role, q_len = self.role(layer.layer_idx), query.shape[1]
+        if role in ("dense", "wait"):
+            return None
+        keys, values = self._past(layer, q_len)
+        past = keys.shape[1]
+        if role == "filter":
+            k = round(self.prefill_ratio * q_len)
+            chosen = None
+            if k < past:
+                score = _window_score(query, keys, layer.num_heads, scaling, "uniform")
+                chosen = score.topk(k).indices.sort().values
+            step.shared["omnikv_prefill_selected"] = chosen
+            return None
+        chosen = step.shared.get("omnikv_prefill_selected")
+        if chosen is None:
+            return None  # everything past fits the ratio: dense
+        return keys.index_select(1, chosen.to(keys.device)), values.index_select(1, chosen.to(values.device))
+
+    @staticmethod
+    def _past(layer, q_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token before the chunk, in position order: the bank's rows, then the storage's."""
+        view = layer.head_view()
+        keys, values = view.keys[:, : view.keys.shape[1] - q_len], view.values[:, : view.values.shape[1] - q_len]
+        bank = layer.derived.get("bank")
+        if bank is not None:
+            keys = torch.cat([bank.keys.to(keys.device), keys], dim=1)
+            values = torch.cat([bank.values.to(values.device), values], dim=1)
+        return keys, values
+
     def offloaded(self, layer):
         return layer.derived.get("bank")
 
@@ -148,3 +231,16 @@ class OmniKV(Method):
             return super().step_traffic(layer, None, step)
         heads = selection.idx.shape[0]
         return 2 * layer.head_dim * heads * (selection.idx.shape[-1] + selection.external[0].shape[1])
+
+
+def _window_score(queries: torch.Tensor, keys: torch.Tensor, kv_heads: int, scaling: float, selector: str) -> torch.Tensor:
+    """s = sum_j alpha_j max_h softmax(Q_j K^T) over the window's queries `[H_q, w, D]` and keys `[H_kv, n, D]`
+    (uniform: alpha = 1; exp: 2^(j - (w - 1)), the newest 1): `[n]` fp32."""
+    heads, width, dim = queries.shape
+    grouped = queries.reshape(kv_heads, heads // kv_heads * width, dim).float()
+    probs = torch.softmax(torch.einsum("hqd,hnd->hqn", grouped, keys.float()) * scaling, dim=-1)
+    best = probs.view(heads, width, -1).amax(dim=0)  # [w, n]: max over every query head
+    if selector == "exp":
+        alpha = torch.pow(2.0, torch.arange(width, device=best.device, dtype=torch.float32) - (width - 1))
+        return (alpha[:, None] * best).sum(dim=0)
+    return best.sum(dim=0)
