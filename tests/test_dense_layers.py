@@ -24,6 +24,8 @@ CASES = {
     "rocketkv": {"window": 8, "last_prompt_token_via_decode": False},
     "ctkvr": {"n_init": 8, "n_local": 16, "max_centroids": 64},
     "omnikv": {"filter_layers": [2, 4]},
+    "magicpig": {"n_local": 16, "dense_layers": None},
+    "shadowkv": {"local_chunks": 1, "outlier_chunks": 2},
 }
 
 

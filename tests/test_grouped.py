@@ -86,7 +86,11 @@ def _samples(lm, n: int = 2):
 
 # uniform, ragged, selection, decode-time eviction, two-stage, block-wise prefill, host rows (CTKVR, OmniKV)
 GRID = [("full", {}, 64), ("adakv", {}, 48), ("exact_topk", {}, 32), ("snapkv", {"decode_every": 1}, 40),
-        ("rocketkv", {}, 48), ("keydiff", {}, 48), ("ctkvr", {}, 32), ("omnikv", {"filter_layers": [0], "offload": True}, 16)]
+        ("rocketkv", {}, 48), ("keydiff", {}, 48), ("ctkvr", {}, 32), ("omnikv", {"filter_layers": [0], "offload": True}, 16),
+        # the seeds' baselines: per-head streaming, LSH sampling, low-rank keys, block memory, ANN retrieval
+        ("duoattention", {"pattern": "tiny_llama"}, 24), ("magicpig", {"n_local": 8, "dense_layers": None}, 16),
+        ("shadowkv", {"local_chunks": 1, "outlier_chunks": 2}, 16), ("infllm", {"memory_block_size": 8}, 48),
+        ("retrieval_attention", {"n_init": 4, "n_local": 8}, 8)]
 
 
 def _grouped_vs_alone(lm, compress_question: bool, batch_rows: int = 1) -> list[tuple[dict, dict]]:

@@ -205,4 +205,4 @@ def test_method_configs_build_under_their_methods_name(variant):
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         cfg = compose("config", overrides=[f"method={variant}"])
     assert cfg.method.name in METHODS and (variant == cfg.method.name or variant.startswith(cfg.method.name + "_"))
-    build_method(cfg.method.name, **{k: v for k, v in OmegaConf.to_container(cfg.method).items() if k != "name"})
+    build_method(cfg.method.name, **{k: v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items() if k != "name"})

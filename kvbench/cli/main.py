@@ -70,6 +70,10 @@ def main() -> None:
         from kvbench.cli.analyze import main as analyze_main
 
         sys.exit(analyze_main(sys.argv[2:]))
+    if sys.argv[1:2] == ["calibrate"]:  # `kvbench calibrate METHOD ...`: what a method needs first (DuoAttention)
+        from kvbench.cli.calibrate import main as calibrate_main
+
+        sys.exit(calibrate_main(sys.argv[2:]))
     try:
         sys.argv[1:] = check_command(sys.argv[1:])
     except KVBenchError as exc:
