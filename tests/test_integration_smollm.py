@@ -194,3 +194,29 @@ def test_retrieval_methods_run_on_the_embedded_model(smollm2, retrieval_samples,
         assert 0 < record["topk_recall"] <= 1 + 1e-6
         if name == "ctkvr":
             assert record["host_bytes_end"] > 0 and record["decode_method_stats"]["recall_size"] > 0
+
+
+BASELINES = ["duoattention", "magicpig", "shadowkv", "infllm", "retrieval_attention", "exact_topk_flat"]
+
+
+def test_the_seeds_baselines_run_as_one_grouped_sweep_on_niah_at_2k(tmp_path):
+    """Issue 23's bar: every baseline runs through `python -m kvbench` on ruler_niah_single_2 at 2K tokens, in
+    one grouped multirun, and writes scored records with its traffic and storage."""
+    args = ["-m", f"method={','.join(BASELINES)}", "budget=768", "task=ruler_niah_single_2", "task.seq_len=2048",
+            "task.num_samples=1", f"results_dir={tmp_path}"]
+    result = subprocess.run([sys.executable, "-m", "kvbench", *args], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-2000:]
+    records = {}
+    for path in tmp_path.rglob("records.jsonl"):
+        (record,) = [json.loads(line) for line in path.read_text().splitlines()]
+        records[json.loads((path.parent / "summary.json").read_text())["method"]] = record
+    assert sorted(records) == sorted({"duoattention", "magicpig", "shadowkv", "infllm", "retrieval_attention",
+                                      "exact_topk"})
+    for name, record in records.items():
+        assert record["compressed"] and record["score"] is not None, name
+        assert record["decode_read_tokens_per_group"] > 0 and record["storage_ratio_table1"] > 0, name
+    for name in ("magicpig", "shadowkv", "infllm", "retrieval_attention"):  # rows moved to host memory
+        assert records[name]["host_bytes_end"] > 0, name
+    duo = records["duoattention"]["budget_plan"]  # t = 768 > 640: some heads retrieve
+    assert 0 < duo["retrieval_heads"] < 90

@@ -257,7 +257,7 @@ def _row_fields(spec: ReportSpec, points: pd.DataFrame, grid: list[dict[str, str
     points never share a cell. The series field (method) is always a row field."""
     swept = list(grid[0]) if grid else []
     candidates = list(dict.fromkeys([*spec.rows, *IDENTITY, *swept]))
-    exclude = {spec.x} if spec.columns == "budget" else set()
+    exclude = {spec.x, f"task.{spec.x}"} if spec.columns == "budget" else set()  # a grid sweeps task.seq_len
     fields = [c for c in _varying(points, grid, candidates) if c not in exclude]
     if spec.series not in fields:
         fields.append(spec.series)
@@ -288,7 +288,7 @@ def main_table(source: Source, points: pd.DataFrame, subtasks: pd.DataFrame) -> 
     ident = _norm_frame(points, rows)
     _refuse_shared_cells(points, ident, spec)
     if spec.columns == "budget":
-        columns = sorted({norm(v) for v in points.get(spec.x, [])} | {p.get(spec.x, "-") for p in grid or []},
+        columns = sorted({norm(v) for v in points.get(spec.x, [])} | {_grid_x(p, spec.x) for p in grid or []},
                          key=_sort_key)
         values = {(tuple(r), norm(x)): s for r, x, s in zip(ident.itertuples(index=False), points[spec.x],
                                                                points["score"])}
@@ -306,7 +306,7 @@ def main_table(source: Source, points: pd.DataFrame, subtasks: pd.DataFrame) -> 
     row_ids = list(dict.fromkeys([tuple(r) for r in ident.itertuples(index=False)]
                                  + [tuple(p.get(f, "-") for f in rows) for p in grid or []]))
     expected = {tuple(p.get(f, "-") for f in rows): p for p in grid or []}
-    missing = {tuple(p.get(f, "-") for f in rows) + ((p.get(spec.x, "-"),) if spec.columns == "budget" else ())
+    missing = {tuple(p.get(f, "-") for f in rows) + ((_grid_x(p, spec.x),) if spec.columns == "budget" else ())
                for p in missing_points(points, grid)}
     recorded_rows = set(map(tuple, ident.values))
     table = []
@@ -334,6 +334,11 @@ def main_table(source: Source, points: pd.DataFrame, subtasks: pd.DataFrame) -> 
         out = _as_delta(out, rows, spec)
     out.attrs.update(row_fields=rows, value_columns=[c for c in out.columns if c not in rows])
     return out
+
+
+def _grid_x(point: dict[str, str], x: str) -> str:
+    """A grid point's value of the x axis (a grid names the record's `seq_len` by its sweep key, `task.seq_len`)."""
+    return point.get(x, point.get(f"task.{x}", "-"))
 
 
 def _refuse_shared_cells(points: pd.DataFrame, ident: pd.DataFrame, spec: ReportSpec) -> None:
