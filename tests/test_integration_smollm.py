@@ -8,6 +8,7 @@ import sys
 
 import pytest
 from kvbench.tasks.ruler import Ruler
+from omegaconf import OmegaConf
 from reference import kept_masks, reference_logits
 
 from kvbench.engine.config import EngineConfig
@@ -210,7 +211,7 @@ def test_the_seeds_baselines_run_as_one_grouped_sweep_on_niah_at_2k(tmp_path):
     records = {}
     for path in tmp_path.rglob("records.jsonl"):
         (record,) = [json.loads(line) for line in path.read_text().splitlines()]
-        records[json.loads((path.parent / "summary.json").read_text())["method"]] = record
+        records[OmegaConf.load(path.parent / "config.yaml").method.name] = record
     assert sorted(records) == sorted({"duoattention", "magicpig", "shadowkv", "infllm", "retrieval_attention",
                                       "exact_topk"})
     for name, record in records.items():
