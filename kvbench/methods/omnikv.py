@@ -61,10 +61,11 @@ class OmniKV(Method):
     score_space: str = "logits"
     offload: bool = False
     budget_unit: str | None = None  # null/tokens: the budget is k; memory: it is the paper's Mem% (module doc)
-    selector: str = "last"  # last | uniform | exp (§4.2)
-    window: int = 16  # queries the uniform and exp selectors weigh (the paper's local window)
+    # null defaults keep the point identities of runs made before these options existed
+    selector: str | None = None  # null/last | uniform | exp (§4.2)
+    window: int | None = None  # queries the uniform and exp selectors weigh; null: the paper's 16
     prefill_chunk: int | None = None  # OmniKV-prefill's chunk (App. D.10); null: the dense prefill
-    prefill_ratio: float = 2.0  # OmniKV-prefill's r: past tokens kept per chunk token
+    prefill_ratio: float | None = None  # OmniKV-prefill's r: past tokens kept per chunk token; null: 2
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -83,19 +84,28 @@ class OmniKV(Method):
             raise ValueError(f"budget_unit must be tokens, memory or null, not {self.budget_unit!r}")
         if not isinstance(self.offload, bool):
             raise ValueError(f"offload must be true or false, got {self.offload!r}")
-        if self.selector not in ("last", "uniform", "exp"):
-            raise ValueError(f"selector must be last, uniform or exp, not {self.selector!r}")
-        if not is_int(self.window) or self.window < 1:
-            raise ValueError(f"window must be a positive number of queries, got {self.window!r}")
+        if self.selector not in (None, "last", "uniform", "exp"):
+            raise ValueError(f"selector must be last, uniform, exp or null, not {self.selector!r}")
+        if self.window is not None and (not is_int(self.window) or self.window < 1):
+            raise ValueError(f"window must be a positive number of queries or null, got {self.window!r}")
         if self.prefill_chunk is not None and (not is_int(self.prefill_chunk) or self.prefill_chunk < 1):
             raise ValueError(f"prefill_chunk must be a positive number of tokens or null, got {self.prefill_chunk!r}")
-        if isinstance(self.prefill_ratio, bool) or not isinstance(self.prefill_ratio, (int, float)) \
-                or self.prefill_ratio <= 0:
-            raise ValueError(f"prefill_ratio must be a positive number, got {self.prefill_ratio!r}")
+        if self.prefill_ratio is not None and (isinstance(self.prefill_ratio, bool)
+                                               or not isinstance(self.prefill_ratio, (int, float))
+                                               or self.prefill_ratio <= 0):
+            raise ValueError(f"prefill_ratio must be a positive number or null, got {self.prefill_ratio!r}")
+
+    @property
+    def context_selector(self) -> str:
+        return self.selector or "last"
+
+    @property
+    def window_size(self) -> int:
+        return self.window or 16
 
     @property
     def obs_window(self) -> int:
-        return 0 if self.selector == "last" else self.window - 1  # the current query is the window's last
+        return 0 if self.context_selector == "last" else self.window_size - 1  # the current query is the last
 
     def schedule(self) -> Schedule:
         # the events only mark where the prompt ends (and move the sparse layers' prompt KV to the bank)
@@ -171,7 +181,7 @@ class OmniKV(Method):
     def _choose(self, layer, q, prompt_keys, prompt, step, scaling) -> torch.Tensor:
         """The filter layer's sorted prompt-token set for this decode step (the context selector)."""
         k = min(step.plan.derived["k"], prompt)
-        if self.selector == "last":
+        if self.context_selector == "last":
             logits = torch.einsum("hgd,hnd->hgn", q.float(), prompt_keys.float()) * scaling
             if self.score_space == "softmax":
                 logits = torch.softmax(logits, dim=-1)
@@ -179,12 +189,13 @@ class OmniKV(Method):
             return score.topk(k).indices.sort().values
         queries = q.reshape(-1, 1, q.shape[-1])  # [H_q, 1, D]: query head h * G + g
         past, past_positions = layer.queries, layer.query_positions
-        if past is not None and self.window > 1:
-            queries = torch.cat([past[:, -(self.window - 1):], queries], dim=1)
-            positions = torch.cat([past_positions[-(self.window - 1):], past_positions.new_tensor([layer.seen - 1])])
+        width = self.window_size
+        if past is not None and width > 1:
+            queries = torch.cat([past[:, -(width - 1):], queries], dim=1)
+            positions = torch.cat([past_positions[-(width - 1):], past_positions.new_tensor([layer.seen - 1])])
         else:
             positions = torch.tensor([layer.seen - 1], device=q.device)
-        score = _window_score(queries, prompt_keys, q.shape[0], scaling, self.selector)
+        score = _window_score(queries, prompt_keys, q.shape[0], scaling, self.context_selector)
         forced = positions[positions < prompt].long()  # the window's own prompt tokens are kept outright
         score[forced] = float("-inf")
         top = score.topk(max(0, min(k - forced.numel(), prompt - forced.numel()))).indices
@@ -200,7 +211,7 @@ class OmniKV(Method):
         keys, values = self._past(layer, q_len)
         past = keys.shape[1]
         if role == "filter":
-            k = round(self.prefill_ratio * q_len)
+            k = round((self.prefill_ratio or 2.0) * q_len)
             chosen = None
             if k < past:
                 score = _window_score(query, keys, layer.num_heads, scaling, "uniform")
