@@ -29,10 +29,10 @@ from kvbench.results.store import RecordStore, point_hash
 
 def write_point(root: Path, method: str, budget, scores: dict[str, list[float]], *, task: str = "suite",
                 model: str = "m", compress_question: bool = True, kept=None, meta=None, dtype=None,
-                reads: float | None = None) -> None:
+                reads: float | None = None, seq_len: int = 2048) -> None:
     point = {"model": model, "task": task, "method": method, "budget": None if method == "full" else budget,
-             "compress_question": compress_question, "seq_len": 2048, **({"dtype": dtype} if dtype else {})}
-    run_dir = root / f"{model}-{task}-{method}-{budget}-{compress_question}{dtype or ''}"
+             "compress_question": compress_question, "seq_len": seq_len, **({"dtype": dtype} if dtype else {})}
+    run_dir = root / f"{model}-{task}-{method}-{budget}-{compress_question}{dtype or ''}-{seq_len}"
     (run_dir / ".").mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(f"method:\n  name: {method}\n  window: 32\ntask:\n  name: {task}\n"
                                          f"budget: {budget}\n")
@@ -72,6 +72,21 @@ def test_budget_table_suite_mean_and_missing_cells(tmp_path: Path) -> None:
     assert table.loc["full", "64"] == table.loc["full", "128"] == pytest.approx(100.0)
     assert missing_points(points, grid) == [{"model": "m", "task": "suite", "method": "snapkv", "budget": "128",
                                                 "compress_question": "true"}]
+
+
+def test_context_length_columns_from_a_swept_task_seq_len(tmp_path: Path) -> None:
+    """CTKVR Table 1's layout: methods x budgets as rows, the swept context lengths as columns."""
+    for seq_len, score in ((1024, 1.0), (2048, 0.5)):
+        write_point(tmp_path, "full", None, {"a": [score]}, seq_len=seq_len)
+    write_point(tmp_path, "snapkv", 64, {"a": [0.0]}, seq_len=1024)
+    grid = expected_grid({"method": "full,snapkv", "budget": "64", "task.seq_len": "1024,2048"},
+                         {"model": "m", "task": "suite", "method": "full", "budget": 64, "compress_question": True})
+    points, subtasks = point_scores(collect(tmp_path))
+    spec = {"x": "seq_len", "rows": ("method", "budget")}
+    table = main_table(source(tmp_path, grid, **spec), points, subtasks).set_index("method")
+    assert list(table.columns)[-2:] == ["1024", "2048"] and len(table) == 2  # one row per method, not per length
+    assert table.loc["full", "1024"] == pytest.approx(100.0) and table.loc["full", "2048"] == pytest.approx(50.0)
+    assert table.loc["snapkv", "1024"] == pytest.approx(0.0) and table.loc["snapkv", "2048"] == MISSING
 
 
 def test_subtask_and_category_tables_with_delta(tmp_path: Path) -> None:
