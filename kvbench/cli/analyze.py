@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from kvbench.analysis.runner import claims, run_claim
-from kvbench.config.paths import compose_config
+from kvbench.config.paths import compose_command_config
 from kvbench.config.validate import check_group_overrides
 from kvbench.core.errors import KVBenchError
 
@@ -31,13 +31,7 @@ def list_claims() -> str:
 
 
 def compose(overrides: Sequence[str]):
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        return compose_config(overrides, name="analyze")
-    except (HydraException, OmegaConfBaseException) as err:
-        raise KVBenchError(str(err).splitlines()[0]) from None
+    return compose_command_config(overrides, "analyze")
 
 
 def main(argv: Sequence[str]) -> int:

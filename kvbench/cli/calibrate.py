@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvbench.config.paths import compose_config
+from kvbench.config.paths import compose_command_config
 from kvbench.config.validate import check_group_overrides
 from kvbench.core.errors import KVBenchError
 
@@ -25,13 +25,7 @@ sidecar (settings, loss curve, seed, kvbench commit). `method=duoattention` read
 
 
 def compose(overrides: Sequence[str]):
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
-    try:
-        return compose_config(overrides, name="calibrate")
-    except (HydraException, OmegaConfBaseException) as err:
-        raise KVBenchError(str(err).splitlines()[0]) from None
+    return compose_command_config(overrides, "calibrate")
 
 
 def main(argv: Sequence[str]) -> int:

@@ -87,6 +87,17 @@ def compose_config(overrides: Sequence[str] = (), return_hydra_config: bool = Fa
         return compose(name, overrides=list(overrides), return_hydra_config=return_hydra_config)
 
 
+def compose_command_config(overrides: Sequence[str], name: str) -> Any:
+    """`compose_config` for a command of its own (`analyze`, `calibrate`): Hydra's error as one KVBenchError line."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        return compose_config(overrides, name=name)
+    except (HydraException, OmegaConfBaseException) as err:
+        raise KVBenchError(str(err).splitlines()[0]) from None
+
+
 def experiment_config(name: str, overrides: Sequence[str] = ()) -> Any:
     """Experiment preset `name` composed as a sweep would compose it, Hydra's own config (the sweep grid in
     ``hydra.sweeper.params``) included."""

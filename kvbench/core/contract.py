@@ -34,6 +34,11 @@ class Plan:
     select: int | None  # per-step selection budget (None: every decode step attends to everything)
     derived: dict[str, Any] = dataclasses.field(default_factory=dict)  # parameters derived from the budget
 
+    @classmethod
+    def full_attention(cls) -> "Plan":
+        """A budget at or above the sequence: nothing evicted, every step attends to everything."""
+        return cls(evict=None, select=None, derived={"full_attention": True})
+
 
 @dataclass
 class Selection:

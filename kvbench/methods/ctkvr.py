@@ -157,7 +157,7 @@ class CTKVR(Method):
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
-            return Plan(evict=None, select=None, derived={"full_attention": True})
+            return Plan.full_attention()
         prompt = sequence_length - new_tokens
         centroids = min(self.max_centroids, max(1, prompt // 16))
         local = self.n_local if self.n_local is not None else max(centroids, round(0.05 * prompt))

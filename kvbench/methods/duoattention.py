@@ -178,7 +178,7 @@ class DuoAttention(EvictionMethod):
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
-            return Plan(evict=None, select=None, derived={"full_attention": True})
+            return Plan.full_attention()
         if num_layers is not None:
             self.check_shape(num_layers)
         layers, kv_heads = self.gates.shape

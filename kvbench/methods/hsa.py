@@ -92,7 +92,7 @@ class HSA(Method):
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
-            return Plan(evict=None, select=None, derived={"full_attention": True})
+            return Plan.full_attention()
         return Plan(evict=None, select=budget, derived={"c2": sequence_length / budget, "k2": budget // 2,
                                                         **hsa_parameters(sequence_length / budget, head_dim)})
 

@@ -232,7 +232,7 @@ class InfLLM(Method):
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
-            return Plan(evict=None, select=None, derived={"full_attention": True})
+            return Plan.full_attention()
         block = self.memory_block_size
         init = min(self.n_init, budget // 8)
         topk = self.topk if self.topk is not None else (budget - init) // (3 * block)

@@ -174,7 +174,7 @@ class MagicPIG(Method):
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
-            return Plan(evict=None, select=None, derived={"full_attention": True})
+            return Plan.full_attention()
         # the budget sets nothing else: the samples per step are dynamic (module doc)
         return Plan(evict=budget, select=budget, derived={
             "K": self.K, "L": self.L, "min_collisions": MIN_COLLISIONS, "n_sink": self.n_sink,

@@ -113,7 +113,7 @@ class OmniKV(Method):
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
-            return Plan(evict=None, select=None, derived={"full_attention": True})
+            return Plan.full_attention()
         derived = {"k": budget, "filter_layers": list(self.filter_layers)}
         if self.budget_unit == "memory":
             if num_layers is None:

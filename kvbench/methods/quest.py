@@ -50,7 +50,7 @@ class Quest(Method):
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
-            return Plan(evict=None, select=None, derived={"full_attention": True})
+            return Plan.full_attention()
         page = self.page_size or max(1, round(2 * sequence_length / budget))
         attended = budget if self.budget_unit == "attended" else budget // 2
         return Plan(evict=None, select=budget, derived={"page_size": page, "k2": attended})

@@ -223,7 +223,7 @@ class RetrievalAttention(Method):
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
-            return Plan(evict=None, select=None, derived={"full_attention": True})
+            return Plan.full_attention()
         return Plan(evict=budget, select=budget, derived={
             "k": budget, "ef_search": self.ef_search or budget, "n_init": self.n_init, "n_local": self.n_local})
 

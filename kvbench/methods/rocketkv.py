@@ -87,7 +87,7 @@ class RocketKV(EvictionMethod):
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
-            return Plan(evict=None, select=None, derived={"full_attention": True})
+            return Plan.full_attention()
         derived = rocket_plan(sequence_length, budget, head_dim, new_tokens, self.split)
         return Plan(evict=derived["prompt_budget"], select=budget, derived=derived)
 

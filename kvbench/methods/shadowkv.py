@@ -178,7 +178,7 @@ class ShadowKV(Method):
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
-            return Plan(evict=None, select=None, derived={"full_attention": True})
+            return Plan.full_attention()
         return Plan(evict=budget, select=budget, derived={
             "sparse_budget": budget, "select_chunks": budget // self.chunk_size, "chunk_size": self.chunk_size,
             "outlier_chunks": self.outlier_chunks, "local_chunks": self.local_chunks,

@@ -77,7 +77,7 @@ class SparQ(Method):
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
-            return Plan(evict=None, select=None, derived={"full_attention": True})
+            return Plan.full_attention()
         compression = sequence_length / budget
         r = max(1, min(head_dim, round(head_dim / compression)))
         return Plan(evict=None, select=budget, derived={"r": r, "k2": max(1, round(budget / 2))})
