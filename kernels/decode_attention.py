@@ -13,6 +13,8 @@ tensors live and their dtype; every choice computes the same function, documente
   blocks for long query chunks); the matmuls stream K and V once at the BLAS's rate. The logits are rounded
   to the model's dtype before the float32 softmax, exactly as transformers' own eager attention does
   (`matmul(q, k^T) * scaling` in the model dtype); `tests/test_decode_attention.py` bounds the difference.
+  A small ragged layer is copied into one padded batch with per-head lengths (`PADDED_COPY_ROWS`), a large
+  one is attended head by head on views.
 - **CUDA**: a ragged layer runs the Triton kernel (`ragged_decode_attention_triton`); a uniform one runs SDPA
   restricted to the flash, memory-efficient and math backends. cuDNN's backend is left out for decode: it
   builds a new plan for every new KV length, which cost more than the attention itself on an H100 (docs/gpu).
@@ -52,6 +54,14 @@ def decode_attention(
     if not uniform and use_triton(q, keys, values):
         offsets = torch.as_tensor(list(starts), dtype=torch.int64, device=q.device)
         return ragged_decode_attention_triton(q, keys, values, offsets, lens, scaling)
+    low_precision_cpu = q.dtype != torch.float32 and not q.is_cuda
+    width = -(-max(lens) // WIDTH_STEP) * WIDTH_STEP
+    if not uniform and low_precision_cpu and n_kv * width <= PADDED_COPY_ROWS:
+        rows = torch.as_tensor(list(starts), device=q.device)[:, None] + torch.arange(width, device=q.device)
+        rows = rows.clamp_(max=keys.shape[0] - 1).view(-1)  # rows past a head's length get no weight
+        padded_keys, padded_values = (t.index_select(0, rows).view(n_kv, width, dim) for t in (keys, values))
+        lengths = torch.as_tensor(list(lens), device=q.device)
+        return decode_attention_matmul(q, padded_keys, padded_values, scaling, lengths, width)
     if uniform:  # [H_kv, cap, D] views of the buffers
         head_keys = [keys[: n_kv * caps[0]].view(n_kv, caps[0], dim)]
         head_values = [values[: n_kv * caps[0]].view(n_kv, caps[0], dim)]
@@ -73,13 +83,18 @@ def decode_attention(
 
 
 WIDTH_STEP = 64
+# A ragged layer on the low-precision CPU path is copied into one padded [H_kv, width, D] batch when that is at
+# most this many rows: one batched call instead of one per head (each oneDNN call on a few hundred rows costs
+# about as much as copying a thousand), so Ada-KV's small ragged layers cost what a uniform one does. Larger
+# ragged layers keep one call per head on views, which reads each row once.
+PADDED_COPY_ROWS = 4096
 
 
 def decode_attention_matmul(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
-                            length: int, width: int) -> torch.Tensor:
-    """q [H, G, D] over the first `length` rows of keys/values [H, >= width, D]: logits by a batched matmul in
-    q's dtype, a float32 softmax, the probabilities cast back and multiplied with the values (transformers'
-    eager attention, per KV group).
+                            length: int | torch.Tensor, width: int) -> torch.Tensor:
+    """q [H, G, D] over the first `length` rows of keys/values [H, >= width, D] (an int, or one length per
+    head `[H]`): logits by a batched matmul in q's dtype, a float32 softmax, the probabilities cast back and
+    multiplied with the values (transformers' eager attention, per KV group).
 
     The matmuls run over `width` >= `length` rows with the logits past `length` set to -inf (zero weight):
     oneDNN builds a kernel for every new matrix shape (about 0.6 ms on a 2-core CPU, more than the attention
@@ -89,7 +104,11 @@ def decode_attention_matmul(q: torch.Tensor, keys: torch.Tensor, values: torch.T
     """
     keys, values = keys[:, :width], values[:, :width]
     logits = torch.matmul(keys, q.transpose(-1, -2)).transpose(-1, -2).float() * scaling
-    logits[..., length:] = float("-inf")
+    if isinstance(length, int):
+        logits[..., length:] = float("-inf")
+    else:
+        past = torch.arange(width, device=logits.device) >= length[:, None]  # [H, width]
+        logits.masked_fill_(past[:, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1).to(values.dtype)
     return torch.matmul(probs, values)
 

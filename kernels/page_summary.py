@@ -46,29 +46,36 @@ def page_minmax_triton(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor
 
 
 def page_scores(
-    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, dims: torch.Tensor, positive: torch.Tensor
+    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, dims: torch.Tensor | None, positive: torch.Tensor
 ) -> torch.Tensor:
     """`page_scores_reference`'s result, computed by the Triton kernel when `use_triton` allows it."""
-    impl = page_scores_triton if use_triton(q, kmin, kmax, dims, positive) else page_scores_reference
-    return impl(q, kmin, kmax, dims, positive)
+    if use_triton(q, kmin, kmax, positive):
+        if dims is None:
+            dims = torch.arange(q.shape[-1], device=q.device).expand(q.shape[0], -1)
+        return page_scores_triton(q, kmin, kmax, dims, positive)
+    return page_scores_reference(q, kmin, kmax, dims, positive)
 
 
 def page_scores_reference(
-    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, dims: torch.Tensor, positive: torch.Tensor
+    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, dims: torch.Tensor | None, positive: torch.Tensor
 ) -> torch.Tensor:
     """Sign-aware page score bounds over chosen head dimensions (PyTorch).
 
     q: [H, G, D] (query head h*G + g uses KV head h); kmin/kmax: [H, P, D]; dims: [H, k1] int64 head
-    dimensions (shared by the group); positive: [H, G, k1] bool (or [H, 1, k1], broadcast over the group),
-    which bound each dimension reads. Returns [H, G, P] fp32:
+    dimensions (shared by the group), or None for all D in order; positive: [H, G, k1] bool (or [H, 1, k1],
+    broadcast over the group), which bound each dimension reads. Returns [H, G, P] fp32:
     out[h, g, p] = sum_j q[h, g, dims[h, j]] * (kmax if positive[h, g, j] else kmin)[h, p, dims[h, j]].
     With all dimensions and positive = q > 0 this is Quest's bound, >= q . k for every key k of the page.
     """
-    heads, group, _ = q.shape
-    k1 = dims.shape[1]
-    q_sel = q.float().gather(2, dims[:, None, :].expand(heads, group, k1))  # [H, G, k1]
-    lo = kmin.gather(2, dims[:, None, :].expand(heads, kmin.shape[1], k1)).float()  # [H, P, k1]
-    hi = kmax.gather(2, dims[:, None, :].expand(heads, kmax.shape[1], k1)).float()
+    heads, group, dim = q.shape
+    if dims is None:  # no gather: the same contiguous values an identity gather copies (bitwise)
+        k1 = dim
+        q_sel, lo, hi = q.float(), kmin.float(), kmax.float()
+    else:
+        k1 = dims.shape[1]
+        q_sel = q.float().gather(2, dims[:, None, :].expand(heads, group, k1))  # [H, G, k1]
+        lo = kmin.gather(2, dims[:, None, :].expand(heads, kmin.shape[1], k1)).float()  # [H, P, k1]
+        hi = kmax.gather(2, dims[:, None, :].expand(heads, kmax.shape[1], k1)).float()
     pos = positive.expand(heads, group, k1)
     # split by bound so that no [H, G, P, k1] tensor is built
     return torch.einsum("hgk,hpk->hgp", q_sel * pos, hi) + torch.einsum("hgk,hpk->hgp", q_sel * ~pos, lo)

@@ -19,7 +19,7 @@ each method's floor and its ratio at both:
 
 - `stream`: the best of several passes of `torch.sum` over a buffer far larger than the caches: the rate
   at which this machine's memory can be read at all (a STREAM-style bound);
-- `gemv`: the model's own linear layers run back to back on one token: the rate at which PyTorch's
+- `gemv`: the model's own weight products run back to back on one token: the rate at which PyTorch's
   matrix-vector kernels stream these weights (oneDNN in bfloat16, MKL in float32), the most any decode step
   built on them can reach.
 
@@ -44,7 +44,7 @@ from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import _prefill_segment
 from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.methods import build_method
-from kvbench.models import load_model
+from kvbench.models import load_model, weight_products
 from kvbench.profiling.roofline import best_seconds, phase_costs
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
@@ -73,17 +73,19 @@ def stream_bandwidth(dtype: torch.dtype, nbytes: int = 1 << 29) -> float:
 
 
 def gemv_bandwidth(model: torch.nn.Module) -> float:
-    """Bytes/s at which the model's own linear layers, run back to back on one token, stream their weights."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    nbytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    inputs = {m.in_features: torch.ones(1, 1, m.in_features, dtype=model.dtype) for m in linears}
+    """Bytes/s at which the model's own weight products (`kvbench.models.weight_products`: its linear layers,
+    the packed q/k/v and gate/up projections), run back to back on one token, stream their weights."""
+    products = weight_products(model)
+    nbytes = sum(size for _, size in products)
+    inputs = {m.in_features: torch.ones(1, 1, m.in_features, dtype=model.dtype, device=model.device)
+              for m, _ in products}
 
-    def all_linears() -> None:
-        for m in linears:
+    def all_products() -> None:
+        for m, _ in products:
             m(inputs[m.in_features])
 
     with torch.inference_mode():
-        return nbytes / best_seconds(all_linears, model.device)
+        return nbytes / best_seconds(all_products, model.device)
 
 
 def main() -> None:

@@ -3,6 +3,7 @@ float32, and the model-level fast path against the reference path; blocked bfloa
 
 from __future__ import annotations
 
+import kvbench.kernels.decode_attention as decode_attention_module
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,11 +15,12 @@ from kvbench.kernels.decode_attention import (
 )
 
 import kvbench.attention.dispatch as dispatch
+import kvbench.models as models
 from kvbench.core.errors import KVBenchError
 from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.methods.common.pages import page_tokens, top_page_tokens, top_tokens
-from kvbench.models import fast_cpu_bfloat16, load_model, model_head_dim, pack_linear_weights
+from kvbench.models import PackedProduct, fast_cpu_bfloat16, load_model, model_head_dim, pack_linear_weights
 from tests.conftest import model_cfg, random_ids
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -38,7 +40,9 @@ def _layout(gen, lens, caps, dim, dtype, garbage=1e3):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens,caps", [([50] * 3, [50] * 3), ([50] * 3, [130] * 3), ([7, 1, 200], [9, 70, 300]),
                                        ([63, 64, 65], [63, 128, 200])])
-def test_decode_attention_matches_reference(dtype, lens, caps):
+@pytest.mark.parametrize("padded_copy_rows", [0, 4096])  # ragged low-precision: per-head calls / one padded batch
+def test_decode_attention_matches_reference(dtype, lens, caps, padded_copy_rows, monkeypatch):
+    monkeypatch.setattr(decode_attention_module, "PADDED_COPY_ROWS", padded_copy_rows)
     gen = torch.Generator().manual_seed(len(lens) + sum(caps))
     keys, values, starts = _layout(gen, lens, caps, 16, dtype)
     q = torch.randn(len(lens), 4, 16, generator=gen).to(dtype)
@@ -107,20 +111,35 @@ def test_bfloat16_fast_path_matches_the_reference_path(model, method, monkeypatc
 
 
 @pytest.mark.skipif(not fast_cpu_bfloat16(), reason="oneDNN has no native bfloat16 on this CPU")
-def test_blocked_bfloat16_linears_are_bitwise_stock():
-    lm = load_model(model_cfg("tiny_llama", dtype="bfloat16"))  # loaded with blocked weights
-    stock = load_model(model_cfg("tiny_llama", dtype="bfloat16"))
-    for module in stock.model.modules():  # back to plain F.linear
-        if isinstance(module, torch.nn.Linear) and "forward" in module.__dict__:
-            del module.forward
-            module.weight = torch.nn.Parameter(module.weight.to_dense(), requires_grad=False)
-    assert any("forward" in m.__dict__ for m in lm.model.modules())
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
+def test_blocked_and_packed_bfloat16_linears_are_bitwise_stock(model, monkeypatch):
+    lm = load_model(model_cfg(model, dtype="bfloat16"))  # loaded with blocked, packed weights
+    monkeypatch.setattr(models, "pack_linear_weights", lambda module: None)
+    stock = load_model(model_cfg(model, dtype="bfloat16"))  # plain F.linear
+    packed = [m for m in lm.model.modules() if isinstance(m, PackedProduct)]
+    assert len(packed) == 2 * lm.model.config.num_hidden_layers
     ids = torch.tensor([random_ids(40, seed=2)])
     with torch.inference_mode():
         for chunk in (ids, ids[:, :1]):  # prefill-sized and decode-sized products
             assert torch.equal(_logits(lm, chunk), _logits(stock, chunk))
-    pack_linear_weights(stock.model)  # blocking the plain copy again gives the same logits
-    assert torch.equal(_logits(stock, ids), _logits(lm, ids))
+    assert all(m._output is None and m._input is None for m in packed)  # no activation outlives its layer
+
+
+@pytest.mark.skipif(not fast_cpu_bfloat16(), reason="oneDNN has no native bfloat16 on this CPU")
+def test_packed_projections_serve_any_call_order_and_input():
+    gen = torch.Generator().manual_seed(0)
+    parent = torch.nn.Module()
+    for name, out in (("q_proj", 8), ("k_proj", 4), ("v_proj", 4)):
+        setattr(parent, name, torch.nn.Linear(16, out, bias=True).bfloat16())
+    weights = {name: (getattr(parent, name).weight.detach().clone(), getattr(parent, name).bias.detach().clone())
+               for name in ("q_proj", "k_proj", "v_proj")}
+    pack_linear_weights(parent)
+    x, y = (torch.randn(1, 3, 16, generator=gen).bfloat16() for _ in range(2))
+    with torch.inference_mode():
+        for name, inp in (("v_proj", x), ("q_proj", y), ("k_proj", x), ("q_proj", x), ("q_proj", x)):
+            expected = torch.nn.functional.linear(inp, *weights[name])
+            torch.testing.assert_close(getattr(parent, name)(inp), expected, atol=2e-2, rtol=2e-2)
+    assert parent.q_proj.weight is None and sum(p.numel() for p in parent.parameters()) == 16 * 16 + 16
 
 
 def _logits(lm, ids: torch.Tensor) -> torch.Tensor:

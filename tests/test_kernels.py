@@ -453,6 +453,18 @@ def test_page_scores_triton_matches_reference(group, n, page_size, k1, shared_si
     torch.testing.assert_close(ours, ref, **SCORE_TOL)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_page_scores_over_every_dimension_without_dims(dtype):
+    """dims=None (Quest: every dimension in order) is bitwise the identity gather, in both implementations."""
+    gen = torch.Generator().manual_seed(5)
+    q = _randn(gen, 2, 4, 32, dtype=dtype)
+    kmin, kmax = page_minmax_reference(_randn(gen, 2, 70, 32, dtype=dtype), 16)
+    every = torch.arange(32).expand(2, 32)
+    want = page_scores_reference(q, kmin, kmax, every, q > 0)
+    assert torch.equal(page_scores_reference(q, kmin, kmax, None, q > 0), want)
+    torch.testing.assert_close(page_scores(q, kmin, kmax, None, q > 0), want, **SCORE_TOL)
+
+
 def test_page_scores_triton_strided_inputs():
     # summaries and q as views with odd strides, positive already expanded over the group (stride 0)
     gen = torch.Generator().manual_seed(11)

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from kvbench.core.contract import Plan
 from kvbench.kernels.page_summary import page_scores
 from kvbench.methods.base import Method, register_method
@@ -65,9 +63,8 @@ class Quest(Method):
         if k2 >= length:
             return None
         pages = layer_pages(layer, page)
-        heads, group, dim = q.shape
-        every_dim = torch.arange(dim, device=q.device).expand(heads, dim)
-        bound = page_scores(q, pages.kmin, pages.kmax, every_dim, q > 0).sum(dim=1)  # [H, P], summed over the group
+        heads, group, _ = q.shape
+        bound = page_scores(q, pages.kmin, pages.kmax, None, q > 0).sum(dim=1)  # [H, P], summed over the group
         idx = top_page_tokens(bound, page, length, k2)
         return idx[:, None, :].expand(heads, group, idx.shape[1])
 
