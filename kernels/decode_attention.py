@@ -55,7 +55,7 @@ def decode_attention(
         offsets = torch.as_tensor(list(starts), dtype=torch.int64, device=q.device)
         return ragged_decode_attention_triton(q, keys, values, offsets, lens, scaling)
     low_precision_cpu = q.dtype != torch.float32 and not q.is_cuda
-    width = -(-max(lens) // WIDTH_STEP) * WIDTH_STEP
+    width = _stepped_width(max(lens))
     if not uniform and low_precision_cpu and n_kv * width <= PADDED_COPY_ROWS:
         rows = torch.as_tensor(list(starts), device=q.device)[:, None] + torch.arange(width, device=q.device)
         rows = rows.clamp_(max=keys.shape[0] - 1).view(-1)  # rows past a head's length get no weight
@@ -72,13 +72,13 @@ def decode_attention(
         head_lens, head_caps, head_q = list(lens), list(caps), [q[h:h + 1] for h in range(n_kv)]
     outs = []
     for qh, k, v, n, cap in zip(head_q, head_keys, head_values, head_lens, head_caps):
-        if q.dtype == torch.float32 or q.is_cuda:
+        if not low_precision_cpu:
             with _decode_sdpa_backends(q):  # exactly transformers' sdpa decode call: [1, H_q, 1, D], GQA
                 out = F.scaled_dot_product_attention(qh.reshape(1, -1, 1, dim), k[None, :, :n], v[None, :, :n],
                                                      scale=scaling, enable_gqa=True)
             outs.append(out.view(qh.shape))
         else:
-            outs.append(decode_attention_matmul(qh, k, v, scaling, n, min(cap, -(-n // WIDTH_STEP) * WIDTH_STEP)))
+            outs.append(decode_attention_matmul(qh, k, v, scaling, n, min(cap, _stepped_width(n))))
     return outs[0] if uniform else torch.cat(outs)
 
 
@@ -88,6 +88,11 @@ WIDTH_STEP = 64
 # about as much as copying a thousand), so Ada-KV's small ragged layers cost what a uniform one does. Larger
 # ragged layers keep one call per head on views, which reads each row once.
 PADDED_COPY_ROWS = 4096
+
+
+def _stepped_width(length: int) -> int:
+    """`length` rounded up to whole `WIDTH_STEP` blocks: the matmul path's row count."""
+    return -(-length // WIDTH_STEP) * WIDTH_STEP
 
 
 def decode_attention_matmul(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float,
