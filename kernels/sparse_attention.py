@@ -61,11 +61,15 @@ def topk_attention_reference(
         rows = idx.reshape(n_kv, group * k)
         k_sel = keys[heads, rows].view(n_kv, group, k, dim).float()
         v_sel = values[heads, rows].view(n_kv, group, k, dim).float()
-    logits = torch.einsum("hgd,hgkd->hgk", q.float(), k_sel) * scaling
+    # the batched products einsum("hgd,hgkd->hgk") and einsum("hgk,hgkd->hgd") run (bitwise the same, tested),
+    # called directly: einsum parses its equation on every call of every decode step
+    rows_of = n_kv * group
+    logits = torch.bmm(q.float().reshape(rows_of, 1, dim), k_sel.reshape(rows_of, k, dim).transpose(1, 2))
+    logits = logits.view(n_kv, group, k) * scaling
     if valid is not None:
         logits.masked_fill_(~valid.gather(1, idx.reshape(n_kv, -1)).view(n_kv, group, k), float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    out = torch.einsum("hgk,hgkd->hgd", probs, v_sel).to(q.dtype)
+    out = torch.bmm(probs.reshape(rows_of, 1, k), v_sel.reshape(rows_of, k, dim)).view(n_kv, group, dim).to(q.dtype)
     return (out, torch.logsumexp(logits, dim=-1)) if return_lse else out
 
 

@@ -8,7 +8,8 @@ engine's own decode path.
 One dense prefill of a synthetic prompt is shared by every method (the sweep's snapshot path: selection
 methods keep it whole, RocketKV's stage 1 evicts from it), then each method decodes `--steps` greedy tokens
 after `--warmup` untimed ones through `Session.step`, exactly as an accuracy run does (top-k recall, a
-fidelity metric, is off here so that it does not inflate the timings). Reported: median and p90 ms per token
+fidelity metric, is off here so that it does not inflate the timings), in `--rounds` rounds that interleave
+the methods, so that a slow spell of a shared machine does not land on one method alone. Reported: median and p90 ms per token
 and the median's ratio to `full`, the K/V bytes each method holds and the token-equivalents it reads per KV
 group and step by its own cost model (its traffic: the budget axis the methods are compared on).
 
@@ -23,8 +24,10 @@ each method's floor and its ratio at both:
   matrix-vector kernels stream these weights (oneDNN in bfloat16, MKL in float32), the most any decode step
   built on them can reach.
 
-ratio = ms/token / floor. The gap between the two floors is the BLAS's, not the harness's; what remains above
-the gemv floor is per-step work: attention, selection, and the model's per-operator overhead in eager mode.
+ratio = ms/token / floor. The gemv rate is measured again right before each method's round, and the gemv
+ratio is the median of the rounds' ratios (the printed gemv floor is ms/token over it). The gap between the
+two floors is the BLAS's, not the harness's; what remains above the gemv floor is per-step work: attention,
+selection, and the model's per-operator overhead in eager mode.
 """
 
 from __future__ import annotations
@@ -51,8 +54,9 @@ CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
 DEFAULT_METHODS = "full,exact_topk,quest,sparq,hsa,rocketkv,snapkv,streamingllm"
 
 
-def time_decode(lm, session, logits: torch.Tensor, warmup: int, steps: int) -> tuple[float, float]:
-    """Median and p90 ms per greedy decode step through `Session.step`, after `warmup` untimed steps."""
+def time_decode(lm, session, logits: torch.Tensor, warmup: int, steps: int) -> tuple[list[float], torch.Tensor]:
+    """ms of each of `steps` greedy decode steps through `Session.step` after `warmup` untimed ones, and the
+    last logits (the next round continues from them)."""
     times = []
     token = int(logits.argmax())
     for step in range(warmup + steps):
@@ -63,7 +67,7 @@ def time_decode(lm, session, logits: torch.Tensor, warmup: int, steps: int) -> t
         if step >= warmup:
             times.append(1e3 * (time.perf_counter() - t0))
         token = int(logits.argmax())
-    return statistics.median(times), float(np.percentile(times, 90))
+    return times, logits
 
 
 def stream_bandwidth(dtype: torch.dtype, nbytes: int = 1 << 29) -> float:
@@ -97,6 +101,7 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=256, help="tokens per KV group (per step, for selection)")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per method")
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds over the methods (medians over all of them)")
     parser.add_argument("--methods", default=DEFAULT_METHODS)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
@@ -104,7 +109,7 @@ def main() -> None:
     cfg = OmegaConf.load(CONF / f"{args.model}.yaml")
     cfg.device, cfg.dtype = args.device, args.dtype
     lm = load_model(cfg)
-    new_tokens = args.warmup + args.steps + 1
+    new_tokens = args.rounds * (args.warmup + args.steps) + 1
     if args.length + new_tokens > lm.max_positions:
         sys.exit(f"--length {args.length} + {new_tokens} decoded tokens exceed {lm.name}'s {lm.max_positions} positions")
     gen = torch.Generator().manual_seed(args.seed)
@@ -117,33 +122,44 @@ def main() -> None:
     weights = phase_costs(config, args.length, 0.0, dtype_bytes)["decode_bytes_per_step"]  # every weight once
     stream, gemv = (stream_bandwidth(lm.dtype), gemv_bandwidth(lm.model)) if lm.device.type == "cpu" else (None, None)
     print(f"{lm.name} on {lm.device} ({torch.get_num_threads()} threads), {lm.dtype}, {args.length} prompt tokens, "
-          f"budget t = {args.budget}, {args.steps} timed steps after {args.warmup} warm-up")
+          f"budget t = {args.budget}, {args.rounds} rounds of {args.steps} timed steps after {args.warmup} warm-up")
     if stream is not None:
         print(f"read rates: stream {stream / 1e9:.1f} GB/s, gemv {gemv / 1e9:.1f} GB/s; weights read per step "
               f"{weights / 1e6:.0f} MB (floor {1e3 * weights / stream:.1f} ms stream, {1e3 * weights / gemv:.1f} ms gemv)")
     print(f"{'method':<14} {'ms/token':>9} {'p90':>7} {'vs full':>8} {'KV MiB':>8} {'read tok/group/step':>20} "
           f"{'KV MB/step':>11} {'floor stream':>13} {'ratio':>6} {'floor gemv':>11} {'ratio':>6}")
-    baseline = None
+    runs = {}
     for name in args.methods.split(","):
         method = build_method(name)
         plan = method.plan(args.budget, sequence_length=args.length + new_tokens, new_tokens=new_tokens,
                            head_dim=head_dim)
         start = time.perf_counter()
         session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine, shared)
-        prefill_s = time.perf_counter() - start
-        median, p90 = time_decode(lm, session, logits, args.warmup, args.steps)
+        runs[name] = {"session": session, "logits": logits, "prefill_s": time.perf_counter() - start,
+                      "times": [], "ratios": []}
+    for _ in range(args.rounds):  # rounds interleave the methods, each timed right after its own gemv rate
+        for run in runs.values():
+            rate = gemv_bandwidth(lm.model) if stream is not None else None
+            times, run["logits"] = time_decode(lm, run["session"], run["logits"], args.warmup, args.steps)
+            run["times"] += times
+            run["ratios"].append((statistics.median(times), rate))
+    baseline = None
+    for name, run in runs.items():
+        median, p90 = statistics.median(run["times"]), float(np.percentile(run["times"], 90))
         baseline = baseline or median
+        session = run["session"]
         stats = session.cache.stats
         read = stats.read_token_equivalents / stats.layer_steps if stats.layer_steps else float("nan")
         steps = stats.layer_steps / len(session.cache.layers)
         kv_read = stats.read_elements / steps * dtype_bytes if steps else float("nan")
         floors = ""
         if stream is not None:
-            floor_stream, floor_gemv = (1e3 * (weights + kv_read) / rate for rate in (stream, gemv))
+            floor_stream = 1e3 * (weights + kv_read) / stream
+            gemv_ratio = statistics.median(ms * rate / (1e3 * (weights + kv_read)) for ms, rate in run["ratios"])
             floors = (f"{kv_read / 1e6:11.1f} {floor_stream:10.1f} ms {median / floor_stream:6.2f} "
-                      f"{floor_gemv:8.1f} ms {median / floor_gemv:6.2f}")
+                      f"{median / gemv_ratio:8.1f} ms {gemv_ratio:6.2f}")
         print(f"{name:<14} {median:9.1f} {p90:7.1f} {median / baseline:8.2f} {session.cache.kv_bytes() / 2**20:8.1f} "
-              f"{read:20.0f} {floors}   (prefill {prefill_s:.1f} s{', shared' if prefill_s < 1 else ''})")
+              f"{read:20.0f} {floors}   (prefill {run['prefill_s']:.1f} s{', shared' if run['prefill_s'] < 1 else ''})")
 
 
 if __name__ == "__main__":

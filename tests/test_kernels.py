@@ -465,6 +465,38 @@ def test_page_scores_over_every_dimension_without_dims(dtype):
     torch.testing.assert_close(page_scores(q, kmin, kmax, None, q > 0), want, **SCORE_TOL)
 
 
+def test_topk_attention_reference_is_bitwise_its_einsum_definition():
+    """Its bmm products are the ones einsum runs, for a per-head and a group-shared selection alike."""
+    for seed in range(30):
+        gen = torch.Generator().manual_seed(seed)
+        n_kv, group, dim, length, k = 1 + seed % 4, 1 + seed % 6, 16 * (1 + seed % 4), 200, 1 + 7 * seed
+        q, keys, values = (torch.randn(n_kv, rows, dim, generator=gen) for rows in (group, length, length))
+        per_head = torch.randint(0, length, (n_kv, group, k), generator=gen)
+        for idx in (per_head, per_head[:, :1].expand(n_kv, group, k)):
+            k_sel, v_sel = (t[torch.arange(n_kv)[:, None, None], idx] for t in (keys, values))
+            probs = torch.softmax(torch.einsum("hgd,hgkd->hgk", q, k_sel) * 0.3, dim=-1)
+            assert torch.equal(topk_attention_reference(q, keys, values, idx, 0.3),
+                               torch.einsum("hgk,hgkd->hgd", probs, v_sel))
+
+
+def test_page_scores_reference_is_bitwise_its_einsum_definition():
+    """The reference's bmm products are the ones einsum runs: stored float32 Quest and RocketKV records hold."""
+    for seed in range(40):
+        gen = torch.Generator().manual_seed(seed)
+        heads, group, dim, pages = 1 + seed % 4, 1 + seed % 5, 16 * (1 + seed % 4), 1 + 37 * seed
+        q = torch.randn(heads, group, dim, generator=gen)
+        spare = torch.randn(2, heads, pages + seed % 3, dim, generator=gen)
+        kmin, kmax = spare[0, :, :pages], spare[1, :, :pages]  # views with spare pages, as `PageSummary` holds
+        dims = torch.stack([torch.randperm(dim, generator=gen)[: dim // 2] for _ in range(heads)])
+        for chosen in (None, dims):
+            k = dim if chosen is None else dims.shape[1]
+            pick = (lambda t: t) if chosen is None else (lambda t: t.gather(2, dims[:, None].expand(heads, t.shape[1], k)))
+            q_sel, lo, hi = pick(q), pick(kmin), pick(kmax)
+            pos = torch.rand(heads, group, k, generator=gen) > 0.5
+            want = torch.einsum("hgk,hpk->hgp", q_sel * pos, hi) + torch.einsum("hgk,hpk->hgp", q_sel * ~pos, lo)
+            assert torch.equal(page_scores_reference(q, kmin, kmax, chosen, pos), want)
+
+
 def test_page_scores_triton_strided_inputs():
     # summaries and q as views with odd strides, positive already expanded over the group (stride 0)
     gen = torch.Generator().manual_seed(11)

@@ -9,7 +9,7 @@ from kvbench.kernels.sparse_attention import topk_attention
 from kvbench.tasks.base import Sample, Turn
 from reference import kept_masks, reference_chunks
 
-from kvbench.core.contract import Plan, Step
+from kvbench.core.contract import Plan, Selection, Step
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
@@ -54,6 +54,23 @@ def test_budget_at_or_above_the_sequence_is_bitwise_full(tiny, name):
     outs = decode(session, session.prefill(ids, compress=True)[0], 6)
     assert all(torch.equal(a, b) for a, b in zip(outs, outs_full))
     assert session.cache.stats.recall_steps == 0 and session.cache.evictions() == 0
+
+
+def test_selection_traffic_is_counted_on_the_device_and_read_once(tiny_llama):
+    session = Session(tiny_llama, build_method("exact_topk"), 32, sequence_length=PROMPT + 8)
+    logits, _ = session.prefill(random_ids(PROMPT, seed=56), compress=True)
+    decode(session, logits, 3)
+    stats = session.cache.stats
+    assert stats.layer_steps == 3 * len(session.cache.layers)
+    assert all(isinstance(elements, torch.Tensor) for elements, _, _ in stats._unread)  # no read per step
+    counted = stats.read_elements
+    assert not stats._unread and stats.read_elements == counted  # read once, then kept as numbers
+
+    layer = session.cache.layers[0]
+    idx = torch.randint(0, layer.physical_length(), (layer.num_heads, 3, 40), generator=torch.Generator().manual_seed(0))
+    distinct = sum(int(torch.unique(idx[h]).numel()) for h in range(layer.num_heads))  # repeats read once per group
+    traffic = session.method.step_traffic(layer, Selection(idx), session.step_context())
+    assert int(traffic) == 2 * layer.head_dim * distinct
 
 
 def test_hsa_with_every_dimension_and_unit_pages_is_exact_top_k_and_all_tokens_exact_attention():
@@ -125,6 +142,27 @@ def test_incremental_page_summaries_equal_a_rebuild(tiny, name):
     check()
     session.prefill(random_ids(20, seed=54), compress=False)
     check()
+
+
+def test_page_summaries_update_in_place_and_copy_before_writing_shared_bounds(tiny_llama):
+    session = Session(tiny_llama, build_method("quest", page_size=8), 48, sequence_length=PROMPT + 100)
+    logits, _ = session.prefill(random_ids(PROMPT, seed=54), compress=True)
+    pages = session.cache.layers[0].derived["pages"]  # built with a quarter more pages than the prompt's 38
+    storage = pages.kmin.data_ptr()
+    logits = decode(session, logits, 20)[-1]
+    assert session.cache.layers[0].derived["pages"] is pages and pages.kmin.data_ptr() == storage  # in place
+
+    twin = session.fork()
+    before = pages.kmin.clone(), pages.kmax.clone(), pages.length
+    decode(twin, logits, 9)  # the twin's appends rewrite its last page and add one: on its own copy
+    assert (pages.length, torch.equal(pages.kmin, before[0]), torch.equal(pages.kmax, before[1])) == (before[2], True, True)
+    for run in (twin, session):
+        decode(run, run.step(int(logits.argmax())), 3)
+        for layer in run.cache.layers:
+            rebuilt = PageSummary.of(layer.head_view().keys, 8)
+            got = layer.derived["pages"]
+            assert torch.equal(got.kmin, rebuilt.kmin) and torch.equal(got.kmax, rebuilt.kmax)
+    assert twin.cache.layers[0].derived["pages"].kmin.data_ptr() != session.cache.layers[0].derived["pages"].kmin.data_ptr()
 
 
 def test_quest_page_bound_never_below_the_true_page_maximum(tiny_llama):

@@ -30,16 +30,16 @@ def selected_attention(layer: KVLayer, step: Step, q: torch.Tensor, view: HeadVi
     return out
 
 
-def attended_per_head(selection: Selection) -> float:
+def attended_per_head(selection: Selection) -> float | torch.Tensor:
     """Rows each query head attended this step, averaged over the query heads: its selected storage rows plus
     the (valid) rows from outside the storage (a blended fallback is not a row)."""
     attended = float(selection.idx.shape[-1])
     if selection.external is not None and len(selection.external) == 4:  # each query head's own sampled rows
-        log_weights = selection.external[3]
-        attended += float(torch.isfinite(log_weights).sum()) / (log_weights.shape[0] * log_weights.shape[1])
-    elif selection.external is not None:
+        log_weights = selection.external[3]  # counted where they are, read once per sample (`DecodeStats`)
+        return attended + torch.isfinite(log_weights).sum().double() / (log_weights.shape[0] * log_weights.shape[1])
+    if selection.external is not None:
         keys, _, valid = _unpack(selection.external)
-        attended += float(valid.sum()) / valid.shape[0] if valid is not None else keys.shape[1]
+        return attended + (valid.sum().double() / valid.shape[0] if valid is not None else keys.shape[1])
     return attended
 
 

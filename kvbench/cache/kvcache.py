@@ -4,7 +4,9 @@ decode statistics (`DecodeStats`) the attention function adds to."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
+import torch
 from transformers.cache_utils import Cache
 
 from kvbench.cache.layer import KVLayer
@@ -100,30 +102,72 @@ class KVBenchCache(Cache):
 @dataclass
 class DecodeStats:
     """What the decode steps of one cache read, by the method's own cost model, and how well selections
-    recalled the exact top-k attention mass (both summed over layers; divide by `layer_steps`)."""
+    recalled the exact top-k attention mass (both summed over layers; divide by `layer_steps`).
+
+    A step's elements and attended rows may be 0-d tensors on the model's device (a selection's distinct
+    tokens, counted where the selection lives): they are kept as they come and read once, when a total is
+    asked for (at the end of a sample), so a decode step never waits for the device to report a count. The
+    totals add the steps in their order either way (bitwise the sums of the numbers read one by one)."""
 
     layer_steps: int = 0
-    read_elements: int = 0  # K/V and auxiliary elements read, all heads
     moved_bytes: int = 0  # between host and device
     extra_sums: dict[str, float] = field(default_factory=dict)  # a method's own per-step numbers
     extra_steps: int = 0
-    read_token_equivalents: float = 0.0  # read_elements / (2 D) per KV group: comparable to a token budget
-    attended_tokens: float = 0.0  # K/V rows each query head attended, averaged over the query heads
     recall_sum: float = 0.0
     recall_steps: int = 0
+    _read_elements: int = 0
+    _read_token_equivalents: float = 0.0
+    _attended_tokens: float = 0.0
+    _unread: list[tuple[Any, Any, int]] = field(default_factory=list)  # (elements, attended, 2 D H_kv) per step
 
-    def add(self, layer: "KVLayer", elements: int, recall: float | None, attended: float, moved_bytes: int = 0,
-            extra: dict[str, float] | None = None) -> None:
+    def add(self, layer: "KVLayer", elements: "int | torch.Tensor", recall: float | None,
+            attended: "float | torch.Tensor", moved_bytes: int = 0, extra: dict[str, float] | None = None) -> None:
         """One layer's decode step: `elements` read (the method's cost model), `attended` rows per query head."""
         self.layer_steps += 1
-        self.attended_tokens += attended
-        self.read_elements += elements
+        self._unread.append((elements, attended, 2 * layer.head_dim * layer.model_kv_heads))
         self.moved_bytes += moved_bytes
         if extra:
             self.extra_steps += 1
             for key, value in extra.items():
                 self.extra_sums[key] = self.extra_sums.get(key, 0.0) + value
-        self.read_token_equivalents += elements / (2 * layer.head_dim * layer.model_kv_heads)
         if recall is not None:
             self.recall_sum += recall
             self.recall_steps += 1
+
+    @property
+    def read_elements(self) -> int:
+        """K/V and auxiliary elements read, all heads."""
+        self._read_counts()
+        return self._read_elements
+
+    @property
+    def read_token_equivalents(self) -> float:
+        """read_elements / (2 D) per KV group: comparable to a token budget."""
+        self._read_counts()
+        return self._read_token_equivalents
+
+    @property
+    def attended_tokens(self) -> float:
+        """K/V rows each query head attended, averaged over the query heads."""
+        self._read_counts()
+        return self._attended_tokens
+
+    def _read_counts(self) -> None:
+        steps, self._unread = self._unread, []
+        counts = [value for elements, attended, _ in steps for value in (elements, attended)]
+        read = iter(_host_numbers([c for c in counts if isinstance(c, torch.Tensor)]))
+        numbers = [next(read) if isinstance(c, torch.Tensor) else c for c in counts]
+        for (elements, attended), (_, _, per_group) in zip(zip(numbers[::2], numbers[1::2]), steps):
+            self._read_elements += elements
+            self._attended_tokens += attended
+            self._read_token_equivalents += elements / per_group
+
+
+def _host_numbers(counts: list[torch.Tensor]) -> list[Any]:
+    """Python numbers of 0-d tensors, one transfer per device and dtype."""
+    numbers: list[Any] = [None] * len(counts)
+    for kind in {(c.device, c.dtype) for c in counts}:
+        at = [i for i, c in enumerate(counts) if (c.device, c.dtype) == kind]
+        for i, value in zip(at, torch.stack([counts[i] for i in at]).tolist()):
+            numbers[i] = value
+    return numbers

@@ -29,10 +29,11 @@ keeps a side table that could drift from the cache. A layer also keeps the last 
 queries it attended with (`queries`, `query_positions`): the observation window of SnapKV-like scores,
 whether eviction runs at the end of a segment, after a prefill block or during decoding.
 
-Derived state a selection method reads (page summaries, SparQ's transposed keys) is `derived`: immutable objects
-the method builds (`Method.build_derived`) when the segment ends; the cache hands every append and rollback to
-them (`append(layer, n)` / `truncate(layer)` return the updated object) and drops them when an eviction
-changes the rows, after which the method rebuilds them.
+Derived state a selection method reads (page summaries, SparQ's transposed keys) is `derived`: objects the
+method builds (`Method.build_derived`) when the segment ends; the cache hands every append and rollback to them
+(`append(layer, n)` / `truncate(layer)` return the updated object) and drops them when an eviction changes the
+rows, after which the method rebuilds them. An object that updates in place (page summaries, CTKVR's index)
+has a `fork()`, which a clone calls, so that a clone's appends never reach the layer it was cloned from.
 
 Three lengths, each with one meaning: `seen`, the logical tokens appended so far (the next token's position;
 `get_seq_length()` reports it to transformers, so its default positions stay right after eviction);
@@ -119,7 +120,7 @@ class KVLayer(CacheLayerMixin):
         # rows written per head into these buffers by any layer sharing them (clones): an append writes in
         # place only where nobody wrote past this layer's own length, otherwise it copies (copy on write)
         self.claimed: list[int] = []
-        self.derived: dict[str, Any] = {}  # method-owned derived state (page summaries, ...), immutable objects
+        self.derived: dict[str, Any] = {}  # method-owned derived state (page summaries, ...)
         self.seen = 0
         self.queries: torch.Tensor | None = None  # [H_q, w, D]: the last queries attended with
         self.query_positions: torch.Tensor | None = None  # [w] their logical positions
@@ -379,6 +380,6 @@ class KVLayer(CacheLayerMixin):
         copy.cache = cache
         copy.buffers = dict(self.buffers)
         copy.starts, copy.caps, copy.lens = list(self.starts), list(self.caps), list(self.lens)
-        # immutable derived state is shared; state that updates in place (CTKVR's index) is forked
+        # immutable derived state is shared; state that updates in place (page summaries, CTKVR's index) is forked
         copy.derived = {name: state.fork() if hasattr(state, "fork") else state for name, state in self.derived.items()}
         return copy

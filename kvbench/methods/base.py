@@ -122,11 +122,13 @@ class Method:
 
     def step_traffic(self, layer: "KVLayer", selection: "Selection | None", step: Step) -> int:
         """Elements one decode step reads in this layer: every stored key and value for dense attention, the
-        distinct selected tokens of each KV group otherwise (the oracle's view: finding them is free)."""
+        distinct selected tokens of each KV group otherwise (the oracle's view: finding them is free), counted
+        on the selection's device as a 0-d tensor that `DecodeStats` reads once per sample."""
         if selection is None:
             return 2 * layer.head_dim * sum(layer.lengths())
         idx = selection.idx
-        distinct = sum(int(torch.unique(idx[h]).numel()) for h in range(idx.shape[0]))
+        chosen = torch.zeros(idx.shape[0], layer.physical_length(), dtype=torch.bool, device=idx.device)
+        distinct = chosen.scatter_(1, idx.reshape(idx.shape[0], -1), True).sum()
         return 2 * layer.head_dim * distinct
 
     def observe(self, layer: "KVLayer", queries: torch.Tensor, step: Step) -> None:
