@@ -19,6 +19,7 @@ import kvbench.models as models
 from kvbench.core.errors import KVBenchError
 from kvbench.engine.session import Session
 from kvbench.methods import build_method
+from kvbench.methods.common import pages as pages_module
 from kvbench.methods.common.pages import page_tokens, top_page_tokens, top_tokens
 from kvbench.models import PackedProduct, fast_cpu_bfloat16, load_model, model_head_dim, pack_linear_weights
 from tests.conftest import model_cfg, random_ids
@@ -155,6 +156,20 @@ def test_page_level_top_k_is_the_token_level_top_k():
         scores = torch.randint(0, 4, (heads, -(-length // page)), generator=gen).float()  # many ties
         k = int(torch.randint(1, length + 3, (1,), generator=gen))
         assert torch.equal(top_page_tokens(scores, page, length, k), top_tokens(page_tokens(scores, page, length), k))
+
+
+def test_top_tokens_past_the_sorted_size_are_the_stable_sorts_first_k(monkeypatch):
+    monkeypatch.setattr(pages_module, "SORTED_TOKENS", 8)  # the threshold path on small, tie-heavy rows
+    gen = torch.Generator().manual_seed(1)
+    for trial in range(300):
+        heads, length = 1 + trial % 4, int(torch.randint(9, 400, (1,), generator=gen))
+        scores = torch.softmax(torch.randn(heads, length, generator=gen), dim=-1)
+        if trial % 2:
+            scores = (scores * 40).round() / 40  # many ties at the k-th value
+        scores[:, ::7], scores[:, 1::11] = 0.0, -0.0
+        k = int(torch.randint(1, length + 3, (1,), generator=gen))
+        want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(top_tokens(scores, k), want)
 
 
 def test_full_with_repeated_kv_is_full_at_group_times_the_traffic(tiny_llama):

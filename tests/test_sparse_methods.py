@@ -144,25 +144,38 @@ def test_incremental_page_summaries_equal_a_rebuild(tiny, name):
     check()
 
 
-def test_page_summaries_update_in_place_and_copy_before_writing_shared_bounds(tiny_llama):
-    session = Session(tiny_llama, build_method("quest", page_size=8), 48, sequence_length=PROMPT + 100)
+@pytest.mark.parametrize("name,state", [("quest", "pages"), ("sparq", "keys_t")])
+def test_derived_state_updates_in_place_and_copies_before_writing_what_a_clone_shares(tiny_llama, name, state):
+    method = build_method(name, page_size=8) if name == "quest" else build_method(name)
+    session = Session(tiny_llama, method, 48, sequence_length=PROMPT + 100)
     logits, _ = session.prefill(random_ids(PROMPT, seed=54), compress=True)
-    pages = session.cache.layers[0].derived["pages"]  # built with a quarter more pages than the prompt's 38
-    storage = pages.kmin.data_ptr()
+
+    def tensor_of(run):  # page bounds / transposed keys: views of the state's growing buffers
+        derived = run.cache.layers[0].derived[state]
+        return derived.kmin if state == "pages" else derived.keys_t
+
+    def check(run):  # equal to a rebuild from what the layer holds now
+        for layer in run.cache.layers:
+            got = layer.derived[state]
+            if state == "pages":
+                rebuilt = PageSummary.of(layer.head_view().keys, 8)
+                assert torch.equal(got.kmin, rebuilt.kmin) and torch.equal(got.kmax, rebuilt.kmax)
+            else:
+                assert torch.equal(got.keys_t, layer.head_view().keys.transpose(1, 2))
+
+    derived = session.cache.layers[0].derived[state]  # built with a quarter more room than the prompt needs
+    storage = tensor_of(session).data_ptr()
     logits = decode(session, logits, 20)[-1]
-    assert session.cache.layers[0].derived["pages"] is pages and pages.kmin.data_ptr() == storage  # in place
+    assert session.cache.layers[0].derived[state] is derived and tensor_of(session).data_ptr() == storage  # in place
 
     twin = session.fork()
-    before = pages.kmin.clone(), pages.kmax.clone(), pages.length
-    decode(twin, logits, 9)  # the twin's appends rewrite its last page and add one: on its own copy
-    assert (pages.length, torch.equal(pages.kmin, before[0]), torch.equal(pages.kmax, before[1])) == (before[2], True, True)
+    before = tensor_of(session).clone()
+    decode(twin, logits, 9)  # the twin's appends go to its own copy
+    assert torch.equal(tensor_of(session), before)
     for run in (twin, session):
         decode(run, run.step(int(logits.argmax())), 3)
-        for layer in run.cache.layers:
-            rebuilt = PageSummary.of(layer.head_view().keys, 8)
-            got = layer.derived["pages"]
-            assert torch.equal(got.kmin, rebuilt.kmin) and torch.equal(got.kmax, rebuilt.kmax)
-    assert twin.cache.layers[0].derived["pages"].kmin.data_ptr() != session.cache.layers[0].derived["pages"].kmin.data_ptr()
+        check(run)
+    assert tensor_of(twin).data_ptr() != tensor_of(session).data_ptr()
 
 
 def test_quest_page_bound_never_below_the_true_page_maximum(tiny_llama):

@@ -26,30 +26,41 @@ import torch
 from kvbench.core.contract import Plan, Selection
 from kvbench.kernels.reduced_scores import reduced_scores, reduced_scores_reference
 from kvbench.methods.base import Method, register_method
+from kvbench.methods.common.buffers import GrowingBuffers
 from kvbench.methods.common.pages import top_tokens
 
 
-@dataclass(frozen=True)
 class TransposedKeys:
-    """SparQ's second copy of the keys, `[H, D, N]`, and the running sum of the values (fp32)."""
+    """SparQ's second copy of the keys, `[H, D, N]` (a view of `GrowingBuffers`: an append writes its columns
+    in place rather than re-concatenating the whole copy), and the running sum of the values (fp32)."""
 
-    keys_t: torch.Tensor
-    value_sum: torch.Tensor  # [H, D]
-    length: int
+    def __init__(self, columns: GrowingBuffers, value_sum: torch.Tensor):
+        self.columns, self.value_sum = columns, value_sum  # value_sum [H, D]
 
     @classmethod
     def of(cls, layer) -> "TransposedKeys":
         view = layer.head_view()
-        return cls(view.keys.transpose(1, 2).contiguous(), view.values.float().sum(dim=1), view.keys.shape[1])
+        keys_t = view.keys.transpose(1, 2)
+        return cls(GrowingBuffers([keys_t], keys_t.shape[2], dim=2), view.values.float().sum(dim=1))
 
+    keys_t = property(lambda self: self.columns.views()[0])
+    length = property(lambda self: self.columns.used)
+
+    @torch.inference_mode()  # the buffers are inference tensors when built in a forward
     def append(self, layer, n: int) -> "TransposedKeys":
         view = layer.head_view()
         new_keys, new_values = view.keys[:, -n:], view.values[:, -n:]
-        return TransposedKeys(torch.cat([self.keys_t, new_keys.transpose(1, 2)], dim=2),
-                              self.value_sum + new_values.float().sum(dim=1), self.length + n)
+        (keys_t,) = self.columns.writable(self.length, self.length + n)
+        keys_t[:, :, self.length:self.length + n] = new_keys.transpose(1, 2)
+        self.columns.used += n
+        self.value_sum = self.value_sum + new_values.float().sum(dim=1)
+        return self
 
     def truncate(self, layer) -> "TransposedKeys":
         return TransposedKeys.of(layer)
+
+    def fork(self) -> "TransposedKeys":
+        return TransposedKeys(self.columns.fork(), self.value_sum)
 
     def nbytes(self) -> int:
         return self.keys_t.numel() * self.keys_t.element_size() + self.value_sum.numel() * 4
