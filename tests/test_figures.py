@@ -46,8 +46,10 @@ def test_cpu_preset_runs_and_its_figure_comes_from_the_records(tmp_path, preset)
     shown = pd.read_csv(paths[2])
     compressed = shown[shown["method"] != "full"] if layout == "rocketkv_fig7" else shown
     assert len(compressed) == (rows if layout != "rocketkv_fig7" else rows)
-    if layout == "rocketkv_fig7":  # normalised to the full cache at the same length
+    if layout == "rocketkv_fig7":  # normalised to the full cache, and to the repeated-K/V baseline, at each length
         assert shown["speedup"].notna().all() and shown["memory_saving_pct"].notna().all()
+        assert shown["speedup_vs_repeated_kv"].notna().all() and shown["baseline_factor"].notna().all()
+        assert table["repeated_kv"].sum() == 2 and (table[table["repeated_kv"]]["method"] == "full").all()  # per length
 
 
 def test_an_oom_point_is_marked_never_drawn_as_a_value(tmp_path):
