@@ -163,7 +163,8 @@ def test_derived_state_updates_in_place_and_copies_before_writing_what_a_clone_s
             else:
                 assert torch.equal(got.keys_t, layer.head_view().keys.transpose(1, 2))
 
-    derived = session.cache.layers[0].derived[state]  # built with a quarter more room than the prompt needs
+    session.cache.reserve(40)  # as decoding does: the derived state makes room for the tokens too
+    derived = session.cache.layers[0].derived[state]
     storage = tensor_of(session).data_ptr()
     logits = decode(session, logits, 20)[-1]
     assert session.cache.layers[0].derived[state] is derived and tensor_of(session).data_ptr() == storage  # in place

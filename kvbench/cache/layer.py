@@ -260,10 +260,14 @@ class KVLayer(CacheLayerMixin):
         return {name: t.index_select(0, rows) for name, t in self.buffers.items()}
 
     def reserve(self, tokens: int) -> None:
-        """Make room for `tokens` more tokens per head, so that appending them copies nothing."""
+        """Make room for `tokens` more tokens per head, so that appending them copies nothing (derived state
+        that grows with the tokens reserves its own room too)."""
         if self.buffers and not self._room_for(tokens):
             self._install(self._compact(), self.lens, slack=tokens)
             self.relayouts += 1
+        for state in self.derived.values():
+            if hasattr(state, "reserve"):
+                state.reserve(tokens)
 
     def _room_for(self, q: int) -> bool:
         return all(c == n and n + q <= cap for c, n, cap in zip(self.claimed, self.lens, self.caps))

@@ -40,7 +40,7 @@ class TransposedKeys:
     @classmethod
     def of(cls, layer) -> "TransposedKeys":
         view = layer.head_view()
-        keys_t = view.keys.transpose(1, 2)
+        keys_t = view.keys.transpose(1, 2).contiguous()  # the second copy of K, SparQ's storage cost
         return cls(GrowingBuffers([keys_t], keys_t.shape[2], dim=2), view.values.float().sum(dim=1))
 
     keys_t = property(lambda self: self.columns.views()[0])
@@ -55,6 +55,9 @@ class TransposedKeys:
         self.columns.used += n
         self.value_sum = self.value_sum + new_values.float().sum(dim=1)
         return self
+
+    def reserve(self, tokens: int) -> None:
+        self.columns.reserve(tokens)
 
     def truncate(self, layer) -> "TransposedKeys":
         return TransposedKeys.of(layer)

@@ -15,16 +15,21 @@ class GrowingBuffers:
     """Tensors that grow along `dim`, of which the first `used` entries hold data and the rest is spare.
 
     Re-concatenating a derived tensor on every decode step copies all of it (page summaries, SparQ's
-    transposed keys: the keys' size again, every step). Here an update writes into the spare room instead.
-    Holders that share the tensors (`fork`: a prefill snapshot, a teacher-forcing twin) count themselves in
-    one `sharers` cell; while it is above one, `writable` first moves the holder onto its own copies.
+    transposed keys: the keys' size again, every step). Here an update writes into the spare room instead:
+    `reserve` sizes it for the tokens about to be decoded (the cache reserves them with its own rows), and
+    an append that finds no room grows it by a quarter. Holders that share the tensors (`fork`: a prefill
+    snapshot, a teacher-forcing twin) count themselves in one `sharers` cell; while it is above one,
+    `writable` first moves the holder onto its own copies.
     """
 
     def __init__(self, tensors: list[torch.Tensor], used: int, dim: int):
-        self.dim, self.used = dim, used
-        capacity = with_spare(used)
-        self.tensors = [self._moved(t, used, capacity) for t in tensors]
+        self.dim, self.used, self.tensors = dim, used, tensors
         self._sharers = [1]
+
+    def reserve(self, more: int) -> None:
+        """Room for `more` entries past those used, so that writing them copies nothing."""
+        if self._sharers[0] == 1 and self.used + more > self.tensors[0].shape[self.dim]:
+            self.tensors = [self._moved(t, self.used, self.used + more) for t in self.tensors]
 
     def views(self) -> list[torch.Tensor]:
         """The used part of every tensor."""

@@ -73,6 +73,10 @@ class PageSummary:
         self.length += 1
         return self
 
+    def reserve(self, tokens: int) -> None:
+        """Room for the pages of `tokens` more rows (the cache's `reserve`)."""
+        self.bounds.reserve(-(-(self.length + tokens) // self.page_size) - self.pages)
+
     def updated(self, tail: torch.Tensor, length: int) -> "PageSummary":
         """`update` on a copy: this summary stays as it is."""
         return self.fork().update(tail, length)
