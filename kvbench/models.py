@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import itertools
 import logging
 import os
@@ -370,6 +371,13 @@ def _load_tiny(cfg: Any, dtype: torch.dtype) -> LoadedModel:
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
     torch.random.set_rng_state(generator_state)
     return LoadedModel(model, tokenizer, cfg.name, _max_positions(config))
+
+
+@functools.cache
+def cache_argument(model_class: type) -> str:
+    """The forward's name for the KV cache: `cache` since transformers 5.24, `past_key_values` before (5.24 keeps
+    the old name with a deprecation warning until 5.40)."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def model_head_dim(lm: LoadedModel) -> int:

@@ -51,7 +51,8 @@ def kvbench_attention(
     steps = kwargs.get("kvbench_steps")
     if steps is None:
         raise RuntimeError("kvbench attention needs the forward's steps: run the model through kvbench.engine.Session "
-                           "(model(..., past_key_values=cache, kvbench_steps=[session.step_context()]))")
+                           "(model(..., cache=cache, kvbench_steps=[session.step_context()]); past_key_values= before "
+                           "transformers 5.24)")
     if len(steps) != query.shape[0]:
         raise RuntimeError(f"{len(steps)} kvbench steps for a batch of {query.shape[0]} rows")
     scaling = scaling if scaling is not None else module.head_dim**-0.5
@@ -68,7 +69,7 @@ def _layer(step: Step, module: torch.nn.Module) -> KVLayer:
     layer = step.cache.layers[module.layer_idx]
     if not layer.fresh:
         raise RuntimeError(f"layer {module.layer_idx} of the step's KVBenchCache was not updated by this forward: "
-                           "pass past_key_values=the session's cache")
+                           "pass the session's cache (`cache=`, or `past_key_values=` before transformers 5.24)")
     layer.fresh = False
     return layer
 
