@@ -154,10 +154,10 @@ class DecodeStats:
 
     def _read_counts(self) -> None:
         steps, self._unread = self._unread, []
-        counts = [value for elements, attended, _ in steps for value in (elements, attended)]
-        read = iter(_host_numbers([c for c in counts if isinstance(c, torch.Tensor)]))
-        numbers = [next(read) if isinstance(c, torch.Tensor) else c for c in counts]
-        for (elements, attended), (_, _, per_group) in zip(zip(numbers[::2], numbers[1::2]), steps):
+        read = iter(_host_numbers([c for step in steps for c in step[:2] if isinstance(c, torch.Tensor)]))
+        for elements, attended, per_group in steps:
+            elements = next(read) if isinstance(elements, torch.Tensor) else elements
+            attended = next(read) if isinstance(attended, torch.Tensor) else attended
             self._read_elements += elements
             self._attended_tokens += attended
             self._read_token_equivalents += elements / per_group

@@ -43,7 +43,7 @@ class TransposedKeys:
         keys_t = view.keys.transpose(1, 2).contiguous()  # the second copy of K, SparQ's storage cost
         return cls(GrowingBuffers([keys_t], keys_t.shape[2], dim=2), view.values.float().sum(dim=1))
 
-    keys_t = property(lambda self: self.columns.views()[0])
+    keys_t = property(lambda self: self.columns.view(0))
     length = property(lambda self: self.columns.used)
 
     @torch.inference_mode()  # the buffers are inference tensors when built in a forward

@@ -93,8 +93,7 @@ def _labels(df: pd.DataFrame) -> pd.Series:
 def _with_full(table: pd.DataFrame, key: str) -> pd.DataFrame:
     """Rows of the compressed methods with Full-KV's decode time and peak at the same `key` value, and the
     decode time of the repeated-K/V dense baseline (`full_repeated_kv`) where it ran."""
-    dense = table["method"] == "full"
-    repeated = table["repeated_kv"] if "repeated_kv" in table else pd.Series(False, index=table.index)
+    dense, repeated = table["method"] == "full", table["repeated_kv"]
     full, baseline = table[dense & ~repeated].set_index(key), table[dense & repeated].set_index(key)
     out = table[~dense].copy()
     out["full_decode_ms"] = out[key].map(full["decode_ms"]) if len(full) else None

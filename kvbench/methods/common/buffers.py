@@ -3,6 +3,7 @@ clones until one of them writes (copy on write), as the cache's own row buffers 
 
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -31,13 +32,13 @@ class GrowingBuffers:
         if self._sharers[0] == 1 and self.used + more > self.tensors[0].shape[self.dim]:
             self.tensors = [self._moved(t, self.used, self.used + more) for t in self.tensors]
 
-    def views(self) -> list[torch.Tensor]:
-        """The used part of every tensor."""
-        return [t.narrow(self.dim, 0, self.used) for t in self.tensors]
+    def view(self, index: int) -> torch.Tensor:
+        """The used part of tensor `index`."""
+        return self.tensors[index].narrow(self.dim, 0, self.used)
 
     def fork(self) -> "GrowingBuffers":
-        twin = GrowingBuffers.__new__(GrowingBuffers)
-        twin.dim, twin.used, twin.tensors, twin._sharers = self.dim, self.used, list(self.tensors), self._sharers
+        twin = copy.copy(self)  # the same tensors and the same `sharers` cell
+        twin.tensors = list(self.tensors)
         self._sharers[0] += 1
         return twin
 

@@ -32,8 +32,8 @@ class PageSummary:
         kmin, kmax = page_minmax(keys, page_size)
         return cls(page_size, GrowingBuffers([kmin, kmax], kmin.shape[1], dim=1), keys.shape[1])
 
-    kmin = property(lambda self: self.bounds.views()[0])
-    kmax = property(lambda self: self.bounds.views()[1])
+    kmin = property(lambda self: self.bounds.view(0))
+    kmax = property(lambda self: self.bounds.view(1))
     pages = property(lambda self: self.bounds.used)
 
     def first_changed_row(self, length: int) -> int:
