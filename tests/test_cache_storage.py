@@ -1,17 +1,20 @@
 """The cache's row storage: appends write into slack in place (amortised O(1), no copy of the layer), clones
-share buffers copy-on-write, and the bytes held and allocated are counted apart."""
+share buffers copy-on-write, a decode step's eviction rewrites rows in place only where no clone shares them,
+and the bytes held and allocated are counted apart."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import random_ids
 
-from kvbench.cache.layer import GROWTH, MIN_SLACK
+from kvbench.cache.layer import GROWTH, MIN_SLACK, KVLayer
 from kvbench.engine.session import Session
 from kvbench.methods import build_method
+from kvbench.methods.duoattention import write_pattern
 
 PROMPT = 96
 
@@ -80,6 +83,48 @@ def test_clones_share_buffers_and_copy_on_write(tiny, method, budget, ragged):
             assert torch.equal(a_view.positions, b_view.positions)
             assert torch.equal(a_view.keys[held], b_view.keys[held])
             assert torch.equal(a_view.values[held], b_view.values[held])
+
+
+def _sliding_window(lm, pattern: Path) -> tuple[Session, torch.Tensor]:
+    """DuoAttention with one head of each layer streaming (sink 4 + recent 8): ragged layers cut every step."""
+    write_pattern(torch.eye(lm.model.config.num_hidden_layers, lm.model.config.num_key_value_heads), pattern)
+    method = build_method("duoattention", pattern=str(pattern), budget_rule="sparsity", sparsity=0.5, sink=4,
+                          recent=8)
+    session = Session(lm, method, 64)
+    logits, _ = session.prefill(random_ids(PROMPT, seed=3), compress=True)
+    return session, logits
+
+
+def _held(session: Session) -> list[tuple[torch.Tensor, ...]]:
+    views = [layer.head_view() for layer in session.cache.layers]
+    return [(v.positions, v.keys[v.positions >= 0], v.values[v.positions >= 0]) for v in views]
+
+
+def test_decode_evictions_rewrite_the_rows_in_place_as_the_copying_path_would(tiny, monkeypatch, tmp_path):
+    session, logits = _sliding_window(tiny, tmp_path / "gates.tsv")
+    untouched = _held(session)
+    session.cache.reserve(16)  # the first append writes in place, into buffers the twin shares
+    twin = session.fork()  # so the first eviction must copy, not rewrite them
+    tokens, storage = [], None
+    for step in range(12):
+        tokens.append(int(logits.argmax()))
+        logits = session.step(tokens[-1])
+        layers = session.cache.layers
+        if step == 1:  # after the copy that unshares and the append that re-lays out with slack
+            storage = [(layer.buffers["keys"].data_ptr(), layer.relayouts) for layer in layers]
+        elif step > 1:
+            assert [(layer.buffers["keys"].data_ptr(), layer.relayouts) for layer in layers] == storage
+    assert all(layer.is_ragged and layer.evictions >= 12 for layer in session.cache.layers)
+    for mine, theirs in zip(_held(twin), untouched):  # the clone still holds what it was cloned with
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    monkeypatch.setattr(KVLayer, "_rewritable", lambda self, kept: False)  # every eviction copies compactly
+    reference, ref_logits = _sliding_window(tiny, tmp_path / "gates.tsv")
+    for token in tokens:
+        ref_logits = reference.step(token)
+    assert torch.equal(logits, ref_logits)
+    assert session.cache.kv_bytes() == reference.cache.kv_bytes()
+    for mine, theirs in zip(_held(session), _held(reference)):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
 
 
 def test_token_state_travels_with_rows_through_appends_and_eviction(tiny):

@@ -16,7 +16,7 @@ Appending a token writes one row per head into the slack: amortised O(1), never 
 a head has no room, the layer is copied once into buffers with slack (a quarter of the longest head, or
 what `reserve` asked for: the engine reserves the tokens it is about to decode). Eviction and rollback
 gather the kept rows with `index_select` into new compact buffers, so the old storage is freed (a slice
-would keep it alive). `kv_bytes` counts the tokens held, `kv_capacity_bytes` the buffers with their slack.
+would keep it alive); one that drops only a few rows per head moves the kept rows in place instead. `kv_bytes` counts the tokens held, `kv_capacity_bytes` the buffers with their slack.
 
 `H` is the model's KV heads, unless a method split every KV head into one copy per query head (SnapKV per
 query head, RocketKV's baseline): `retain` with G index lists per KV head does that, new tokens are then
@@ -41,8 +41,10 @@ Three lengths, each with one meaning: `seen`, the logical tokens appended so far
 the width of a padded view.
 
 A prefill snapshot and a teacher-forcing fork share buffers with the cache they were cloned from. That is
-safe because no stored row is ever rewritten, and an append writes into slack only where no layer sharing
-the buffers has written past its own length (`claimed`); otherwise it copies (copy on write).
+safe because a shared row is never rewritten, and an append writes into slack only where no layer sharing
+the buffers has written past its own length (`claimed`); otherwise it copies (copy on write). A layer that
+holds its buffers alone (`row_sharers`) rewrites them in place on a small eviction, a decode step's (H2O, TOVA,
+DuoAttention's sliding window): the kept rows move down within each head's rows, so nothing is copied whole.
 """
 
 from __future__ import annotations
@@ -120,6 +122,10 @@ class KVLayer(CacheLayerMixin):
         # rows written per head into these buffers by any layer sharing them (clones): an append writes in
         # place only where nobody wrote past this layer's own length, otherwise it copies (copy on write)
         self.claimed: list[int] = []
+        # layers holding these buffers (this one and its clones, one shared cell): rows are rewritten in place
+        # only while it is 1. A clone that is dropped unwritten is never subtracted: its original then copies
+        # once, at its next eviction, which is safe
+        self.row_sharers = [1]
         self.derived: dict[str, Any] = {}  # method-owned derived state (page summaries, ...)
         self.seen = 0
         self.queries: torch.Tensor | None = None  # [H_q, w, D]: the last queries attended with
@@ -244,6 +250,8 @@ class KVLayer(CacheLayerMixin):
                 spread[name] = buf.index_copy_(0, dest, t)
             rows = spread
         self.buffers = rows
+        self.row_sharers[0] -= 1
+        self.row_sharers = [1]
         self.caps = [n + slack for n in head_lens]
         self.starts = list(itertools.accumulate([0, *self.caps[:-1]]))
         self.lens = list(head_lens)
@@ -323,22 +331,53 @@ class KVLayer(CacheLayerMixin):
         """Keep, per head, the tokens at `indices[h]` (sorted positions in the head's current storage).
 
         `G * H` index lists split every head into G copies, copy `i` reading head `i // G` (per-query-head
-        eviction). Keys, values, positions and every token-state tensor are gathered with the same rows into
-        new compact tensors, so the old storage is freed.
+        eviction). Keys, values, positions and every token-state tensor move with the same rows. An eviction
+        that drops few rows per head from buffers this layer holds alone (`_rewritable`: a decode step's) moves
+        the kept rows down in place, and the rows it frees are slack for the next appends; any other (a
+        compression) gathers the kept rows into new compact tensors, so the old storage is freed.
         """
         if len(indices) % self.num_heads:
             raise ValueError(f"{len(indices)} index lists for {self.num_heads} heads")
         copies = len(indices) // self.num_heads
-        device = self.buffers["keys"].device
-        rows = torch.cat([ix.to(device) + self.starts[i // copies] for i, ix in enumerate(indices)])
+        new_lens = [int(ix.numel()) for ix in indices]
         before = self.kv_nbytes()
-        self._install({name: t.index_select(0, rows) for name, t in self.buffers.items()},
-                      [int(ix.numel()) for ix in indices])
+        if copies == 1 and self._rewritable(new_lens):
+            self._retain_in_place(indices, new_lens)
+        else:
+            device = self.buffers["keys"].device
+            rows = torch.cat([ix.to(device) + self.starts[i // copies] for i, ix in enumerate(indices)])
+            self._install({name: t.index_select(0, rows) for name, t in self.buffers.items()}, new_lens)
         # derived from rows that changed: dropped (the method rebuilds it) unless the state says it still holds
         self.derived = {name: kept for name, state in self.derived.items()
                     if (kept := getattr(state, "kept", lambda layer: None)(self)) is not None}
         self.evictions += 1
         self.cache._account(self.kv_nbytes() - before)
+
+    def _rewritable(self, kept: list[int]) -> bool:
+        """Whether an eviction to `kept` tokens per head may rewrite the rows in place: no other layer holds
+        these buffers, no head drops more rows than an append's slack (a compression copies instead, which
+        frees its memory rather than leaving it as slack), and equal lengths keep equal capacities (what a
+        uniform layer's `[H, cap, ...]` views need)."""
+        few = max(MIN_SLACK, math.ceil(GROWTH * max(kept)))
+        return (self.row_sharers[0] == 1 and all(n - k <= few for n, k in zip(self.lens, kept))
+                and (len(set(kept)) > 1 or len(set(self.caps)) == 1))
+
+    @torch.inference_mode()  # buffers written in a forward are inference tensors; a rollback rewrites them after it
+    def _retain_in_place(self, indices: list[torch.Tensor], kept: list[int]) -> None:
+        """`retain` within the buffers: each head that drops tokens gets its kept rows moved to the front of
+        its rows (in order), and the freed rows are cleared as `_install` clears slack. A head that keeps
+        everything (sorted, distinct indices: `kept == lens`) is not touched."""
+        device = self.buffers["keys"].device
+        moved = [h for h, (k, n) in enumerate(zip(kept, self.lens)) if k != n]
+        if moved:
+            source = torch.cat([indices[h].to(device) + self.starts[h] for h in moved])
+            dest = torch.cat([torch.arange(self.starts[h], self.starts[h] + kept[h], device=device) for h in moved])
+            freed = torch.cat([torch.arange(self.starts[h] + kept[h], self.starts[h] + self.lens[h], device=device)
+                               for h in moved])
+            for name, buf in self.buffers.items():
+                buf.index_copy_(0, dest, buf.index_select(0, source))
+                buf.index_fill_(0, freed, -1 if name == "positions" else 0)
+        self.lens, self.claimed = list(kept), list(kept)
 
     def truncate(self, logical_length: int) -> None:
         """Drop every stored token (and query) whose logical position is >= `logical_length` (rollback)."""
@@ -377,12 +416,13 @@ class KVLayer(CacheLayerMixin):
         return [*self.buffers.values(), *queries]
 
     def clone_into(self, cache: Cache) -> "KVLayer":
-        """A layer for `cache` that shares this layer's buffers: rows are never rewritten, and an append
+        """A layer for `cache` that shares this layer's buffers: shared rows are never rewritten, and an append
         writes in place only into slack nobody else claimed (see `claimed`)."""
         copy = KVLayer(self.layer_idx, cache)
         copy.__dict__.update({k: v for k, v in self.__dict__.items() if k != "cache"})
         copy.cache = cache
         copy.buffers = dict(self.buffers)
+        self.row_sharers[0] += 1  # the copy holds the same cell (`__dict__` above)
         copy.starts, copy.caps, copy.lens = list(self.starts), list(self.caps), list(self.lens)
         # immutable derived state is shared; state that updates in place (page summaries, CTKVR's index) is forked
         copy.derived = {name: state.fork() if hasattr(state, "fork") else state for name, state in self.derived.items()}

@@ -33,8 +33,9 @@ Cache: the layer becomes ragged (per KV head, as Ada-KV): retrieval heads never 
 cut to their first `sink` and last `recent` tokens when the compressed segment ends and again after every decode
 step (`decode_every: 1`), so they hold exactly sink + recent while decoding (a decode step attends over
 sink + recent + the new token, as the release's streaming cache does before trimming). Evicted rows are freed
-(`KVLayer.retain`), and `decode_read_tokens_per_group` is the default traffic over what is stored. (Wall time:
-`retain` re-gathers the whole layer, retrieval heads included, at every decode step; the numbers are unaffected.)
+(`KVLayer.retain`: at the compression by a compact copy; a decode step's one-row cut moves the streaming heads'
+rows down in place and leaves retrieval heads untouched), and `decode_read_tokens_per_group` is the default
+traffic over what is stored.
 
 Departures from the release, and why:
 - Prefill is dense: every head attends to the whole prompt, then streaming heads are cut (kvbench applies no
