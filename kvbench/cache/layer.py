@@ -16,7 +16,8 @@ Appending a token writes one row per head into the slack: amortised O(1), never 
 a head has no room, the layer is copied once into buffers with slack (a quarter of the longest head, or
 what `reserve` asked for: the engine reserves the tokens it is about to decode). Eviction and rollback
 gather the kept rows with `index_select` into new compact buffers, so the old storage is freed (a slice
-would keep it alive); one that drops only a few rows per head moves the kept rows in place instead. `kv_bytes` counts the tokens held, `kv_capacity_bytes` the buffers with their slack.
+would keep it alive); one that drops only a few rows per head moves the kept rows in place instead.
+`kv_bytes` counts the tokens held, `kv_capacity_bytes` the buffers with their slack.
 
 `H` is the model's KV heads, unless a method split every KV head into one copy per query head (SnapKV per
 query head, RocketKV's baseline): `retain` with G index lists per KV head does that, new tokens are then
@@ -43,8 +44,9 @@ the width of a padded view.
 A prefill snapshot and a teacher-forcing fork share buffers with the cache they were cloned from. That is
 safe because a shared row is never rewritten, and an append writes into slack only where no layer sharing
 the buffers has written past its own length (`claimed`); otherwise it copies (copy on write). A layer that
-holds its buffers alone (`row_sharers`) rewrites them in place on a small eviction, a decode step's (H2O, TOVA,
-DuoAttention's sliding window): the kept rows move down within each head's rows, so nothing is copied whole.
+holds its buffers alone (`row_sharers`) rewrites them in place on a small eviction, a decode step's (any
+eviction method with `decode_every`, DuoAttention's sliding window, KeyDiff's block loop): the kept rows move
+down within each head's rows, so nothing is copied whole.
 """
 
 from __future__ import annotations
