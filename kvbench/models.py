@@ -373,10 +373,14 @@ def _load_tiny(cfg: Any, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(model, tokenizer, cfg.name, _max_positions(config))
 
 
+def cache_kwargs(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
+    """The keyword argument that passes `cache` to `model`'s forward: `cache=` since transformers 5.24,
+    `past_key_values=` before (5.24 keeps the old name with a deprecation warning until 5.40)."""
+    return {_cache_argument(type(model)): cache}
+
+
 @functools.cache
-def cache_argument(model_class: type) -> str:
-    """The forward's name for the KV cache: `cache` since transformers 5.24, `past_key_values` before (5.24 keeps
-    the old name with a deprecation warning until 5.40)."""
+def _cache_argument(model_class: type) -> str:
     return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 

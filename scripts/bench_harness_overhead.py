@@ -24,7 +24,7 @@ from kvbench.engine.config import EngineConfig
 from kvbench.engine.prompt import PromptBuilder
 from kvbench.engine.sample import run_sample
 from kvbench.methods import build_method
-from kvbench.models import cache_argument, load_model
+from kvbench.models import cache_kwargs, load_model
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
@@ -33,10 +33,10 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 def bare_generate(model, ids: list[int], new_tokens: int) -> float:
     start = time.perf_counter()
     cache = DynamicCache(config=model.config)
-    out = model(input_ids=torch.tensor([ids]), **{cache_argument(type(model)): cache}, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=torch.tensor([ids]), **cache_kwargs(model, cache), use_cache=True, logits_to_keep=1)
     token = out.logits[0, -1].argmax()
     for _ in range(new_tokens - 1):
-        out = model(input_ids=token.view(1, 1), **{cache_argument(type(model)): cache}, use_cache=True)
+        out = model(input_ids=token.view(1, 1), **cache_kwargs(model, cache), use_cache=True)
         token = out.logits[0, -1].argmax()
     return time.perf_counter() - start
 

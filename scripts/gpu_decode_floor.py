@@ -32,7 +32,7 @@ def main() -> int:
         return 0
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from kvbench.models import cache_argument
+    from kvbench.models import cache_kwargs
     from kvbench.profiling.roofline import measure_peaks
 
     config = LlamaConfig(vocab_size=260, hidden_size=4096, intermediate_size=14336, num_hidden_layers=args.layers,
@@ -58,7 +58,7 @@ def main() -> int:
             for step in range(args.warmup + args.steps):
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                out = model(input_ids=token, **{cache_argument(type(model)): cache}, use_cache=True)
+                out = model(input_ids=token, **cache_kwargs(model, cache), use_cache=True)
                 torch.cuda.synchronize()
                 times.append(1e3 * (time.perf_counter() - t0))
                 token = out.logits[:, -1].argmax(-1, keepdim=True)

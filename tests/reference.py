@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from transformers import AttentionInterface, DynamicCache
 
-from kvbench.models import cache_argument
+from kvbench.models import cache_kwargs
 
 REF_NAME = "kvbench_masked_reference"
 _visible: dict[int, torch.Tensor] = {}  # layer -> [H_kv or H_q, chunk start] bool: the past each head sees
@@ -65,7 +65,7 @@ def reference_chunks(model, chunks: list[list[int]], past: list[dict[int, torch.
             _visible.update(visible or {})
             ids = torch.tensor([chunk])
             position_ids = torch.arange(pos, pos + len(chunk))[None]
-            out = model(input_ids=ids, position_ids=position_ids, **{cache_argument(type(model)): cache},
+            out = model(input_ids=ids, position_ids=position_ids, **cache_kwargs(model, cache),
                         use_cache=True, logits_to_keep=1)
             outs.append(out.logits[0, -1].float())
             pos += len(chunk)

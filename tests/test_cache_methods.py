@@ -15,7 +15,7 @@ from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.methods.adakv import allocate
 from kvbench.methods.snapkv import window_scores
-from kvbench.models import cache_argument
+from kvbench.models import cache_kwargs
 
 PROMPT = 300
 
@@ -27,12 +27,12 @@ def stock_logits(lm, ids: list[int], steps: int) -> tuple[list[torch.Tensor], li
     model.set_attn_implementation("sdpa")
     try:
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=torch.tensor([ids]), **{cache_argument(type(model)): cache}, use_cache=True,
+        out = model(input_ids=torch.tensor([ids]), **cache_kwargs(model, cache), use_cache=True,
                     logits_to_keep=1)
         logits, tokens = [out.logits[0, -1]], []
         for _ in range(steps):
             tokens.append(int(logits[-1].argmax()))
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), **{cache_argument(type(model)): cache}, use_cache=True)
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), **cache_kwargs(model, cache), use_cache=True)
             logits.append(out.logits[0, -1])
         return logits, tokens
     finally:

@@ -75,6 +75,11 @@ GROWTH = 0.25  # slack added when an append finds no room: a quarter of the long
 MIN_SLACK = 16
 
 
+def growth_slack(longest: int) -> int:
+    """Free rows per head a layer whose longest head holds `longest` tokens gets when it grows."""
+    return max(MIN_SLACK, math.ceil(GROWTH * longest))
+
+
 class TokenState(MutableMapping):
     """A layer's method-owned per-token tensors by name: `[H, L]` on a uniform layer, flat `[sum_h len_h]`
     (head after head) on a ragged one. Setting one installs a new buffer in the layer's row layout (clones
@@ -287,7 +292,7 @@ class KVLayer(CacheLayerMixin):
         when the buffers have room this layer may claim, else into new buffers with slack."""
         if not self._room_for(q):
             longest = max(self.lens) + q
-            self._install(self._compact(), self.lens, slack=max(q, MIN_SLACK, math.ceil(GROWTH * longest)))
+            self._install(self._compact(), self.lens, slack=max(q, growth_slack(longest)))
             self.relayouts += 1
         heads = len(self.lens)
         if not self.is_ragged:  # a strided slice: same rows as the index list below, one copy kernel
@@ -360,7 +365,7 @@ class KVLayer(CacheLayerMixin):
         these buffers, no head drops more rows than an append's slack (a compression copies instead, which
         frees its memory rather than leaving it as slack), and equal lengths keep equal capacities (what a
         uniform layer's `[H, cap, ...]` views need)."""
-        few = max(MIN_SLACK, math.ceil(GROWTH * max(kept)))
+        few = growth_slack(max(kept))
         return (self.row_sharers[0] == 1 and all(n - k <= few for n, k in zip(self.lens, kept))
                 and (len(set(kept)) > 1 or len(set(self.caps)) == 1))
 

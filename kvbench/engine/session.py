@@ -15,7 +15,7 @@ from kvbench.cache.kvcache import KVBenchCache
 from kvbench.core.contract import Plan, Step
 from kvbench.core.devices import sync
 from kvbench.methods.base import Method
-from kvbench.models import LoadedModel, cache_argument, model_head_dim, rotary_of
+from kvbench.models import LoadedModel, cache_kwargs, model_head_dim, rotary_of
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ class Session:
         out = self.lm.model(
             input_ids=torch.tensor([ids], device=device),
             position_ids=torch.arange(self.position, self.position + len(ids), device=device)[None],
-            **{cache_argument(type(self.lm.model)): self.cache},
+            **cache_kwargs(self.lm.model, self.cache),
             use_cache=True,
             logits_to_keep=logits_to_keep,
             kvbench_steps=[self.step_context(evict)],
@@ -180,7 +180,7 @@ def step_batch(sessions: list[Session], tokens: list[int], max_rows: int = 1) ->
     out = lm.model(
         input_ids=torch.tensor(tokens, device=lm.device)[:, None],
         position_ids=torch.tensor([s.position for s in sessions], device=lm.device)[:, None],
-        **{cache_argument(type(lm.model)): BatchedCache([s.cache for s in sessions])},
+        **cache_kwargs(lm.model, BatchedCache([s.cache for s in sessions])),
         use_cache=True,
         logits_to_keep=1,
         kvbench_steps=[s.step_context(s.next_step_evicts()) for s in sessions],
