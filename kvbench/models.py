@@ -14,6 +14,7 @@ import inspect
 import itertools
 import logging
 import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -321,8 +322,15 @@ def _load_converted_gguf(folder: Path, filename: str, name: str, dtype: torch.dt
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         tmp = converted.with_name(converted.name + f".tmp{os.getpid()}")
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+        try:
+            model.save_pretrained(tmp)
+            tokenizer.save_pretrained(tmp)
+        except OSError as exc:  # a full disk (seen on CI) costs the next run a conversion, not this run
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.warning("could not keep the converted weights in %s (%s); using them from memory, the next "
+                        "run converts again", converted.parent, exc.strerror or exc)
+            model.set_attn_implementation(ATTENTION_NAME)
+            return LoadedModel(model.to(dtype), tokenizer, name, _max_positions(model.config))
         tmp.replace(converted) if not converted.exists() else None
     tokenizer = AutoTokenizer.from_pretrained(str(converted))
     model = AutoModelForCausalLM.from_pretrained(str(converted), dtype=dtype, attn_implementation=ATTENTION_NAME)

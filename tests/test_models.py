@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 from conftest import model_cfg
 
+from kvbench.attention.dispatch import ATTENTION_NAME
 from kvbench.core.errors import KVBenchError
 from kvbench.models import check_supported, load_model, smollm2_gguf
 
@@ -46,3 +48,36 @@ def test_missing_hub_model_gives_download_hint(tmp_path, monkeypatch):
     cfg.path = str(tmp_path / "not-a-model")
     with pytest.raises(KVBenchError, match="huggingface-cli download"):
         load_model(cfg)
+
+
+@pytest.mark.integration
+def test_a_full_disk_leaves_the_converted_model_in_memory_and_nothing_on_disk(smollm2, tmp_path, monkeypatch, caplog):
+    """CI once ran out of disk while keeping the converted weights: the run goes on with the same model."""
+    import errno
+
+    from transformers import PreTrainedModel
+
+    def full_disk(self, folder, *args, **kwargs):
+        Path(folder).mkdir(parents=True)
+        (Path(folder) / "model.safetensors").write_bytes(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path))
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", full_disk)
+    loaded = load_model(model_cfg("smollm2_135m", device="cpu", dtype="float32"))
+    assert loaded.model.config._attn_implementation == ATTENTION_NAME
+    assert list((tmp_path / "models").iterdir()) == []  # the partial copy is removed
+    assert "No space left on device" in caplog.text
+    messages = [{"role": "user", "content": "Name a colour."}]
+    ids = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    assert ids == smollm2.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = torch.tensor([getattr(ids, "input_ids", ids)])
+    ours, cached = loaded.model.state_dict(), smollm2.model.state_dict()
+    assert ours.keys() == cached.keys() and all(torch.equal(ours[k], cached[k]) for k in ours)
+    loaded.model.set_attn_implementation("sdpa")  # a plain forward: kvbench's attention needs a Session
+    smollm2.model.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad():
+            assert torch.equal(loaded.model(ids).logits, smollm2.model(ids).logits)
+    finally:
+        smollm2.model.set_attn_implementation(ATTENTION_NAME)
