@@ -28,6 +28,12 @@ ratio = ms/token / floor. The gemv rate is measured again right before each meth
 ratio is the median of the rounds' ratios (the printed gemv floor is ms/token over it). The gap between the
 two floors is the BLAS's, not the harness's; what remains above the gemv floor is per-step work: attention,
 selection, and the model's per-operator overhead in eager mode.
+
+The last two columns split that (CPU): `eager` is the median step of `bench_eager_floor.eager_step`, the
+model's own modules written out by hand over a static cache of as many rows as the method reads per KV group
+and step (the same K/V bytes), with the same decode attention and nothing else; `vs eager` is the method's
+ms/token over it: what the harness and the method's own work (selection, eviction, accounting) add to the
+cheapest eager step that reads the same bytes. ratio (gemv) = eager's own ratio x vs eager.
 """
 
 from __future__ import annotations
@@ -105,6 +111,7 @@ def main() -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    from bench_eager_floor import time_eager_steps  # it imports this module's gemv_bandwidth
 
     cfg = OmegaConf.load(CONF / f"{args.model}.yaml")
     cfg.device, cfg.dtype = args.device, args.dtype
@@ -127,7 +134,8 @@ def main() -> None:
         print(f"read rates: stream {stream / 1e9:.1f} GB/s, gemv {gemv / 1e9:.1f} GB/s; weights read per step "
               f"{weights / 1e6:.0f} MB (floor {1e3 * weights / stream:.1f} ms stream, {1e3 * weights / gemv:.1f} ms gemv)")
     print(f"{'method':<14} {'ms/token':>9} {'p90':>7} {'vs full':>8} {'KV MiB':>8} {'read tok/group/step':>20} "
-          f"{'KV MB/step':>11} {'floor stream':>13} {'ratio':>6} {'floor gemv':>11} {'ratio':>6}")
+          f"{'KV MB/step':>11} {'floor stream':>13} {'ratio':>6} {'floor gemv':>11} {'ratio':>6} {'eager':>8} "
+          f"{'vs eager':>8}")
     runs = {}
     for name in args.methods.split(","):
         method = build_method(name)
@@ -156,8 +164,9 @@ def main() -> None:
         if stream is not None:
             floor_stream = 1e3 * (weights + kv_read) / stream
             gemv_ratio = statistics.median(ms * rate / (1e3 * (weights + kv_read)) for ms, rate in run["ratios"])
+            eager = statistics.median(time_eager_steps(lm, round(read), args.steps)[0])
             floors = (f"{kv_read / 1e6:11.1f} {floor_stream:10.1f} ms {median / floor_stream:6.2f} "
-                      f"{median / gemv_ratio:8.1f} ms {gemv_ratio:6.2f}")
+                      f"{median / gemv_ratio:8.1f} ms {gemv_ratio:6.2f} {eager:5.1f} ms {median / eager:8.2f}")
         print(f"{name:<14} {median:9.1f} {p90:7.1f} {median / baseline:8.2f} {session.cache.kv_bytes() / 2**20:8.1f} "
               f"{read:20.0f} {floors}   (prefill {run['prefill_s']:.1f} s{', shared' if run['prefill_s'] < 1 else ''})")
 

@@ -54,6 +54,35 @@ def eager_step(lm, keys: list[torch.Tensor], values: list[torch.Tensor], rows: i
     return lm.model.lm_head(inner.norm(x))[0, -1]
 
 
+def time_eager_steps(lm, rows: int, steps: int, rounds: int = 1, rate_of=None) -> tuple[list[float], list[float]]:
+    """ms of each of `rounds` x `steps` eager steps from `rows` cached rows per KV head on (one more per step),
+    and each round's ratio to the gemv floor of its bytes when `rate_of` (the model -> bytes/s) is given."""
+    config = lm.model.config
+    n_kv, head_dim, layers = config.num_key_value_heads, model_head_dim(lm), config.num_hidden_layers
+    capacity = rows + rounds * steps + 64
+    gen = torch.Generator().manual_seed(0)
+    keys, values = ([torch.randn(n_kv * capacity, head_dim, generator=gen).to(lm.dtype) for _ in range(layers)]
+                    for _ in range(2))
+    elem = torch.finfo(lm.dtype).bits // 8
+    weights = phase_costs(config, rows, 0.0, elem)["decode_bytes_per_step"]
+    times, ratios = [], []
+    with torch.inference_mode():
+        eager_step(lm, keys, values, rows, 5)  # warm-up: first calls allocate
+        for _ in range(rounds):
+            rate = rate_of(lm.model) if rate_of is not None else None
+            round_times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                eager_step(lm, keys, values, rows, 5)
+                round_times.append(1e3 * (time.perf_counter() - start))
+                rows += 1
+            if rate is not None:
+                floor = 1e3 * (weights + 2 * layers * n_kv * head_dim * elem * rows) / rate
+                ratios.append(statistics.median(round_times) / floor)
+            times += round_times
+    return times, ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2_135m", help="a conf/model name")
@@ -66,27 +95,7 @@ def main() -> None:
     cfg = OmegaConf.load(CONF / f"{args.model}.yaml")
     cfg.device, cfg.dtype = "cpu", args.dtype
     lm = load_model(cfg)
-    config = lm.model.config
-    n_kv, head_dim, layers = config.num_key_value_heads, model_head_dim(lm), config.num_hidden_layers
-    capacity = args.rows + args.rounds * args.steps + 64
-    gen = torch.Generator().manual_seed(0)
-    keys, values = ([torch.randn(n_kv * capacity, head_dim, generator=gen).to(lm.dtype) for _ in range(layers)]
-                    for _ in range(2))
-    elem = torch.finfo(lm.dtype).bits // 8
-    weights = phase_costs(config, args.rows, 0.0, elem)["decode_bytes_per_step"]
-    rows, ratios, times = args.rows, [], []
-    with torch.inference_mode():
-        for _ in range(args.rounds):
-            rate = gemv_bandwidth(lm.model)
-            round_times = []
-            for _ in range(args.steps):
-                start = time.perf_counter()
-                eager_step(lm, keys, values, rows, 5)
-                round_times.append(1e3 * (time.perf_counter() - start))
-                rows += 1
-            floor = 1e3 * (weights + 2 * layers * n_kv * head_dim * elem * rows) / rate
-            ratios.append(statistics.median(round_times) / floor)
-            times += round_times
+    times, ratios = time_eager_steps(lm, args.rows, args.steps, args.rounds, gemv_bandwidth)
     median, ratio = statistics.median(times), statistics.median(ratios)
     print(f"{lm.name}, {lm.dtype}, {torch.get_num_threads()} threads, {args.rows} cached rows per KV head: eager step "
           f"without the harness {median:.1f} ms/token, gemv floor {median / ratio:.1f} ms, ratio {ratio:.2f}")

@@ -42,8 +42,10 @@ def _layout(gen, lens, caps, dim, dtype, garbage=1e3):
 @pytest.mark.parametrize("lens,caps", [([50] * 3, [50] * 3), ([50] * 3, [130] * 3), ([7, 1, 200], [9, 70, 300]),
                                        ([63, 64, 65], [63, 128, 200])])
 @pytest.mark.parametrize("padded_copy_rows", [0, 4096])  # ragged low-precision: per-head calls / one padded batch
-def test_decode_attention_matches_reference(dtype, lens, caps, padded_copy_rows, monkeypatch):
+@pytest.mark.parametrize("cpu_sdpa", [False, True])  # bf16: the matmul path / SDPA (CPUs with AMX)
+def test_decode_attention_matches_reference(dtype, lens, caps, padded_copy_rows, cpu_sdpa, monkeypatch):
     monkeypatch.setattr(decode_attention_module, "PADDED_COPY_ROWS", padded_copy_rows)
+    monkeypatch.setattr(decode_attention_module, "LOW_PRECISION_CPU_SDPA", cpu_sdpa)
     gen = torch.Generator().manual_seed(len(lens) + sum(caps))
     keys, values, starts = _layout(gen, lens, caps, 16, dtype)
     q = torch.randn(len(lens), 4, 16, generator=gen).to(dtype)
@@ -53,16 +55,28 @@ def test_decode_attention_matches_reference(dtype, lens, caps, padded_copy_rows,
     torch.testing.assert_close(out.float(), exact, **TOL[dtype])  # the garbage past each length has no weight
 
 
-def test_float32_uniform_decode_is_the_stock_sdpa_call():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_uniform_decode_is_the_stock_sdpa_call_in_float32_and_in_bfloat16_on_amx(dtype, monkeypatch):
+    monkeypatch.setattr(decode_attention_module, "LOW_PRECISION_CPU_SDPA", True)
+    assert decode_attention_module.decode_attention_kind(dtype, torch.device("cpu")) == "sdpa"
     gen = torch.Generator().manual_seed(3)
     heads, group, length, cap, dim = 3, 3, 40, 57, 16
-    keys, values, starts = _layout(gen, [length] * heads, [cap] * heads, dim, torch.float32)
-    query = torch.randn(1, heads * group, 1, dim, generator=gen)  # as transformers passes it
+    keys, values, starts = _layout(gen, [length] * heads, [cap] * heads, dim, dtype)
+    query = torch.randn(1, heads * group, 1, dim, generator=gen).to(dtype)  # as transformers passes it
     view = lambda t: t.view(heads, cap, dim)[None, :, :length]  # noqa: E731  (the layer's [1, H, L, D] view)
     stock = F.scaled_dot_product_attention(query, view(keys), view(values), scale=0.3, enable_gqa=True)
     out = decode_attention(query[0, :, 0].view(heads, group, dim), keys, values, 0.3, starts, [length] * heads,
                            [cap] * heads)
     assert torch.equal(out.reshape(1, -1, 1, dim), stock)
+
+
+def test_the_decode_attention_kind_follows_the_dtype_and_the_cpu_kind(monkeypatch):
+    cpu = torch.device("cpu")
+    for amx in (False, True):
+        monkeypatch.setattr(decode_attention_module, "LOW_PRECISION_CPU_SDPA", amx)
+        kinds = {dtype: decode_attention_module.decode_attention_kind(dtype, cpu)
+                 for dtype in (torch.float32, torch.bfloat16, torch.float16)}
+        assert kinds == {torch.float32: "sdpa", torch.bfloat16: "sdpa" if amx else "matmul", torch.float16: "matmul"}
 
 
 def test_low_precision_width_steps_do_not_change_the_result():
@@ -98,9 +112,12 @@ def _greedy(lm, method: str, ids: list[int], steps: int = 6) -> tuple[list[int],
 
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
 @pytest.mark.parametrize("method", ["full", "snapkv", "adakv", "quest"])
-def test_bfloat16_fast_path_matches_the_reference_path(model, method, monkeypatch):
-    """The model in bfloat16 through the one decode attention and through its float32 reference: the same
-    greedy tokens and logits within bfloat16's tolerance (the test grid: both tiny models, four methods)."""
+@pytest.mark.parametrize("cpu_sdpa", [False, True])
+def test_bfloat16_fast_path_matches_the_reference_path(model, method, cpu_sdpa, monkeypatch):
+    """The model in bfloat16 through the one decode attention (either CPU kind's) and through its float32
+    reference: the same greedy tokens and logits within bfloat16's tolerance (the test grid: both tiny models,
+    four methods)."""
+    monkeypatch.setattr(decode_attention_module, "LOW_PRECISION_CPU_SDPA", cpu_sdpa)
     lm = load_model(model_cfg(model, dtype="bfloat16"))
     ids = random_ids(120, seed=11)
     fast_tokens, fast_logits = _greedy(lm, method, ids)

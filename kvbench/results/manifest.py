@@ -71,6 +71,23 @@ def _cpu_model() -> str | None:
     return platform.processor() or None
 
 
+# CPU features that pick kernels, and so change float results in the last digits (MKL's and ATen's code paths,
+# the bf16 decode attention): records of one point agree bitwise only between machines with the same ones.
+KERNEL_CPU_FEATURES = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16")
+
+
+def _cpu_features() -> list[str] | None:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return [name for name in KERNEL_CPU_FEATURES if name in flags]
+    except OSError:
+        pass
+    return None
+
+
 def _total_ram_bytes() -> int | None:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -118,7 +135,8 @@ def build_manifest(seed: int, extra: Mapping[str, Any] | None = None) -> dict[st
         "hostname": socket.gethostname(),
         "python": platform.python_version(),
         "platform": platform.platform(),
-        "cpu": {"model": _cpu_model(), "count": os.cpu_count(), "available": cpus_available},
+        "cpu": {"model": _cpu_model(), "count": os.cpu_count(), "available": cpus_available,
+                "features": _cpu_features()},
         "ram_bytes": _total_ram_bytes(),
         **_torch_devices(),
         "versions": {dist: _version(dist) for dist in MANIFEST_PACKAGES},

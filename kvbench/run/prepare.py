@@ -15,6 +15,7 @@ from kvbench.core.errors import KVBenchError
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.prompt import PromptBuilder
 from kvbench.engine.snapshots import PrefillSnapshots
+from kvbench.kernels.decode_attention import decode_attention_kind
 from kvbench.methods import build_method, method_parameters
 from kvbench.models import LoadedModel
 from kvbench.results.manifest import build_manifest, write_manifest
@@ -82,7 +83,8 @@ def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
     samples = cached_samples(cfg, lm, PromptBuilder(lm.tokenizer, engine_cfg.chat_template, engine_cfg.system_prompt))
     run_dir.mkdir(parents=True, exist_ok=True)
     store = RecordStore(run_dir)
-    write_manifest(run_dir, build_manifest(cfg.seed, {"point_hash": phash, "point": point, "dtype": str(lm.dtype)}))
+    write_manifest(run_dir, build_manifest(cfg.seed, {"point_hash": phash, "point": point, "dtype": str(lm.dtype),
+                                                 "decode_attention": decode_attention_kind(lm.dtype, lm.device)}))
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     point_fields = {
         "model": lm.name,
