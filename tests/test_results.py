@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvbench.results.manifest import build_manifest, git_state, write_manifest
+from kvbench.results.manifest import KERNEL_CPU_FEATURES, build_manifest, git_state, write_manifest
 from kvbench.results.store import RecordStore, load_records, point_hash
 from kvbench.results.summary import mean_of_subtasks, summarize, write_summary
 
@@ -197,6 +197,17 @@ def test_write_manifest_keeps_original_and_appends_resumes(tmp_path: Path,
     stored = json.loads((tmp_path / "manifest.json").read_text())
     assert stored["timestamp_utc"] == first["timestamp_utc"] and stored["git_sha"] == first["git_sha"]
     assert [r["git_sha"] for r in stored["resumes"]] == ["f" * 40, first["git_sha"]]
+
+
+def test_a_resume_with_another_decode_attention_is_flagged(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """bf16 on a CPU with AMX runs stock SDPA, elsewhere two matmuls: a point resumed on the other kind mixes them."""
+    write_manifest(tmp_path, build_manifest(seed=1, extra={"decode_attention": "sdpa"}))
+    with caplog.at_level(logging.WARNING):
+        write_manifest(tmp_path, build_manifest(seed=1, extra={"decode_attention": "matmul"}))
+    assert "decode_attention" in caplog.text
+    features = build_manifest(seed=1)["cpu"]["features"]  # the flags that pick kernels, None off Linux
+    assert features is None or (set(features) <= set(KERNEL_CPU_FEATURES) and list(features) == sorted(
+        features, key=KERNEL_CPU_FEATURES.index))
 
 
 def test_summarize_by_hand() -> None:

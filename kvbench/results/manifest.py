@@ -34,7 +34,7 @@ MANIFEST_ENV = ("SLURM_JOB_ID", "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID", "CU
 
 
 # Manifest keys that, when they differ between the first run and a resume, mean the point mixes environments.
-RESUME_CHECKED_KEYS = ("git_sha", "git_dirty", "versions", "python", "gpus")
+RESUME_CHECKED_KEYS = ("git_sha", "git_dirty", "versions", "python", "gpus", "decode_attention")
 
 
 def git_state(path: Path) -> tuple[str | None, bool | None]:
