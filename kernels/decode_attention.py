@@ -58,8 +58,7 @@ def decode_attention(
     if not uniform and use_triton(q, keys, values):
         offsets = torch.as_tensor(list(starts), dtype=torch.int64, device=q.device)
         return ragged_decode_attention_triton(q, keys, values, offsets, lens, scaling)
-    low_precision_cpu = q.dtype != torch.float32 and not q.is_cuda and not (
-        LOW_PRECISION_CPU_SDPA and q.dtype == torch.bfloat16)
+    low_precision_cpu = _runs_matmuls(q.dtype, q.device)
     width = _stepped_width(max(lens))
     if not uniform and low_precision_cpu and n_kv * width <= PADDED_COPY_ROWS:
         rows = torch.as_tensor(list(starts), device=q.device)[:, None] + torch.arange(width, device=q.device)
@@ -101,9 +100,13 @@ def decode_attention_kind(dtype: torch.dtype, device: torch.device) -> str:
     """Which implementation `decode_attention` runs for a uniform layer of this dtype on this device."""
     if device.type == "cuda":
         return "sdpa (flash, memory-efficient, math)"
-    if dtype == torch.float32 or (dtype == torch.bfloat16 and LOW_PRECISION_CPU_SDPA):
-        return "sdpa"
-    return "matmul"
+    return "matmul" if _runs_matmuls(dtype, device) else "sdpa"
+
+
+def _runs_matmuls(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether this dtype on this device takes the two-matmul path (low precision on a CPU, bf16 without AMX)."""
+    return (device.type != "cuda" and dtype != torch.float32
+            and not (LOW_PRECISION_CPU_SDPA and dtype == torch.bfloat16))
 
 
 WIDTH_STEP = 64

@@ -203,14 +203,15 @@ def current_point_dirs(repo: Path = REPO) -> dict[str, str]:
         os.chdir(cwd)
 
 
-def load_expected(path: Path = EXPECTED) -> dict:
+def load_expected(path: Path = EXPECTED, renamed: dict[str, str] | None = None) -> dict:
     """The stored records, under the point directory names this code gives their points."""
-    return under_current_names(json.loads(Path(path).read_text()))
+    return under_current_names(json.loads(Path(path).read_text()), renamed)
 
 
-def under_current_names(records: dict) -> dict:
-    """d6b26fe's extracted records under the point directory names this code gives their points."""
-    renamed = current_point_dirs()
+def under_current_names(records: dict, renamed: dict[str, str] | None = None) -> dict:
+    """d6b26fe's extracted records under the point directory names this code gives their points (`renamed`:
+    `current_point_dirs()`, computed here when not given)."""
+    renamed = current_point_dirs() if renamed is None else renamed
     return {renamed.get(point, point): samples for point, samples in records.items()}
 
 
@@ -261,9 +262,9 @@ def _shown(path: Path) -> str:
 def verify(got: dict, build_reference: bool = True) -> tuple[str, list[str]]:
     """(the reference compared against, the differences): the first stored reference `got` equals exactly, else
     d6b26fe run here, else (git lacks it) the stored reference closest to `got`."""
-    attempts = []
+    attempts, renamed = [], current_point_dirs()
     for path in stored_references():
-        diffs = compare(load_expected(path), got)
+        diffs = compare(load_expected(path, renamed), got)
         if not diffs:
             return _shown(path), []
         attempts.append((len(diffs), _shown(path), diffs))
@@ -276,7 +277,7 @@ def verify(got: dict, build_reference: bool = True) -> tuple[str, list[str]]:
             except RuntimeError as exc:
                 print(f"cannot run {REFERENCE_COMMIT} here: {exc}", flush=True)
             else:
-                return f"{REFERENCE_COMMIT} run on this machine", compare(under_current_names(reference), got)
+                return f"{REFERENCE_COMMIT} run on this machine", compare(under_current_names(reference, renamed), got)
     _, name, diffs = min(attempts)
     return name, diffs
 
