@@ -23,10 +23,13 @@ _CHOICES = ("auto", "torch")
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Whether a dispatcher should launch its Triton kernel for these inputs.
 
-    True iff triton is installed, every tensor is on a CUDA device, and `KVBENCH_KERNELS` is not "torch".
+    True iff triton is installed, every tensor is on a CUDA device, `KVBENCH_KERNELS` is not "torch", and no
+    `torch.compile` is tracing the call (the compiled decode step, `engine.compile`).
     Read at each call, so the override applies to a process that imported kvbench already. Raises
     ValueError on any other value of the variable, so that a typo does not silently pick an implementation.
     """
+    if torch.compiler.is_compiling():  # a compiled decode step traces the references: inductor writes its own kernels
+        return False
     choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if choice not in _CHOICES:
         raise ValueError(f"{ENV_VAR}={choice!r}: expected one of {', '.join(_CHOICES)}")

@@ -86,6 +86,39 @@ def decode_attention(
     return outs[0] if uniform else torch.cat(outs)
 
 
+def static_decode_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    fill: torch.Tensor,
+    width: int | None,
+    row_head: torch.Tensor | None,
+    row_slot: torch.Tensor | None,
+) -> torch.Tensor:
+    """`decode_attention_reference`'s function on the static decode layout (`kvbench.cache.static`): the lengths
+    are device tensors and every shape is fixed by the capacity, so a compiled step is one graph at every step.
+
+    q: [H_kv, G, D]; fill: [H_kv] int64 tokens per head. Uniform layers (`width`): keys/values [H_kv * width, D],
+    head h at rows h * width .. + width, its first fill[h] slots held. Ragged layers (`width` None): keys/values
+    the flat [R, D] buffers, `row_head`/`row_slot` [R] the owner and slot of every row; each row is read once,
+    by one product of all query heads with it (K q^T), and each query head's softmax keeps its own head's held
+    rows. Logits as `decode_attention_matmul` (the model's dtype, then a float32 softmax). Returns [H_kv, G, D].
+    """
+    n_kv, group, dim = q.shape
+    if width is not None:
+        k, v = keys.view(n_kv, width, dim), values.view(n_kv, width, dim)
+        logits = torch.matmul(k, q.transpose(-1, -2)).transpose(-1, -2).float() * scaling  # [H, G, W]
+        past = torch.arange(width, device=q.device)[None, :] >= fill[:, None]
+        probs = torch.softmax(logits.masked_fill(past[:, None, :], float("-inf")), dim=-1).to(values.dtype)
+        return torch.matmul(probs, v)
+    logits = torch.matmul(keys, q.reshape(n_kv * group, dim).t()).float() * scaling  # [R, H_kv * G]
+    owner = torch.arange(n_kv, device=q.device).repeat_interleave(group)  # the KV head of each query head
+    held = (row_head[:, None] == owner[None, :]) & (row_slot < fill[row_head])[:, None]
+    probs = torch.softmax(logits.masked_fill(~held, float("-inf")), dim=0).to(values.dtype)
+    return torch.matmul(probs.t(), values).view(n_kv, group, dim)
+
+
 def _cpu_has_amx() -> bool:
     is_supported = getattr(torch.cpu, "_is_amx_tile_supported", None)
     return bool(is_supported()) if is_supported is not None else False

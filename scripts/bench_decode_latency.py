@@ -4,6 +4,7 @@ engine's own decode path.
     python scripts/bench_decode_latency.py                          # embedded SmolLM2, 8K context, t = 256
     python scripts/bench_decode_latency.py --dtype float32
     python scripts/bench_decode_latency.py --length 4096 --budget 128 --methods full,rocketkv,quest
+    python scripts/bench_decode_latency.py --compile                # also the compiled step (engine.compile)
 
 One dense prefill of a synthetic prompt is shared by every method (the sweep's snapshot path: selection
 methods keep it whole, RocketKV's stage 1 evicts from it), then each method decodes `--steps` greedy tokens
@@ -34,6 +35,11 @@ model's own modules written out by hand over a static cache of as many rows as t
 and step (the same K/V bytes), with the same decode attention and nothing else; `vs eager` is the method's
 ms/token over it: what the harness and the method's own work (selection, eviction, accounting) add to the
 cheapest eager step that reads the same bytes. ratio (gemv) = eager's own ratio x vs eager.
+
+`--compile`: every method also decodes through the compiled step on the static layout (`engine.compile=true`,
+`kvbench.engine.compiled`), from the same prefill, interleaved with its eager run; each gets its own row
+(`path`), and the compiled row's `vs path` is its speed-up over the method's eager row. Compiling happens in
+the first warm-up step and is not timed (`compile` prints its seconds).
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench.core.devices import sync
+from kvbench.engine.compiled import decoder_for
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import _prefill_segment
 from kvbench.engine.snapshots import PrefillSnapshots
@@ -110,6 +117,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds over the methods (medians over all of them)")
     parser.add_argument("--methods", default=DEFAULT_METHODS)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="also the compiled decode step (engine.compile)")
     args = parser.parse_args()
     from bench_eager_floor import time_eager_steps  # it imports this module's gemv_bandwidth
 
@@ -133,29 +141,39 @@ def main() -> None:
     if stream is not None:
         print(f"read rates: stream {stream / 1e9:.1f} GB/s, gemv {gemv / 1e9:.1f} GB/s; weights read per step "
               f"{weights / 1e6:.0f} MB (floor {1e3 * weights / stream:.1f} ms stream, {1e3 * weights / gemv:.1f} ms gemv)")
-    print(f"{'method':<14} {'ms/token':>9} {'p90':>7} {'vs full':>8} {'KV MiB':>8} {'read tok/group/step':>20} "
-          f"{'KV MB/step':>11} {'floor stream':>13} {'ratio':>6} {'floor gemv':>11} {'ratio':>6} {'eager':>8} "
-          f"{'vs eager':>8}")
+    print(f"{'method':<14} {'path':<8} {'ms/token':>9} {'p90':>7} {'vs full':>8} {'vs path':>8} {'KV MiB':>8} "
+          f"{'read tok/group/step':>20} {'KV MB/step':>11} {'floor stream':>13} {'ratio':>6} {'floor gemv':>11} "
+          f"{'ratio':>6} {'eager':>8} {'vs eager':>8}")
+    paths = ("eager", "compiled") if args.compile else ("eager",)
     runs = {}
     for name in args.methods.split(","):
-        method = build_method(name)
-        plan = method.plan(args.budget, sequence_length=args.length + new_tokens, new_tokens=new_tokens,
-                           head_dim=head_dim)
-        start = time.perf_counter()
-        session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine, shared)
-        runs[name] = {"session": session, "logits": logits, "prefill_s": time.perf_counter() - start,
-                      "times": [], "ratios": []}
+        for path in paths:
+            method = build_method(name)
+            plan = method.plan(args.budget, sequence_length=args.length + new_tokens, new_tokens=new_tokens,
+                               head_dim=head_dim)
+            start = time.perf_counter()
+            session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine, shared)
+            if path == "compiled":
+                session.decoder = decoder_for(lm)
+                session.begin_decode(new_tokens)  # one static layout for every round
+            runs[name, path] = {"session": session, "logits": logits, "prefill_s": time.perf_counter() - start,
+                                "times": [], "ratios": []}
     for _ in range(args.rounds):  # rounds interleave the methods, each timed right after its own gemv rate
         for run in runs.values():
             rate = gemv_bandwidth(lm.model) if stream is not None else None
             times, run["logits"] = time_decode(lm, run["session"], run["logits"], args.warmup, args.steps)
             run["times"] += times
             run["ratios"].append((statistics.median(times), rate))
-    baseline = None
-    for name, run in runs.items():
+    baseline, eager_rows = {}, {}
+    for (name, path), run in runs.items():
         median, p90 = statistics.median(run["times"]), float(np.percentile(run["times"], 90))
-        baseline = baseline or median
+        baseline.setdefault(path, median)
+        eager_rows.setdefault(name, median)
         session = run["session"]
+        session.end_decode()
+        if session.decode_path == "eager" and path == "compiled":
+            print(f"{name:<14} {path:<8} ran eagerly: {session.decode_path_reason}")
+            continue
         stats = session.cache.stats
         read = stats.read_token_equivalents / stats.layer_steps if stats.layer_steps else float("nan")
         steps = stats.layer_steps / len(session.cache.layers)
@@ -167,8 +185,10 @@ def main() -> None:
             eager = statistics.median(time_eager_steps(lm, round(read), args.steps)[0])
             floors = (f"{kv_read / 1e6:11.1f} {floor_stream:10.1f} ms {median / floor_stream:6.2f} "
                       f"{median / gemv_ratio:8.1f} ms {gemv_ratio:6.2f} {eager:5.1f} ms {median / eager:8.2f}")
-        print(f"{name:<14} {median:9.1f} {p90:7.1f} {median / baseline:8.2f} {session.cache.kv_bytes() / 2**20:8.1f} "
-              f"{read:20.0f} {floors}   (prefill {run['prefill_s']:.1f} s{', shared' if run['prefill_s'] < 1 else ''})")
+        compile_note = f", compile {session.compile_s:.0f} s" if session.compiles else ""
+        print(f"{name:<14} {path:<8} {median:9.1f} {p90:7.1f} {median / baseline[path]:8.2f} "
+              f"{eager_rows[name] / median:8.2f} {session.cache.kv_bytes() / 2**20:8.1f} {read:20.0f} {floors}   "
+              f"(prefill {run['prefill_s']:.1f} s{', shared' if run['prefill_s'] < 1 else ''}{compile_note})")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from kvbench.attention.hooks import evict_layer
 from kvbench.attention.selected import selected_attention
 from kvbench.cache.layer import KVLayer
 from kvbench.core.contract import Selection, Step
-from kvbench.kernels.decode_attention import decode_attention
+from kvbench.kernels.decode_attention import decode_attention, static_decode_attention
 
 ATTENTION_NAME = "kvbench"
 
@@ -112,6 +112,8 @@ def _decode(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> 
             out = selected_attention(layer, step, q, view, selection, scaling)
             return out.reshape(1, -1, 1, out.shape[-1])
     q = query[0, :, 0, :].view(layer.num_heads, -1, query.shape[-1])  # packed GQA: [H_kv, G, D]
+    if layer.static is not None:
+        return _static_decode(layer, step, q, scaling).reshape(1, -1, 1, q.shape[-1])
     keys, values, starts, lens, caps = layer.buffers["keys"], layer.buffers["values"], layer.starts, layer.lens, layer.caps
     copies = 1
     if method is not None and method.repeats_kv:
@@ -121,6 +123,27 @@ def _decode(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> 
         layer.cache.stats.add(layer, copies * method.step_traffic(layer, None, step), None, sum(lens) / len(lens))
     out = decode_attention(q, keys, values, scaling, starts, lens, caps)
     return out.reshape(1, -1, 1, out.shape[-1])
+
+
+def _static_decode(layer: KVLayer, step: Step, q: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The dense decode step of a layer in the static layout (`kvbench.cache.static`): attention over the fixed
+    capacity with the device lengths, and its accounting on the device. [H_kv, G, D]."""
+    method, st = step.method, layer.static
+    copies = 1
+    if method is not None and method.repeats_kv:  # gpt-fast's dense baseline: the capacity copied per query head
+        copies = q.shape[1]
+        view = layer.head_view()
+        keys, values = (t.repeat_interleave(copies, dim=0) for t in (view.keys, view.values))
+        fill = st.fill.repeat_interleave(copies)
+        out = static_decode_attention(q.reshape(-1, 1, q.shape[-1]), keys.flatten(0, 1), values.flatten(0, 1), scaling,
+                                      fill, st.width, None, None).view(q.shape)
+    else:
+        out = static_decode_attention(q, layer.buffers["keys"], layer.buffers["values"], scaling, st.fill,
+                                      st.width if st.uniform else None, st.row_head, st.row_slot)
+    if method is not None:
+        layer.cache.stats.add(layer, copies * method.step_traffic(layer, None, step), None,
+                              layer.held_tokens() / layer.num_heads)
+    return out
 
 
 def _repeated_kv(layer: KVLayer, group: int) -> tuple:

@@ -8,7 +8,7 @@ import torch
 from kvbench.cache.layer import KVLayer
 from kvbench.core.contract import HeadView, Selection, Step
 from kvbench.kernels.sparse_attention import merge_attention, topk_attention
-from kvbench.methods.common.placement import mass_recall
+from kvbench.methods.common.placement import mass_recall_tensor
 
 
 def selected_attention(layer: KVLayer, step: Step, q: torch.Tensor, view: HeadView, selection: Selection,
@@ -25,8 +25,19 @@ def selected_attention(layer: KVLayer, step: Step, q: torch.Tensor, view: HeadVi
     recall = None
     if step.measure_recall:
         recall = selection.recall if selection.recall is not None else attention_recall(q, view, selection.idx, scaling)
-    layer.cache.stats.add(layer, step.method.step_traffic(layer, selection, step), recall,
-                          attended_per_head(selection), selection.moved_bytes, selection.extra)
+    elements, attended = step.method.step_traffic(layer, selection, step), attended_per_head(selection)
+    if layer.static is None:
+        recall = float(recall) if isinstance(recall, torch.Tensor) else recall
+        layer.cache.stats.add(layer, elements, recall, attended, selection.moved_bytes, selection.extra)
+        return out
+    # static layout: a selection of at least every token held is full attention, which the eager path runs (and
+    # accounts) densely; counted the same way here, where the choice is data, not Python
+    selective = view.lengths.max() > selection.idx.shape[-1]
+    held = layer.held_tokens()
+    elements = torch.where(selective, elements, 2 * layer.head_dim * held)
+    attended = torch.where(selective, attended, held / layer.num_heads)
+    layer.cache.stats.add(layer, elements, recall, attended, selection.moved_bytes, selection.extra,
+                          recall_counts=selective)
     return out
 
 
@@ -74,12 +85,12 @@ def _external_attention(
     return out.to(q.device), lse.to(q.device)
 
 
-def attention_recall(q: torch.Tensor, view: HeadView, idx: torch.Tensor, scaling: float) -> float:
+def attention_recall(q: torch.Tensor, view: HeadView, idx: torch.Tensor, scaling: float) -> torch.Tensor:
     """Top-k attention-mass recall of a selection: the exact attention mass on the selected tokens over the
     mass of the exact top-|selected| tokens, per query head, averaged (1 for Exact-TopK). Over the tokens the
-    layer holds at this step, so after an eviction stage it is measured on what survived."""
+    layer holds at this step, so after an eviction stage it is measured on what survived. A 0-d tensor."""
     logits = torch.einsum("hgd,hld->hgl", q.float(), view.keys.float()) * scaling
     if view.valid is not None:
         logits.masked_fill_(~view.valid[:, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    return mass_recall(probs, probs.gather(-1, idx).sum(-1), idx.shape[-1])
+    return mass_recall_tensor(probs, probs.gather(-1, idx).sum(-1), idx.shape[-1])

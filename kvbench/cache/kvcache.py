@@ -10,6 +10,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from kvbench.cache.layer import KVLayer
+from kvbench.cache.static import StaticCounters
 
 
 class KVBenchCache(Cache):
@@ -26,6 +27,9 @@ class KVBenchCache(Cache):
         self.stats = DecodeStats()
         self._kv_bytes = 0
         self.kv_peak_bytes = 0  # the most K/V bytes held at any moment
+        # the static decode layout (`make_static` .. `make_dynamic`): device byte counters, the step's position
+        self.static_counters: StaticCounters | None = None
+        self.static_position: torch.Tensor | None = None  # [1] int64, the decode token's position (set per step)
 
     @property
     def num_layers(self) -> int:
@@ -90,6 +94,57 @@ class KVBenchCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].seen if self.layers else 0
 
+    @property
+    def is_static(self) -> bool:
+        return self.static_counters is not None
+
+    def make_static(self, tokens: int, query_window: int, query_heads: int, ragged: bool = False) -> None:
+        """Every layer into the static decode layout for a loop of up to `tokens` decode steps (see
+        `kvbench.cache.static`; `ragged`: every layer flat), the byte accounting and decode statistics onto the
+        device."""
+        device = self.layers[0].buffers["keys"].device
+        for layer in self.layers:
+            layer.make_static(tokens, query_window, query_heads, ragged)
+        as_tensor = lambda n: torch.tensor(n, dtype=torch.int64, device=device)  # noqa: E731
+        self.static_counters = StaticCounters(as_tensor(self._kv_bytes), as_tensor(self.kv_peak_bytes))
+        self.static_position = torch.zeros(1, dtype=torch.int64, device=device)
+        self.stats.make_static(device)
+        if device.type == "cuda":  # written in place by the step: a CUDA graph keeps them at their addresses (no
+            for tensor in self.static_tensors():  # guard on the address: a new sample re-records, never recompiles)
+                torch._dynamo.mark_static_address(tensor, guard=False)
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a static decode step writes in place (CUDA graphs need them at static addresses)."""
+        tensors = [*self.static_counters.__dict__.values(), *self.stats.device_tensors()]
+        for layer in self.layers:
+            st = layer.static
+            tensors += [*layer.buffers.values(), st.fill, st.next_slot, st.peak, st.evictions]
+            tensors += [t for t in (layer.queries, layer.query_positions) if t is not None]
+            for state in layer.derived.values():
+                tensors += state.static_tensors()
+        return tensors
+
+    def static_advance(self, tokens: int = 1) -> None:
+        """The host's side of `tokens` static decode steps: the logical length every layer reports."""
+        for layer in self.layers:
+            layer.seen += tokens
+
+    def make_dynamic(self) -> None:
+        """Back to the eager layout after a static decode loop: the device numbers read back in one transfer."""
+        parts = [t for layer in self.layers for t in layer.static_host_numbers()]
+        counters = self.static_counters
+        numbers = torch.cat([*parts, torch.stack([counters.kv_bytes, counters.kv_peak_bytes])]).tolist()
+        at = 0
+        for layer in self.layers:
+            heads = layer.num_heads
+            fill, next_slot = numbers[at:at + heads], numbers[at + heads:at + 2 * heads]
+            peak, evictions = numbers[at + 2 * heads:at + 2 * heads + 2]
+            at += 2 * heads + 2
+            layer.make_dynamic(fill, next_slot, peak, evictions)
+        self._kv_bytes, self.kv_peak_bytes = numbers[at], numbers[at + 1]
+        self.static_counters = self.static_position = None
+        self.stats.make_dynamic()
+
     def clone(self) -> "KVBenchCache":
         """A copy that shares the (never mutated in place) tensors: costs no memory until it diverges. Its
         decode statistics start empty."""
@@ -119,10 +174,17 @@ class DecodeStats:
     _read_token_equivalents: float = 0.0
     _attended_tokens: float = 0.0
     _unread: list[tuple[Any, Any, int]] = field(default_factory=list)  # (elements, attended, 2 D H_kv) per step
+    _device: dict[str, torch.Tensor] | None = None  # the totals of static decode steps, on the device
 
-    def add(self, layer: "KVLayer", elements: "int | torch.Tensor", recall: float | None,
-            attended: "float | torch.Tensor", moved_bytes: int = 0, extra: dict[str, float] | None = None) -> None:
-        """One layer's decode step: `elements` read (the method's cost model), `attended` rows per query head."""
+    def add(self, layer: "KVLayer", elements: "int | torch.Tensor", recall: "float | torch.Tensor | None",
+            attended: "float | torch.Tensor", moved_bytes: int = 0, extra: dict[str, float] | None = None,
+            recall_counts: "torch.Tensor | None" = None) -> None:
+        """One layer's decode step: `elements` read (the method's cost model), `attended` rows per query head.
+        On a static layer the numbers go to device totals (`recall_counts`: whether this step's recall counts:
+        a selection that holds every token is full attention, whose recall the eager path does not measure)."""
+        if self._device is not None:
+            self._add_on_device(layer, elements, recall, attended, moved_bytes, extra, recall_counts)
+            return
         self.layer_steps += 1
         self._unread.append((elements, attended, 2 * layer.head_dim * layer.model_kv_heads))
         self.moved_bytes += moved_bytes
@@ -133,6 +195,43 @@ class DecodeStats:
         if recall is not None:
             self.recall_sum += recall
             self.recall_steps += 1
+
+    def make_static(self, device: torch.device) -> None:
+        # shape [1], not 0-d: inductor (torch 2.13, CPU) drops in-place adds to a 0-d float64 graph input
+        zero = lambda dtype: torch.zeros(1, dtype=dtype, device=device)  # noqa: E731
+        self._device = {"layer_steps": zero(torch.int64), "elements": zero(torch.int64),
+                        "token_equivalents": zero(torch.float64), "attended": zero(torch.float64),
+                        "recall_sum": zero(torch.float64), "recall_steps": zero(torch.int64)}
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        return list(self._device.values()) if self._device is not None else []
+
+    def _add_on_device(self, layer, elements, recall, attended, moved_bytes, extra, recall_counts) -> None:
+        if moved_bytes or extra:
+            raise RuntimeError("a static decode step moves no bytes between host and device and reports no "
+                               "method numbers: the method must stay on the eager path")
+        d = self._device
+        d["layer_steps"].add_(1)
+        d["elements"].add_(elements)
+        d["token_equivalents"].add_(torch.as_tensor(elements, dtype=torch.float64) / (2 * layer.head_dim * layer.model_kv_heads))
+        d["attended"].add_(attended)
+        if recall is not None:
+            counts = torch.ones((), dtype=torch.bool) if recall_counts is None else recall_counts
+            d["recall_sum"].add_(torch.where(counts, torch.as_tensor(recall, dtype=torch.float64), 0.0))
+            d["recall_steps"].add_(counts.to(torch.int64))
+
+    def make_dynamic(self) -> None:
+        """The static steps' totals read back (after the steps counted before them, in order)."""
+        self._read_counts()
+        d, self._device = self._device, None
+        steps, elements, recall_steps = torch.cat([d["layer_steps"], d["elements"], d["recall_steps"]]).tolist()
+        equivalents, attended, recall_sum = torch.cat([d["token_equivalents"], d["attended"], d["recall_sum"]]).tolist()
+        self.layer_steps += steps
+        self._read_elements += elements
+        self._read_token_equivalents += equivalents
+        self._attended_tokens += attended
+        self.recall_sum += recall_sum
+        self.recall_steps += recall_steps
 
     @property
     def read_elements(self) -> int:

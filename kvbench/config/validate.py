@@ -44,6 +44,8 @@ def validate(cfg: DictConfig) -> None:
     for key in ("sample_batch", "batch_rows"):
         if key in engine and (not is_int(engine[key]) or engine[key] < 1):
             raise KVBenchError(f"engine.{key} must be a positive integer, got {engine[key]!r}")
+    if "compile" in engine and engine.compile not in ("auto", True, False):
+        raise KVBenchError(f"engine.compile must be auto, true or false, got {engine.compile!r}")
     profiler = cfg.get("profiler") or {}
     if "repeats" in profiler and (not is_int(profiler.repeats) or profiler.repeats < 1):
         raise KVBenchError(f"profiler.repeats must be a positive integer, got {profiler.repeats!r}")

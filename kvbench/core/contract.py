@@ -67,12 +67,21 @@ class Selection:
 
 @dataclass
 class HeadView:
-    """A padded `[H, L_max, D]` view of a layer plus a validity mask (None when no padding)."""
+    """A padded `[H, L_max, D]` view of a layer plus a validity mask (None when no padding).
+
+    On a layer in the static decode layout (`kvbench.cache.static`) the view spans the fixed capacity: `width`
+    (L_max) is the capacity, `valid` marks the slots holding tokens and `lengths` holds each head's count on the
+    device. Code that serves both layouts decides in Python by `width` only and masks by `valid`."""
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor  # [H, L_max], -1 on padding
     valid: torch.Tensor | None  # [H, L_max] bool
+    lengths: torch.Tensor | None = None  # [H] int64 tokens per head (static layout); None: `valid` or width says
+
+    @property
+    def width(self) -> int:
+        return self.keys.shape[1]
 
 
 @dataclass

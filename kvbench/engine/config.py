@@ -20,3 +20,6 @@ class EngineConfig:
     # faster, but CPU/GPU kernels round a batched row differently, so NLLs and (at near-ties) predictions
     # drift from a lone run's (bf16 SmolLM2: 3 of 104 greedy answers, NLLs by up to ~5%)
     batch_rows: int = 1
+    # the compiled decode step (kvbench.engine.compiled): auto = on CUDA only, true = wherever the method allows,
+    # false = never. The eager path stays the exact default on CPU; records say which path ran (`decode_path`)
+    compile: "str | bool" = "auto"

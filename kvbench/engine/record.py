@@ -105,6 +105,12 @@ def _record(lm: LoadedModel, run: SampleRun, wall_s: float, profiler: PhaseProfi
         "compress_s": run.compress_s,
         "prefill_reused": run.reused,
         "decode_ms_per_token": 1e3 * sum(run.steps) / len(run.steps) if run.steps else None,
+        # which decode step ran (kvbench.engine.compiled): eager, or compiled on the static layout; why not
+        # compiled where compiling was asked for; the calls that compiled (their time is not in the steps')
+        "decode_path": run.session.decode_path,
+        "decode_path_reason": run.session.decode_path_reason,
+        "decode_compiles": run.session.compiles,
+        "decode_compile_s": run.session.compile_s,
         "new_tokens": sum(t["new_tokens"] for t in turns_out),
         "wall_s": wall_s,  # the whole sample (a group's wall time split evenly): prefill, NLL, decode, scoring
         **({"profile": profile} if profile is not None else {}),

@@ -31,6 +31,7 @@ from kvbench.core.budget import CompressionRatio, resolve_budget
 from kvbench.core.contract import Plan
 from kvbench.core.devices import sync
 from kvbench.core.errors import KVBenchError
+from kvbench.engine.compiled import decoder_for, wants_compile
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.prompt import PromptBuilder, fit_to_model, gold_continuation, stop_token_ids
 from kvbench.engine.record import SampleRun, _record
@@ -95,6 +96,9 @@ def run_group(
     with phase("prefill"):
         runs = [_start_row(lm, method, budget_cfg, sample, cfg, builder, snapshots)
                 for method, budget_cfg, sample in rows]
+    batched = len(runs) > 1 and cfg.batch_rows > 1
+    for run in runs:
+        _choose_decode_path(lm, run.session, cfg, batched)
     stop_ids = stop_token_ids(lm)
     for t in range(max(len(run.sample.turns) for run in runs)):
         turn_runs = [run for run in runs if t < len(run.sample.turns)]
@@ -138,6 +142,21 @@ def run_group(
         for record in records:
             record["decode_batched_rows"] = min(len(runs), cfg.batch_rows)
     return records
+
+
+def _choose_decode_path(lm: LoadedModel, session: Session, cfg: EngineConfig, batched: bool) -> None:
+    """The compiled decode step where `engine.compile` asks for it and the method allows it; otherwise eager, and
+    the session says why when compiling was asked for."""
+    if not wants_compile(cfg.compile, lm.device):
+        return
+    blocker = ("batched decoding (engine.batch_rows > 1) runs eagerly" if batched
+               else session.method.static_decode_blocker() if session.method is not None else None)
+    decoder = decoder_for(lm)
+    blocker = blocker or decoder.failure(session.method)
+    if blocker is not None:
+        session.decode_path_reason = blocker
+    else:
+        session.decoder = decoder
 
 
 def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | CompressionRatio", sample: Sample,

@@ -14,6 +14,7 @@ from kvbench.cache.batched import BatchedCache
 from kvbench.cache.kvcache import KVBenchCache
 from kvbench.core.contract import Plan, Step
 from kvbench.core.devices import sync
+from kvbench.engine.compiled import CompiledDecoder, CompileFailed
 from kvbench.methods.base import Method
 from kvbench.models import LoadedModel, cache_kwargs, model_head_dim, rotary_of
 
@@ -28,6 +29,11 @@ class Session:
     steps evict every `decode_every` steps. Teacher forcing follows the same schedule on a copy of the cache.
     Every forward gets a `Step` (`step_context`): what the attention function and the method's hooks need
     to know about it, handed over explicitly rather than set on the cache.
+
+    With a `decoder` (`engine.compile`), a decode loop (`begin_decode` .. `end_decode`) runs on the static
+    layout: the cache enters it at the loop's first step and every step is the compiled graph. A method that
+    evicts while decoding takes the loop's first step eagerly: that step may drop several tokens per head (a
+    question appended uncompressed), every later one drops at most one, which is what the static layout does.
     """
 
     def __init__(
@@ -58,6 +64,17 @@ class Session:
             self.track_method_state(self.schedule is not None)
         self.position = self.cache.get_seq_length()
         self.decode_steps = 0
+        # the compiled decode path (kvbench.engine.compiled): None decodes eagerly, `decode_path_reason` says why
+        # when compiling was asked for
+        self.decoder: CompiledDecoder | None = None
+        self.decode_path_reason: str | None = None
+        self.steps_taken = 0  # decode steps (`step`) this session (and its teacher-forcing forks) took
+        self.static_steps = 0  # of which ran compiled
+        self.compile_s = 0.0  # seconds of the calls that compiled (not decode steps' time)
+        self.compiles = 0
+        self.last_step_compiled = False
+        self._static_left = 0  # steps the current decode loop may still take on the static layout
+        self._eager_first = False
 
     def step_context(self, evict: bool = False) -> Step:
         return Step(self.cache, self.method, self.plan, evict=evict, observe=self.observe,
@@ -107,8 +124,64 @@ class Session:
         return out.logits[0, -logits_to_keep:].float()
 
     def step(self, token: int) -> torch.Tensor:
-        """One decode step; an eviction event every `decode_every` steps of the method's schedule."""
-        return self.forward([token], evict=self.next_step_evicts())[-1]
+        """One decode step; an eviction event every `decode_every` steps of the method's schedule. Compiled on
+        the static layout inside a decode loop with a decoder, eager otherwise."""
+        evict = self.next_step_evicts()
+        self.last_step_compiled = False
+        self.steps_taken += 1
+        if self._static_left > 0:
+            self._static_left -= 1
+            if self._eager_first:
+                self._eager_first = False
+            else:
+                return self._static_step(token, evict)
+        return self.forward([token], evict=evict)[-1]
+
+    @property
+    def decode_path(self) -> str | None:
+        """`compiled` if any decode step (teacher forcing included) ran compiled, `eager` if they all ran eagerly,
+        None if no decode step ran."""
+        return "compiled" if self.static_steps else "eager" if self.steps_taken else None
+
+    def begin_decode(self, steps: int) -> None:
+        """Before a loop of up to `steps` decode steps: room for them (the static layout's capacity, or the eager
+        layout's reserved rows, so that no step copies a layer)."""
+        failure = self.decoder.failure(self.method) if self.decoder is not None else None
+        if self.decoder is not None and failure is None and steps > 0:
+            self._static_left = steps
+            self._eager_first = bool(self.schedule is not None and self.schedule.decode_every)
+        else:
+            self.decode_path_reason = failure or self.decode_path_reason
+            self.cache.reserve(steps)
+
+    def end_decode(self) -> None:
+        """After a decode loop: the cache back in the eager layout, its device counters read once."""
+        self._static_left, self._eager_first = 0, False
+        if self.cache.is_static:
+            self.cache.make_dynamic()
+
+    def _static_step(self, token: int, evict: bool) -> torch.Tensor:
+        if not self.cache.is_static:
+            self.cache.make_static(self._static_left + 1, self.query_window, self.lm.model.config.num_attention_heads,
+                                   ragged=self.method is not None and self.method.ragged_layers)
+        try:
+            logits, compile_s = self.decoder.step(self, token, self.step_context(evict))
+        except CompileFailed as exc:  # nothing ran: the same step eagerly, and the point decodes eagerly from now
+            self.decode_path_reason = f"compile failed: {exc}"
+            self.decoder.record_failure(self.method, self.decode_path_reason)
+            log.warning("kvbench: the compiled decode step of %s failed to compile (%s); decoding eagerly",
+                        getattr(self.method, "name", "full"), exc)
+            self._static_left = 0
+            self.cache.make_dynamic()
+            return self.forward([token], evict=evict)[-1]
+        self.cache.static_advance(1)
+        self.position += 1
+        self.static_steps += 1
+        if compile_s:
+            self.compile_s += compile_s
+            self.compiles += 1
+            self.last_step_compiled = True
+        return logits
 
     def next_step_evicts(self) -> bool:
         """Count a decode step and say whether the method's schedule evicts at it."""
@@ -119,6 +192,7 @@ class Session:
     def fork(self) -> "Session":
         """A session on a copy of this one's cache (shared storage until it diverges), at the same step."""
         fork = Session(self.lm, self.method, self.plan, self.cache.clone())
+        fork.decoder = self.decoder
         fork.query_window, fork.observe, fork.measure_recall = self.query_window, self.observe, self.measure_recall
         fork.shared = dict(self.shared)
         fork.position, fork.decode_steps = self.position, self.decode_steps
@@ -187,6 +261,7 @@ def step_batch(sessions: list[Session], tokens: list[int], max_rows: int = 1) ->
     )
     for session in sessions:
         session.position += 1
+        session.steps_taken += 1
     return list(out.logits[:, -1].float())
 
 
@@ -213,7 +288,7 @@ def decode_batch(
     tokenizer = sessions[0].lm.tokenizer
     device = sessions[0].lm.device
     for session, limit in zip(sessions, max_new_tokens):
-        session.cache.reserve(limit - 1)  # the steps below then append without copying a layer
+        session.begin_decode(limit - 1)  # the steps below then append without copying a layer
     blocked = torch.tensor(sorted(stop_ids), device=logits[0].device, dtype=torch.long)
     current = list(logits)
     active = [r for r in range(n) if max_new_tokens[r] > 0]
@@ -244,7 +319,10 @@ def decode_batch(
             share = (time.perf_counter() - start) / len(rows)
             for r, row_logits in zip(rows, new_logits):
                 current[r] = row_logits
-                step_times[r].append(share)
+                if not sessions[r].last_step_compiled:  # a call that compiled is compile time, not a step's
+                    step_times[r].append(share)
+    for session in sessions:
+        session.end_decode()
     return [(tokens[r], step_times[r], reasons[r]) for r in range(n)]
 
 
@@ -259,7 +337,7 @@ def teacher_forced_nll_batch(sessions: list[Session], logits: list[torch.Tensor]
     """
     forks = [session.fork() for session in sessions]
     for fork, target in zip(forks, targets):
-        fork.cache.reserve(len(target) - 1)
+        fork.begin_decode(len(target) - 1)
     totals = [0.0] * len(sessions)
     current = list(logits)
     for i in range(max((len(t) for t in targets), default=0)):
@@ -270,4 +348,8 @@ def teacher_forced_nll_batch(sessions: list[Session], logits: list[torch.Tensor]
         if rows:
             for r, row_logits in zip(rows, step_batch([forks[r] for r in rows], [targets[r][i] for r in rows], max_rows)):
                 current[r] = row_logits
+    for session, fork in zip(sessions, forks):  # the forks' steps are the row's decode steps too
+        session.compile_s, session.compiles = session.compile_s + fork.compile_s, session.compiles + fork.compiles
+        session.static_steps, session.steps_taken = session.static_steps + fork.static_steps, \
+            session.steps_taken + fork.steps_taken
     return [total / len(target) if target else float("nan") for total, target in zip(totals, targets)]

@@ -88,6 +88,7 @@ class AdaKV(EvictionMethod):
     `kernel`, `pooling`, `gqa_agg` and `granularity` are the scorer's and are checked there."""
 
     name = "adakv"
+    ragged_layers = True
     window: int = 32
     kernel: int = 7
     pooling: str = "max"

@@ -17,6 +17,15 @@ attention function and `attention.hooks.evict_layer` call them, never the other 
   to besides itself (None: everything, the dense default; OmniKV-prefill).
 - `build_derived(layer, step)`: state a selection reads (page summaries), kept current by its own
   `append` / `truncate`; `step_traffic(layer, selection, step)`: elements one decode step reads.
+- `decode_eviction_scores(layer, budget, step)`: a decode step's eviction on the static layout (below).
+
+The static decode layout (`kvbench.cache.static`, `engine.compile`): a decode loop can run as one compiled
+graph, in which no Python number changes from step to step. A method that only evicts at the end of the
+prompt runs there as it is. A method with decode-time eviction runs there through
+`decode_eviction_scores` (`ScoredEviction` derives it from `score`), a selecting method once its `select`,
+`step_traffic` and derived state are written for fixed shapes (`static_selection`: decide in Python by
+`view.width` only, mask by `view.valid`, read lengths from `view.lengths`). `static_decode_blocker` says why a
+method stays on the eager path (host work every step: a CPU index, an LRU, host memory), and the record says so.
 
 Every method has `dense_layers` (null: none; N: the first N layers; a list: those layer indices): a dense layer
 keeps its whole cache and attends densely, whatever the method (RocketKV App. A.1 skips layers 0-1 for every
@@ -64,6 +73,11 @@ class Method:
     last_prompt_token_via_decode: ClassVar[bool] = False  # the prompt's last token goes through decode (RocketKV)
     steps_through_chunks: ClassVar[bool] = False  # later chunks (question, turns) go token by token (CTKVR)
     uses_budget: ClassVar[bool] = True  # False: the budget cannot change a result (full), so sweeps share one point
+    static_selection: ClassVar[bool] = False  # `select` and its derived state also serve the static layout
+    host_work: ClassVar[str | None] = None  # the host work every decode step needs (keeps it off the static layout)
+    # its heads may keep different numbers of tokens (Ada-KV, DuoAttention): the static layout keeps every layer
+    # flat then, so that a layer whose heads happen to come out even does not make a sample its own graph
+    ragged_layers: ClassVar[bool] = False
     dense_layers: int | list[int] | None = None
 
     def __post_init__(self) -> None:
@@ -95,6 +109,29 @@ class Method:
     def schedule(self) -> Schedule | None:
         return None
 
+    def static_decode_blocker(self) -> str | None:
+        """Why this method's decode steps cannot run on the static layout as one compiled graph (None: they
+        can). A method whose every step needs host work says what that work is."""
+        if self.host_work is not None:
+            return self.host_work
+        if self.selects and not self.static_selection:
+            return f"{self.name}'s decode-time selection is not written for fixed shapes"
+        schedule = self.schedule()
+        if schedule is not None and schedule.decode_every:
+            if schedule.decode_every != 1:
+                return (f"evicting every {schedule.decode_every} decode steps drops several tokens per head at once; "
+                        "the static layout evicts one per step (decode_every=1)")
+            if type(self).decode_eviction_scores is Method.decode_eviction_scores:
+                return f"{self.name}'s decode-time eviction has no fixed-shape form (decode_eviction_scores)"
+        return None
+
+    def decode_eviction_scores(self, layer: "KVLayer", budget: int, step: Step) -> "tuple[torch.Tensor, Any]":
+        """A decode step's eviction on a layer in the static layout: `[H, width]` scores of its slots (higher
+        keeps; `+inf`: never evicted) and the tokens each head keeps (an int, or `[H]`). Every head holding more
+        loses its lowest-scored slot. Rows are not in position order there: what means "recent" reads
+        `layer.head_view().positions`."""
+        raise NotImplementedError
+
     def plan(self, budget: int, *, sequence_length: int, new_tokens: int, head_dim: int,
              num_layers: int | None = None) -> Plan:
         """This sample's budgets. `sequence_length`: its prompt plus the tokens it may generate, capped at the
@@ -125,7 +162,7 @@ class Method:
         distinct selected tokens of each KV group otherwise (the oracle's view: finding them is free), counted
         on the selection's device as a 0-d tensor that `DecodeStats` reads once per sample."""
         if selection is None:
-            return 2 * layer.head_dim * sum(layer.lengths())
+            return 2 * layer.head_dim * layer.held_tokens()
         idx = selection.idx
         chosen = torch.zeros(idx.shape[0], layer.physical_length(), dtype=torch.bool, device=idx.device)
         distinct = chosen.scatter_(1, idx.reshape(idx.shape[0], -1), True).sum()
@@ -194,6 +231,16 @@ class ScoredEviction(EvictionMethod):
         if budget >= layer.physical_length():
             return None
         return keep_top(self.score(layer, step), budget, recent=self.recent_tokens(budget))
+
+    def decode_eviction_scores(self, layer: "KVLayer", budget: int, step: Step) -> tuple[torch.Tensor, int]:
+        """`keep`'s rule one token at a time: the `recent_tokens(budget)` newest tokens (by position) are kept,
+        the lowest `score` of the others goes."""
+        scores = self.score(layer, step)
+        recent = min(self.recent_tokens(budget), budget)
+        if recent:
+            positions = layer.head_view().positions
+            scores = scores.masked_fill(positions > positions.max() - recent, float("inf"))
+        return scores, budget
 
 
 def keep_top(scores: torch.Tensor, budget: int, recent: int = 0) -> list[torch.Tensor]:

@@ -122,6 +122,7 @@ class CTKVR(Method):
     name = "ctkvr"
     family = "selection"
     selects = True
+    host_work = "CTKVR recalls from its inverted index and reads rows from host memory at every decode step"
     steps_through_chunks: ClassVar[bool] = True
     max_centroids: int = 2048  # C = min(max_centroids, s // 16)
     retrieved_centroids: int = 4  # C'

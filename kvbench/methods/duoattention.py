@@ -147,6 +147,7 @@ def sparsity_split(sparsity: float, heads: int) -> int:
 @dataclass
 class DuoAttention(EvictionMethod):
     name = "duoattention"
+    ragged_layers = True
     pattern: str = "smollm2_135m"  # a shipped name (conf: ${model.name}) or a path to a full_attention_heads.tsv
     budget_rule: str = "rocketkv"  # rocketkv: mean per-head budget t (RocketKV §4); sparsity: DuoAttention's knob
     sparsity: float = 0.5  # budget_rule=sparsity: share of streaming heads (DuoAttention's pred.py default)
@@ -209,6 +210,16 @@ class DuoAttention(EvictionMethod):
         if key not in self._masks:
             self._masks[key] = rank_heads(self.gates, count, dense)
         return self._masks[key]
+
+    def decode_eviction_scores(self, layer, budget, step):
+        """The sliding window on the static layout: a streaming head over sink + recent tokens loses its oldest
+        token that is not a sink (the sinks are its first slots, never overwritten); retrieval heads keep all."""
+        derived = step.plan.derived
+        positions = layer.head_view().positions.float()
+        sinks = torch.arange(positions.shape[1], device=positions.device) < derived["sink"]
+        retrieves = self.retrieval_mask(derived["retrieval_heads"])[layer.layer_idx].to(positions.device)
+        keep = torch.where(retrieves, torch.iinfo(torch.int64).max, derived["sink"] + derived["recent"])
+        return positions.masked_fill(sinks[None, :], float("inf")), keep
 
     def keep(self, layer, budget, step):
         derived = step.plan.derived

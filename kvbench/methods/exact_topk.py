@@ -25,6 +25,7 @@ class ExactTopK(Method):
     name = "exact_topk"
     family = "selection"
     selects = True
+    static_selection = True
     granularity: str = "head"
 
     def __post_init__(self) -> None:

@@ -41,7 +41,8 @@ def hsa_parameters(compression: float, head_dim: int) -> dict[str, int]:
 
 
 def hsa_select(q: torch.Tensor, pages: PageSummary, k1: int, k2: int, length: int) -> torch.Tensor:
-    """The `[H, G, k]` token indices HSA attends to (k = min(k2, length)), shared by each group."""
+    """The `[H, G, k]` token indices HSA attends to (k = min(k2, length)), shared by each group. On a static
+    layer (`pages.fill`) the pages span the capacity and the tokens past each head's length get no score."""
     heads, group, dim = q.shape
     absq = q.float().abs()
     dims = absq.sum(dim=1).topk(k1, dim=-1).indices  # [H, k1]
@@ -50,8 +51,15 @@ def hsa_select(q: torch.Tensor, pages: PageSummary, k1: int, k2: int, length: in
     chosen = absq.gather(-1, dims[:, None, :].expand(heads, group, k1)).sum(-1)
     temperature = torch.sqrt(dim * chosen / absq.sum(-1))[..., None]  # [H, G, 1]
     # the softmax over tokens (not pages weighted by their sizes) keeps the scores' exact float values
-    score = torch.softmax(page_tokens(estimate / temperature, pages.page_size, length), dim=-1).mean(dim=1)
-    idx = top_page_tokens(score[:, :: pages.page_size], pages.page_size, length, k2)
+    if pages.fill is None:
+        tokens = page_tokens(estimate / temperature, pages.page_size, length)
+    else:
+        tokens = page_tokens(estimate / temperature, pages.page_size, estimate.shape[-1] * pages.page_size)
+        past = torch.arange(tokens.shape[-1], device=tokens.device)[None, :] >= pages.fill[:, None]
+        tokens = tokens.masked_fill(past[:, None, :], float("-inf"))
+    score = torch.softmax(tokens, dim=-1).mean(dim=1)
+    idx = top_page_tokens(score[:, :: pages.page_size], pages.page_size,
+                          length if pages.fill is None else pages.fill, k2)
     return idx[:, None, :].expand(heads, group, idx.shape[1])
 
 
@@ -88,6 +96,7 @@ class HSA(Method):
     name = "hsa"
     family = "selection"
     selects = True
+    static_selection = True
     stage: ClassVar[HSAStage] = HSAStage()
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):

@@ -205,6 +205,7 @@ class InfLLM(Method):
     name = "infllm"
     family = "selection"
     selects = True
+    host_work = "InfLLM's block cache is managed on the host (LRU) at every decode step"
     observes = True
     steps_through_chunks: ClassVar[bool] = True
     n_init: int = 128

@@ -27,9 +27,13 @@ ANCHORS = ("mean_raw", "mean_normalized", "pairwise", "median")
 METRICS = ("cosine", "dot", "euclidean")
 
 
-def keydiff_scores(keys: torch.Tensor, anchor: str = "mean_raw", metric: str = "cosine") -> torch.Tensor:
-    """Scores `[H, L]` (higher = keep) of keys `[H, L, D]`, in fp32 (bf16 ties can flip top-k decisions)."""
+def keydiff_scores(keys: torch.Tensor, anchor: str = "mean_raw", metric: str = "cosine",
+                   valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Scores `[H, L]` (higher = keep) of keys `[H, L, D]`, in fp32 (bf16 ties can flip top-k decisions).
+    `valid` [H, L] (a static layer's capacity): the anchor is over the valid keys only."""
     k = keys.float()
+    if valid is not None:
+        return _masked_keydiff_scores(k, anchor, metric, valid)
     if anchor == "pairwise":
         if metric != "cosine":
             raise ValueError("the pairwise anchor (Eq. 7) is defined for the cosine metric only")
@@ -43,6 +47,10 @@ def keydiff_scores(keys: torch.Tensor, anchor: str = "mean_raw", metric: str = "
         a = k.median(dim=1, keepdim=True).values
     else:
         raise ValueError(f"anchor must be one of {', '.join(ANCHORS)}, not {anchor!r}")
+    return _dissimilarity(k, a, metric)
+
+
+def _dissimilarity(k: torch.Tensor, a: torch.Tensor, metric: str) -> torch.Tensor:
     if metric == "cosine":
         return -F.cosine_similarity(k, a, dim=-1)
     if metric == "dot":
@@ -50,6 +58,24 @@ def keydiff_scores(keys: torch.Tensor, anchor: str = "mean_raw", metric: str = "
     if metric == "euclidean":
         return (k - a).norm(dim=-1)
     raise ValueError(f"metric must be one of {', '.join(METRICS)}, not {metric!r}")
+
+
+def _masked_keydiff_scores(k: torch.Tensor, anchor: str, metric: str, valid: torch.Tensor) -> torch.Tensor:
+    """`keydiff_scores` over the valid keys of `[H, L, D]` (fixed shapes: the static layout's decode eviction)."""
+    weight = valid[..., None].to(k.dtype)
+    count = weight.sum(dim=1, keepdim=True)
+    if anchor == "pairwise":
+        unit = F.normalize(k, dim=-1) * weight
+        return -(unit @ unit.transpose(1, 2)).sum(dim=-1)
+    if anchor == "mean_raw":
+        a = (k * weight).sum(dim=1, keepdim=True) / count
+    elif anchor == "mean_normalized":
+        a = (F.normalize(k, dim=-1) * weight).sum(dim=1, keepdim=True) / count
+    elif anchor == "median":
+        a = k.masked_fill(~valid[..., None], float("nan")).nanmedian(dim=1, keepdim=True).values
+    else:
+        raise ValueError(f"anchor must be one of {', '.join(ANCHORS)}, not {anchor!r}")
+    return _dissimilarity(k, a, metric)
 
 
 @register_method
@@ -74,7 +100,8 @@ class KeyDiff(ScoredEviction):
             raise ValueError(f"window_ratio must be in [0, 1], got {self.window_ratio!r}")
 
     def score(self, layer, step):
-        return keydiff_scores(layer.head_view().keys, self.anchor, self.metric)
+        view = layer.head_view()
+        return keydiff_scores(view.keys, self.anchor, self.metric, view.valid if layer.static is not None else None)
 
     def recent_tokens(self, budget):
         return round(self.window_ratio * budget)

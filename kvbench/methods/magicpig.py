@@ -143,6 +143,7 @@ class MagicPIG(Method):
     name = "magicpig"
     family = "selection"
     selects = True
+    host_work = "MagicPIG's LSH sampling runs over keys in host memory at every decode step"
     dense_layers: int | list[int] | None = field(default_factory=lambda: [0, 16, 32, 48, 64])  # the code's
     K: int = 9  # hash bits (hyperplanes) per table
     L: int = 120  # hash tables

@@ -67,6 +67,11 @@ class OmniKV(Method):
     prefill_chunk: int | None = None  # OmniKV-prefill's chunk (App. D.10); null: the dense prefill
     prefill_ratio: float | None = None  # OmniKV-prefill's r: past tokens kept per chunk token; null: 2
 
+    def static_decode_blocker(self) -> str | None:
+        if self.offload:
+            return "OmniKV's Context Bank sits in host memory: every decode step loads the selected rows from it"
+        return super().static_decode_blocker()
+
     def __post_init__(self) -> None:
         super().__post_init__()
         layers = self.filter_layers

@@ -35,6 +35,7 @@ class Quest(Method):
     name = "quest"
     family = "selection"
     selects = True
+    static_selection = True
     page_size: int | None = None  # null: the traffic-equivalent page max(1, round(2 S / t))
     budget_unit: str | None = None  # null/traffic: RocketKV's, bounds count as half; attended: Quest's, CTKVR's
 
@@ -59,13 +60,15 @@ class Quest(Method):
 
     def select(self, layer, q, view, step, scaling):
         page, k2 = step.plan.derived["page_size"], step.plan.derived["k2"]
-        length = layer.physical_length()
-        if k2 >= length:
+        if k2 >= view.width:
             return None
         pages = layer_pages(layer, page)
         heads, group, _ = q.shape
         bound = page_scores(q, pages.kmin, pages.kmax, None, q > 0).sum(dim=1)  # [H, P], summed over the group
-        idx = top_page_tokens(bound, page, length, k2)
+        unused = pages.unused_pages()  # a static layer's pages past its tokens
+        if unused is not None:
+            bound = bound.masked_fill(unused, float("-inf"))
+        idx = top_page_tokens(bound, page, view.lengths if view.lengths is not None else view.width, k2)
         return idx[:, None, :].expand(heads, group, idx.shape[1])
 
     def step_traffic(self, layer, selection, step):

@@ -185,6 +185,7 @@ class RetrievalAttention(Method):
     name = "retrieval_attention"
     family = "selection"
     selects = True
+    host_work = "RetrievalAttention searches its faiss graph index on the CPU at every decode step"
     steps_through_chunks: ClassVar[bool] = False  # a later chunk attends densely (host rows included)
     n_init: int = 128
     n_local: int = 512

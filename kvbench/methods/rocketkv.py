@@ -55,6 +55,7 @@ class RocketKV(EvictionMethod):
     name = "rocketkv"
     family = "two-stage"
     selects = True
+    static_selection = True
     evicts_every_turn: ClassVar[bool] = True
     window: int = 32
     kernel: int = 63

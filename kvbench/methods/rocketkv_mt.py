@@ -59,6 +59,7 @@ def _gather(layer, rows: torch.Tensor) -> torch.Tensor:
 @dataclass
 class RocketKVMT(RocketKV):
     name = "rocketkv_mt"
+    static_selection = False  # its selection indexes the full history through a row list (`Selected`)
     window: int = 128  # SCBench, the multi-turn benchmark it is for (single-turn RocketKV: 32)
 
     def keep(self, layer, budget, step):

@@ -150,6 +150,7 @@ class ShadowKV(Method):
     name = "shadowkv"
     family = "selection"
     selects = True
+    host_work = "ShadowKV gathers the selected values from host memory at every decode step"
     steps_through_chunks: ClassVar[bool] = True
     chunk_size: int = 8
     rank: int | None = None  # null: 160/1024 of the model's H * D (the repo's 160 at 8 x 128)

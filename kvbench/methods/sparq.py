@@ -36,6 +36,7 @@ class TransposedKeys:
 
     def __init__(self, columns: GrowingBuffers, value_sum: torch.Tensor):
         self.columns, self.value_sum = columns, value_sum  # value_sum [H, D]
+        self.fill: torch.Tensor | None = None  # the layer's device lengths while it is static (`make_static`)
 
     @classmethod
     def of(cls, layer) -> "TransposedKeys":
@@ -44,7 +45,34 @@ class TransposedKeys:
         return cls(GrowingBuffers([keys_t], keys_t.shape[2], dim=2), view.values.float().sum(dim=1))
 
     keys_t = property(lambda self: self.columns.view(0))
-    length = property(lambda self: self.columns.used)
+
+    @property
+    def length(self) -> "int | torch.Tensor":
+        """Columns holding keys (the longest head's): an int, or a 0-d device tensor on a static layer."""
+        return self.fill.max() if self.fill is not None else self.columns.used
+
+    def make_static(self, layer) -> "TransposedKeys":
+        """The copy at the static layer's capacity (columns past a head's tokens unused), owned by this layer."""
+        width = layer.static.width
+        keys_t = self.keys_t.new_zeros(self.keys_t.shape[0], self.keys_t.shape[1], width)
+        keys_t[:, :, : self.columns.used] = self.keys_t
+        state = TransposedKeys(GrowingBuffers([keys_t], width, dim=2), self.value_sum.clone())
+        state.fill = layer.static.fill
+        return state
+
+    def append_static(self, layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The decode token's key [H, D] written as column `next_slot` of every head, its value summed in."""
+        column = layer.static.next_slot[:, None, None].expand(-1, keys.shape[-1], 1)
+        self.columns.tensors[0].scatter_(2, column, keys[:, :, None])
+        self.value_sum.add_(values.float())
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        return [*self.columns.tensors, self.value_sum]
+
+    def make_dynamic(self, layer) -> "TransposedKeys":
+        self.fill = None
+        self.columns.used = layer.physical_length()
+        return self
 
     @torch.inference_mode()  # the buffers are inference tensors when built in a forward
     def append(self, layer, n: int) -> "TransposedKeys":
@@ -79,6 +107,7 @@ class SparQ(Method):
     name = "sparq"
     family = "selection"
     selects = True
+    static_selection = True
     reallocation: bool = True
     granularity: str = "group"
 
@@ -107,8 +136,7 @@ class SparQ(Method):
     def select(self, layer, q, view, step, scaling):
         r, k = step.plan.derived["r"], step.plan.derived["k2"]
         state = self._state(layer)
-        length = state.length
-        if k >= length:
+        if k >= view.width:
             return None
         heads, group, dim = q.shape
         absq = q.float().abs()
@@ -123,6 +151,8 @@ class SparQ(Method):
             estimate = reduced_scores_reference(q.reshape(heads * group, 1, dim), keys_t, flat).view(heads, group, -1)
             chosen = absq.gather(-1, dims).sum(-1)
         temperature = torch.sqrt(dim * chosen / absq.sum(-1))[..., None]
+        if view.valid is not None:  # a static layer's columns past its tokens
+            estimate = estimate.masked_fill(~view.valid[:, None, :], float("-inf"))
         s_hat = torch.softmax(estimate / temperature, dim=-1)  # [H, G, N]
         if self.granularity == "group":
             idx = top_tokens(s_hat.mean(dim=1), k)[:, None, :].expand(heads, group, -1)
@@ -131,6 +161,7 @@ class SparQ(Method):
         if not self.reallocation:
             return idx
         mass = s_hat.gather(-1, idx).sum(-1, keepdim=True)  # [H, G, 1]
+        length = view.width if view.lengths is None else view.lengths[:, None]
         return Selection(idx, weight=mass, fallback=(state.value_sum / length)[:, None, :])
 
     def step_traffic(self, layer, selection, step):

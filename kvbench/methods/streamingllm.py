@@ -27,6 +27,13 @@ class StreamingLLM(EvictionMethod):
         if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
             raise ValueError(f"n_sink must be a number of tokens >= 0, got {self.n_sink!r}")
 
+    def decode_eviction_scores(self, layer, budget, step):
+        """The rolling window on the static layout: the oldest token that is not a sink goes. The sinks are the
+        first slots, which the window never overwrites."""
+        positions = layer.head_view().positions.float()
+        sinks = torch.arange(positions.shape[1], device=positions.device) < min(self.n_sink, budget)
+        return positions.masked_fill(sinks[None, :], float("inf")), budget
+
     def keep(self, layer, budget, step):
         length = layer.physical_length()
         if budget >= length:

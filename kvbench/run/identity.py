@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench.core.errors import KVBenchError
 from kvbench.methods import METHODS
 from kvbench.results.manifest import MANIFEST_FILE
 from kvbench.results.store import load_records, point_hash
@@ -33,7 +34,7 @@ POINT_KEYS = ("model", "task", "method", "budget", "compress_question", "engine"
 # Engine settings that change speed or memory bookkeeping but never a prediction.
 # batch_rows changes rounding, not the experiment: records say `decode_batched_rows` when it was above 1.
 NON_IDENTITY_ENGINE_KEYS = ("reuse_prefill", "snapshot_window", "snapshot_cache_mb", "topk_recall", "sample_batch",
-                            "batch_rows")
+                            "batch_rows", "compile")
 
 
 def point_identity(cfg: DictConfig) -> dict[str, Any]:
@@ -42,9 +43,29 @@ def point_identity(cfg: DictConfig) -> dict[str, Any]:
     from kvbench.models import resolved_precision  # torch and transformers: only once a point runs
 
     point["model"].update(resolved_precision(cfg.model))
+    if resolved_decode_path(cfg) == "compiled":  # a key only when compiled: eager points keep their hashes
+        point["engine"]["decode_path"] = "compiled"
     if "task_file_sha256" in point:  # the content is the identity, not the path it was reached by
         point["task"].pop("path", None)
     return point
+
+
+def resolved_decode_path(cfg: DictConfig) -> str:
+    """`compiled` where `engine.compile` asks for the compiled decode step on the device this run resolves to and
+    the method allows it (`Method.static_decode_blocker`), else `eager`: compiled records are their own points
+    (different kernels round differently), and each record says which path it ran (`decode_path`)."""
+    from kvbench.engine.compiled import wants_compile
+    from kvbench.methods import build_method, method_parameters
+    from kvbench.models import resolve_device
+
+    setting = cfg.engine.get("compile", "auto")
+    if setting not in ("auto", True, False) or not wants_compile(setting, resolve_device(cfg.model.device)):
+        return "eager"
+    try:
+        method = build_method(cfg.method.name, **method_parameters(cfg.method))
+    except KVBenchError:  # a bad method setting is reported when the point is prepared
+        return "eager"
+    return "eager" if method.static_decode_blocker() is not None else "compiled"
 
 
 def written_point_identity(cfg: DictConfig) -> dict[str, Any]:

@@ -26,6 +26,7 @@ class PageSummary:
 
     def __init__(self, page_size: int, bounds: GrowingBuffers, length: int):
         self.page_size, self.bounds, self.length = page_size, bounds, length
+        self.fill: torch.Tensor | None = None  # the layer's device lengths while it is static (`make_static`)
 
     @classmethod
     def of(cls, keys: torch.Tensor, page_size: int) -> "PageSummary":
@@ -34,7 +35,20 @@ class PageSummary:
 
     kmin = property(lambda self: self.bounds.view(0))
     kmax = property(lambda self: self.bounds.view(1))
-    pages = property(lambda self: self.bounds.used)
+
+    @property
+    def pages(self) -> "int | torch.Tensor":
+        """Pages in use (the longest head's): an int, or a 0-d device tensor on a static layer."""
+        if self.fill is not None:
+            return (self.fill.max() + self.page_size - 1) // self.page_size
+        return self.bounds.used
+
+    def unused_pages(self) -> torch.Tensor | None:
+        """[H, P] bool: pages past each head's tokens (a static layer's capacity), None when there are none."""
+        if self.fill is None:
+            return None
+        first_rows = torch.arange(self.kmin.shape[1], device=self.fill.device) * self.page_size
+        return first_rows[None, :] >= self.fill[:, None]
 
     def first_changed_row(self, length: int) -> int:
         """The first row of the first page an append or a cut to `length` rows can change."""
@@ -81,6 +95,37 @@ class PageSummary:
         """`update` on a copy: this summary stays as it is."""
         return self.fork().update(tail, length)
 
+    # -- the static decode layout (kvbench.cache.static) -----------------------------------------------------
+    def make_static(self, layer) -> "PageSummary":
+        """The summary at the static layer's capacity (its pages past the tokens unused, `unused_pages`), owned
+        by this layer and widened in place by `append_static`."""
+        capacity = -(-layer.static.width // self.page_size)
+        bounds = [t.new_zeros(t.shape[0], capacity, t.shape[2]) for t in (self.kmin, self.kmax)]
+        for new, old in zip(bounds, (self.kmin, self.kmax)):
+            new[:, : old.shape[1]] = old
+        summary = PageSummary(self.page_size, GrowingBuffers(bounds, capacity, dim=1), self.length)
+        summary.fill = layer.static.fill
+        return summary
+
+    def append_static(self, layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """The decode token `keys` [H, D], written at each head's next slot: its page's bounds widened (a page's
+        first token sets them). Fixed shapes, device indices: the same graph at every step."""
+        slot = layer.static.next_slot
+        page = (slot // self.page_size)[:, None, None].expand(-1, 1, keys.shape[-1])
+        first = (slot % self.page_size == 0)[:, None, None]
+        row = keys[:, None, :]
+        for bound, pick in ((self.bounds.tensors[0], torch.minimum), (self.bounds.tensors[1], torch.maximum)):
+            bound.scatter_(1, page, torch.where(first, row, pick(bound.gather(1, page), row)))
+
+    def static_tensors(self) -> list[torch.Tensor]:
+        return list(self.bounds.tensors)
+
+    def make_dynamic(self, layer) -> "PageSummary":
+        self.fill = None
+        self.length = layer.physical_length()
+        self.bounds.used = -(-self.length // self.page_size)
+        return self
+
     # -- the cache's derived-state protocol (see kvbench.cache) ------------------------------------------------
     def append(self, layer, n: int = 0) -> "PageSummary":
         if n == 1 and not layer.is_ragged and layer.lens[0] == self.length + 1:  # a decode step's token
@@ -111,20 +156,26 @@ def page_tokens(page_scores: torch.Tensor, page_size: int, length: int) -> torch
     return page_scores.repeat_interleave(page_size, dim=-1)[..., :length]
 
 
-def top_page_tokens(page_scores: torch.Tensor, page_size: int, length: int, k: int) -> torch.Tensor:
+def top_page_tokens(page_scores: torch.Tensor, page_size: int, length: "int | torch.Tensor", k: int) -> torch.Tensor:
     """`top_tokens(page_tokens(page_scores, page_size, length), k)`, sorting the P pages instead of the
     `length` tokens. Every token of a page has its page's score, so the stable token sort lists whole pages in
     the stable page order, each page's tokens in ascending order; only the pages that can reach the first k
     tokens (one may be the short last page) are expanded, and the short page's missing tokens are removed with
     a stable sort that keeps the order of the rest. The same indices in the same order, from a sort of
-    `length / page_size` scores (a full token sort cost 9 ms of a 56 ms Quest step at 8K on two cores)."""
+    `length / page_size` scores (a full token sort cost 9 ms of a 56 ms Quest step at 8K on two cores).
+
+    On a static layer `length` is the heads' device lengths `[H]` and the scores span the capacity's pages
+    (those past the tokens at -inf, so they sort last): the same indices, in fixed shapes; a head holding fewer
+    than k tokens gets some past its length, which the attention's validity mask drops."""
     heads, n_pages = page_scores.shape
-    k = min(k, length)
+    static = isinstance(length, torch.Tensor)
+    k = min(k, n_pages * page_size if static else length)
     order = torch.sort(page_scores, dim=-1, descending=True, stable=True).indices
     order = order[:, : min(n_pages, k // page_size + 2)]
     tokens = (order[..., None] * page_size + torch.arange(page_size, device=order.device)).reshape(heads, -1)
-    if length % page_size:
-        tokens = tokens.gather(-1, torch.sort((tokens >= length).to(torch.uint8), dim=-1, stable=True).indices)
+    if static or length % page_size:
+        past = tokens >= (length[:, None] if static else length)
+        tokens = tokens.gather(-1, torch.sort(past.to(torch.uint8), dim=-1, stable=True).indices)
     return tokens[:, :k]
 
 

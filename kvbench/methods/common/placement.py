@@ -73,5 +73,10 @@ def recall_of(q: torch.Tensor, keys: torch.Tensor, chosen: torch.Tensor, valid: 
 def mass_recall(probs: torch.Tensor, chosen_mass: torch.Tensor, k: int) -> float:
     """Top-k attention-mass recall: the attention mass a step attended (`chosen_mass` [H, G]) over the mass of
     the exact top-`k` tokens of `probs` [H, G, N], averaged over query heads (1 for Exact-TopK)."""
+    return float(mass_recall_tensor(probs, chosen_mass, k))
+
+
+def mass_recall_tensor(probs: torch.Tensor, chosen_mass: torch.Tensor, k: int) -> torch.Tensor:
+    """`mass_recall` as a 0-d tensor where it was computed (a static decode step does not wait to read it)."""
     best = probs.topk(k, dim=-1).values.sum(-1)
-    return float((chosen_mass / best).mean())
+    return (chosen_mass / best).mean()

@@ -1,0 +1,186 @@
+"""The static decode layout and the compiled decode step (`engine.compile`): one graph per method and capacity
+bucket, no recompile within a sample, the eager path's tokens, and the layout's bookkeeping.
+
+Graph counts come from dynamo's "eager" backend (`scripts/check_static_decode.py`): it traces the whole step as
+inductor does, in seconds. One test compiles with inductor itself."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kvbench.kernels.decode_attention import decode_attention_reference, static_decode_attention
+
+import kvbench.engine.compiled as compiled
+from kvbench.cache.static import CAPACITY_BUCKET
+from kvbench.core.errors import KVBenchError
+from kvbench.engine.config import EngineConfig
+from kvbench.engine.sample import run_sample
+from kvbench.engine.session import Session
+from kvbench.methods import build_method
+from kvbench.methods.common.pages import top_page_tokens
+from kvbench.methods.keydiff import ANCHORS, keydiff_scores
+from tests.conftest import random_ids
+from tests.test_engine import kv_sample
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import check_static_decode  # noqa: E402
+
+
+@pytest.fixture
+def eager_backend(monkeypatch):
+    monkeypatch.setattr(compiled, "BACKEND", "eager")
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
+def test_every_static_method_is_one_graph_without_recompiles_and_keeps_the_eager_tokens(model, capsys):
+    outcomes = check_static_decode.main(["--models", model, "--backend", "eager"])
+    report = capsys.readouterr().out
+    static = {o.label for o in outcomes if o.path == "compiled"}
+    assert static == {label for label, *_ in check_static_decode.STATIC}, report
+    assert all(o.ok for o in outcomes), report
+    for o in outcomes:
+        if o.path == "compiled":  # float32: the static attention sums in another order, nothing more
+            assert o.graphs == 1 and o.recompiles == 0 and o.second_sample == 0 and o.tokens_equal, o
+            assert o.max_logit_diff < 1e-4, o
+        else:  # host work every step: eager, and it says which
+            assert "host" in o.path, o
+
+
+def test_inductor_compiles_the_two_stage_and_the_ragged_step_to_the_eager_tokens(capsys):
+    outcomes = check_static_decode.main(["--models", "tiny_llama", "--backend", "inductor", "--steps", "16",
+                                         "--methods", "rocketkv,adakv"])
+    report = capsys.readouterr().out
+    assert [o.path for o in outcomes] == ["compiled", "compiled"] and all(o.ok for o in outcomes), report
+    assert all(o.max_logit_diff < 1e-4 for o in outcomes), report
+
+
+@pytest.mark.parametrize("lens,caps", [([40, 40, 40], [256, 256, 256]), ([7, 1, 200], [9, 70, 300])])
+def test_static_decode_attention_is_the_reference_on_uniform_and_ragged_layouts(lens, caps):
+    gen = torch.Generator().manual_seed(sum(lens))
+    dim, group = 16, 3
+    starts = [sum(caps[:h]) for h in range(len(caps))]
+    keys, values = torch.randn(sum(caps), dim, generator=gen), torch.randn(sum(caps), dim, generator=gen)
+    q = torch.randn(len(lens), group, dim, generator=gen)
+    fill = torch.tensor(lens)
+    if len(set(caps)) == 1:
+        out = static_decode_attention(q, keys, values, 0.25, fill, caps[0], None, None)
+    else:
+        row_head = torch.repeat_interleave(torch.arange(len(caps)), torch.tensor(caps))
+        row_slot = torch.arange(sum(caps)) - torch.tensor(starts)[row_head]
+        out = static_decode_attention(q, keys, values, 0.25, fill, None, row_head, row_slot)
+    torch.testing.assert_close(out, decode_attention_reference(q, keys, values, 0.25, starts, lens), atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("method,budget,ragged", [("snapkv", 48, False), ("adakv", 48, True), ("full", 0, False)])
+def test_the_static_layout_holds_the_same_rows_and_bytes_and_gives_them_back(tiny_llama, method, budget, ragged):
+    session = Session(tiny_llama, build_method(method, **({"window": 8} if method != "full" else {})), budget or 10**6)
+    session.prefill(random_ids(300, seed=3), compress=True)
+    cache = session.cache
+    before = [(layer.lengths(), layer.head_view()) for layer in cache.layers]
+    held, peak = cache.kv_bytes(), cache.kv_peak_bytes
+    cache.make_static(20, 0, tiny_llama.model.config.num_attention_heads, ragged=ragged)
+    for layer, (lens, view) in zip(cache.layers, before):
+        static = layer.head_view()
+        assert layer.static.uniform is not ragged
+        assert static.width % CAPACITY_BUCKET == 0 and static.width >= max(lens) + 20
+        assert static.lengths.tolist() == lens
+        for h, n in enumerate(lens):  # each head's rows, in order, at its first slots
+            assert torch.equal(static.keys[h, :n], view.keys[h, :n]) and torch.equal(static.positions[h, :n],
+                                                                                      view.positions[h, :n])
+        if ragged:  # no head padded to the longest: the rows are each head's own plus the append room
+            assert layer.buffers["keys"].shape[0] < len(lens) * static.width
+    cache.make_dynamic()
+    assert cache.kv_bytes() == held and cache.kv_peak_bytes == peak
+    assert [layer.lengths() for layer in cache.layers] == [lens for lens, _ in before]
+
+
+def test_decode_eviction_overwrites_slots_and_comes_back_in_position_order(tiny_llama, eager_backend):
+    """StreamingLLM's rolling window on the static layout writes each new token into the slot it evicted; the
+    layer it leaves is exactly the eager layer (rows in position order)."""
+    ids = random_ids(200, seed=4)
+
+    def run(decoder):
+        session = Session(tiny_llama, build_method("streamingllm", decode_every=1), 40)
+        logits, _ = session.prefill(ids, compress=True)
+        session.decoder = decoder
+        session.begin_decode(12)
+        token = int(logits.argmax())
+        for _ in range(12):
+            token = int(session.step(token).argmax())
+        slots = session.cache.layers[0].head_view().positions.clone() if session.cache.is_static else None
+        session.end_decode()
+        return session, slots
+
+    eager, _ = run(None)
+    static, slots = run(compiled.decoder_for(tiny_llama))
+    assert static.static_steps == 11  # the loop's first step is eager (it may drop several tokens per head)
+    kept = slots[0][slots[0] >= 0]
+    assert not bool((kept[1:] > kept[:-1]).all())  # overwritten in place: no longer in position order
+    for a, b in zip(eager.cache.layers, static.cache.layers):
+        assert a.lengths() == b.lengths()
+        torch.testing.assert_close(b.head_view().keys, a.head_view().keys)
+        assert torch.equal(b.head_view().positions, a.head_view().positions)
+    assert eager.cache.evictions() == static.cache.evictions() and eager.cache.kv_bytes() == static.cache.kv_bytes()
+
+
+def test_top_page_tokens_with_device_lengths_over_the_capacity_are_the_eager_tokens():
+    gen = torch.Generator().manual_seed(0)
+    for length, page, k in ((103, 8, 40), (96, 8, 40), (50, 16, 49)):
+        pages = -(-length // page)
+        scores = torch.randn(2, pages, generator=gen)
+        capacity = torch.cat([scores, torch.full((2, 9), float("-inf"))], dim=1)  # the static layout's pages
+        eager = top_page_tokens(scores, page, length, k)
+        static = top_page_tokens(capacity, page, torch.tensor([length, length]), k)
+        assert torch.equal(static, eager)
+
+
+@pytest.mark.parametrize("anchor", ANCHORS)
+def test_keydiff_scores_over_the_valid_slots_equal_the_scores_of_those_keys(anchor):
+    keys = torch.randn(2, 40, 8, generator=torch.Generator().manual_seed(1))
+    valid = torch.arange(64)[None, :] < torch.tensor([[40], [40]])
+    padded = torch.cat([keys, torch.full((2, 24, 8), 7.0)], dim=1)
+    torch.testing.assert_close(keydiff_scores(padded, anchor, valid=valid)[:, :40], keydiff_scores(keys, anchor),
+                               atol=1e-4, rtol=1e-5)
+
+
+def test_records_say_which_path_ran_and_why(tiny_llama, eager_backend):
+    sample = kv_sample(2)
+    auto = run_sample(tiny_llama, build_method("quest"), 64, sample, EngineConfig())  # auto on CPU: eager
+    assert (auto["decode_path"], auto["decode_path_reason"], auto["decode_compiles"]) == ("eager", None, 0)
+    on = run_sample(tiny_llama, build_method("quest"), 64, sample, EngineConfig(compile=True))
+    assert on["decode_path"] == "compiled" and on["decode_compiles"] >= 1 and on["decode_compile_s"] > 0
+    assert [t["prediction"] for t in on["turns"]] == [t["prediction"] for t in auto["turns"]]
+    host = run_sample(tiny_llama, build_method("infllm"), 64, sample, EngineConfig(compile=True))
+    assert host["decode_path"] == "eager" and "host" in host["decode_path_reason"]
+
+
+def test_a_step_that_fails_to_compile_falls_back_to_eager_with_one_warning(tiny_llama, monkeypatch, caplog):
+    monkeypatch.setattr(compiled, "BACKEND", "eager")
+    lm_decoder = compiled.CompiledDecoder(tiny_llama, "eager")
+
+    def broken(*args, **kwargs):
+        raise torch._dynamo.exc.Unsupported("a graph break")
+
+    monkeypatch.setattr(lm_decoder, "_compiled", broken)
+    monkeypatch.setattr(compiled, "decoder_for", lambda lm, backend=None: lm_decoder)
+    monkeypatch.setattr("kvbench.engine.sample.decoder_for", lambda lm, backend=None: lm_decoder)
+    sample = kv_sample(1)
+    eager = run_sample(tiny_llama, build_method("snapkv", window=8), 48, sample, EngineConfig())
+    with caplog.at_level(logging.WARNING):
+        fallen = run_sample(tiny_llama, build_method("snapkv", window=8), 48, sample, EngineConfig(compile=True))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING and "compile" in r.getMessage()]
+    assert len(warnings) == 1 and "\n" not in warnings[0].getMessage()
+    assert fallen["decode_path"] == "eager" and fallen["decode_path_reason"].startswith("compile failed")
+    assert fallen["turns"][0]["prediction"] == eager["turns"][0]["prediction"] and fallen["nll"] == eager["nll"]
+
+
+def test_engine_compile_takes_auto_true_or_false():
+    assert compiled.wants_compile("auto", torch.device("cpu")) is False
+    assert compiled.wants_compile("auto", torch.device("cuda")) is True
+    assert compiled.wants_compile(True, torch.device("cpu")) is True
+    with pytest.raises(KVBenchError, match="engine.compile"):
+        compiled.wants_compile("yes", torch.device("cpu"))
