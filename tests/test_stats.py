@@ -93,13 +93,16 @@ def test_detectable_difference_by_hand() -> None:
     the samples for 5 points ceil(2.80^2 (100/3) / 25)."""
     z = scipy_stats.norm.ppf(0.975) + scipy_stats.norm.ppf(0.80)
     assert z_detect() == pytest.approx(z, abs=1e-9) and round(z, 2) == 2.80
-    found = detectable_difference([([0.0, 10.0, 0.0, 10.0], ["a"] * 4)])
+    found = detectable_difference([([0.0, 10.0, 0.0, 10.0], ["a"] * 4, None)])
     assert found.difference == pytest.approx(z * math.sqrt(100 / 3 / 4))
     assert found.samples_for_goal == math.ceil(z**2 * (100 / 3) / 25) == 11
     # two subtasks: the variance of a mean of two subtask means is a quarter of the sum; a comparison with a
     # lone sample in a subtask has no variance to pool, an identical pair pools a zero
-    two = detectable_difference([([0.0, 10.0, 0.0, 10.0, 5.0, 5.0], list("aaaabb")), ([1.0, 2.0], list("ab")),
-                                 ([0.0, 0.0], list("aa"))])
+    two = detectable_difference([([0.0, 10.0, 0.0, 10.0, 5.0, 5.0], list("aaaabb"), None),
+                                 ([1.0, 2.0], list("ab"), None), ([0.0, 0.0], list("aa"), None)])
     assert two.comparisons == 2
     assert two.difference == pytest.approx(z * math.sqrt((100 / 3 / 4 / 4 + 0) / 2))
-    assert detectable_difference([([3.0, 3.0], ["a", "a"])]) is None  # nothing varies: nothing to plan with
+    assert detectable_difference([([3.0, 3.0], ["a", "a"], None)]) is None  # nothing varies: nothing to plan with
+    # weights: a subtask weighing 3/4 carries (3/4)^2 of its variance into the number's
+    weighted = detectable_difference([([0.0, 10.0, 0.0, 10.0, 5.0, 5.0], list("aaaabb"), {"a": 3, "b": 1})])
+    assert weighted.difference == pytest.approx(z * math.sqrt(0.75**2 * 100 / 3 / 4))

@@ -69,13 +69,33 @@ def equal_traffic_figure(source: Source, points: pd.DataFrame) -> plt.Figure | N
             if len(line):
                 ax.plot(line["read_tokens"], line["score"], color=plt.cm.tab10(i % 10), label=series,
                         marker="osD^vPX*"[i % 8], linestyle=("-", "--", "-.", ":")[i % 4])
+                _error_bars(ax, line["read_tokens"], line, plt.cm.tab10(i % 10))
         ref = here[here[spec.series] == spec.reference]
         if len(ref):
-            ax.axhline(float(ref["score"].mean()), color="black", linestyle="--", linewidth=1, label=spec.reference)
+            _reference_line(ax, ref, spec.reference)
         if drawn["read_tokens"].min() > 0:
             ax.set_xscale("log", base=2)
         _label_panel(ax, "K/V tokens read per KV group and step", panel_fields, pid, spec)
     return _finish(fig, axes, f"{spec.title}: at equal traffic (measured reads, not the budget)")
+
+
+def _error_bars(ax: plt.Axes, xs: pd.Series, points: pd.DataFrame, color: Any) -> None:
+    """Each point's 95% interval as an error bar; a point without one (too few samples) gets none, not a
+    zero-length bar."""
+    if "ci_low" not in points.columns:
+        return
+    has = points["ci_low"].notna() & points["ci_high"].notna()
+    if has.any():
+        y = points.loc[has, "score"].astype(float)
+        ax.errorbar(xs[has].astype(float), y, yerr=[y - points.loc[has, "ci_low"], points.loc[has, "ci_high"] - y],
+                    fmt="none", ecolor=color, elinewidth=1, capsize=3, alpha=0.8)
+
+
+def _reference_line(ax: plt.Axes, ref: pd.DataFrame, label: str) -> None:
+    """The reference's score as a dashed line, its 95% interval as a grey band."""
+    ax.axhline(float(ref["score"].mean()), color="black", linestyle="--", linewidth=1, label=label)
+    if len(ref) == 1 and "ci_low" in ref.columns and pd.notna(ref["ci_low"].iloc[0]):
+        ax.axhspan(float(ref["ci_low"].iloc[0]), float(ref["ci_high"].iloc[0]), color="grey", alpha=0.15, linewidth=0)
 
 
 def _label_panel(ax: plt.Axes, xlabel: str, panel_fields: list[str], pid: tuple, spec: ReportSpec) -> None:
@@ -96,8 +116,9 @@ def _finish(fig: plt.Figure, axes: list[plt.Axes], title: str) -> plt.Figure:
 
 
 def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
-    """Score vs x, one panel per combination of the spec's panel fields, one line per series value; the
-    reference as a dashed line; an expected point without records is a gap with a "missing" mark."""
+    """Score vs x, one panel per combination of the spec's panel fields, one line per series value with each
+    point's 95% interval as an error bar; the reference as a dashed line in a grey band (its interval); an
+    expected point without records is a gap with a "missing" mark."""
     spec = source.spec
     x = spec.x
     if x not in points.columns:
@@ -128,6 +149,7 @@ def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
             ys = [by_x.get(v, np.nan) for v in xs_all]
             xv = [float(v) for v in xs_all]
             ax.plot(xv, ys, color=colors[series], label=series, **styles[series])
+            _error_bars(ax, line[x].map(norm).astype(float), line, colors[series])
             for v in xs_all:
                 gone = any(p.get(spec.series) == series and p.get(x) == v
                            and all(p.get(f, "-") == i for f, i in zip(panel_fields, pid)) for p in missing)
@@ -136,7 +158,7 @@ def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
                             clip_on=False)
         ref = here[here[spec.series] == spec.reference]
         if len(ref):
-            ax.axhline(float(ref["score"].mean()), color="black", linestyle="--", linewidth=1, label=spec.reference)
+            _reference_line(ax, ref, spec.reference)
         elif any(p.get(spec.series) == spec.reference and all(p.get(f, "-") == i for f, i in zip(panel_fields, pid))
                  for p in missing):
             ax.text(0.02, 0.96, f"{spec.reference}: {MISSING}", transform=ax.transAxes, va="top", fontsize=8)

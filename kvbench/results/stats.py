@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from statistics import NormalDist
 from typing import TYPE_CHECKING, Any
 
@@ -75,50 +75,67 @@ class Estimate:
         return f"{value} {self.interval_text(digits)}" if self.has_interval else value
 
 
-def _strata(values: Sequence[float], strata: Sequence[Any] | None) -> list[np.ndarray]:
-    """The values of each stratum (subtask), strata in sorted order, each in the order given."""
+def _strata(values: Sequence[float], strata: Sequence[Any] | None) -> tuple[list[str], list[np.ndarray]]:
+    """The strata's names (sorted) and the values of each, in the order given."""
     values = np.asarray(values, dtype=float)
     if strata is None:
-        return [values]
+        return [""], [values]
     labels = np.asarray([str(s) for s in strata])
     if len(labels) != len(values):
         raise ValueError(f"{len(values)} values but {len(labels)} strata")
-    return [values[labels == name] for name in sorted(set(labels))]
+    names = sorted(set(labels))
+    return names, [values[labels == name] for name in names]
 
 
-def mean_of_strata(values: Sequence[float], strata: Sequence[Any] | None = None) -> float:
-    """The unweighted mean of the strata's means (the mean of `values` without strata)."""
-    groups = _strata(values, strata)
+def _weights(names: list[str], weights: Mapping[str, float] | None) -> np.ndarray:
+    """Each stratum's weight in the number: equal (the mean of the strata's means) unless `weights` says,
+    relative weights normalised over the strata present (a subtask two points do not share drops out)."""
+    if weights is None:
+        return np.full(len(names), 1 / len(names))
+    missing = [n for n in names if n not in weights]
+    if missing:
+        raise ValueError(f"no weight for strata {missing}")
+    given = np.asarray([weights[n] for n in names], dtype=float)
+    return given / given.sum()
+
+
+def mean_of_strata(values: Sequence[float], strata: Sequence[Any] | None = None,
+                   weights: Mapping[str, float] | None = None) -> float:
+    """The unweighted mean of the strata's means (the mean of `values` without strata); with `weights`
+    (stratum -> relative weight), their weighted mean: a category average's subtasks weigh less."""
+    names, groups = _strata(values, strata)
     if not groups or not all(len(g) for g in groups):
         raise ValueError("no values")
-    return float(np.mean([g.mean() for g in groups]))
+    return float(np.dot(_weights(names, weights), [g.mean() for g in groups]))
 
 
-def bootstrap_interval(values: Sequence[float], strata: Sequence[Any] | None = None, *, seed: int = SEED,
-                       resamples: int = RESAMPLES, level: float = CONFIDENCE) -> tuple[float, float] | None:
+def bootstrap_interval(values: Sequence[float], strata: Sequence[Any] | None = None, *,
+                       weights: Mapping[str, float] | None = None, seed: int = SEED, resamples: int = RESAMPLES,
+                       level: float = CONFIDENCE) -> tuple[float, float] | None:
     """Percentile-bootstrap interval of `mean_of_strata`, resampling within each stratum; None when a stratum
     has fewer than two values."""
-    groups = _strata(values, strata)
+    names, groups = _strata(values, strata)
     if not groups or any(len(g) < 2 for g in groups):
         return None
     rng = np.random.default_rng(seed)
-    totals = np.zeros(resamples)
-    for group in groups:  # rows drawn in chunks: the same stream as one draw, less memory
+    means = np.zeros(resamples)
+    for weight, group in zip(_weights(names, weights), groups):  # in chunks of rows: one draw's stream
         rows = max(1, _CHUNK // len(group))
         for start in range(0, resamples, rows):
             stop = min(resamples, start + rows)
-            totals[start:stop] += group[rng.integers(0, len(group), size=(stop - start, len(group)))].mean(axis=1)
-    means = totals / len(groups)
+            draw = rng.integers(0, len(group), size=(stop - start, len(group)))
+            means[start:stop] += weight * group[draw].mean(axis=1)
     tail = (1 - level) / 2 * 100
     low, high = np.percentile(means, [tail, 100 - tail])
     return float(low), float(high)
 
 
-def estimate(values: Sequence[float], strata: Sequence[Any] | None = None, *, seed: int = SEED) -> Estimate:
+def estimate(values: Sequence[float], strata: Sequence[Any] | None = None, *,
+             weights: Mapping[str, float] | None = None, seed: int = SEED) -> Estimate:
     """`mean_of_strata` with its sample count and `bootstrap_interval`."""
-    interval = bootstrap_interval(values, strata, seed=seed)
+    interval = bootstrap_interval(values, strata, weights=weights, seed=seed)
     low, high = interval if interval is not None else (None, None)
-    return Estimate(mean_of_strata(values, strata), len(values), low, high)
+    return Estimate(mean_of_strata(values, strata, weights), len(values), low, high)
 
 
 def _sorted_scores(frame: "pd.DataFrame", value: str, stratum: str, sample: str) -> "pd.DataFrame":
@@ -130,11 +147,11 @@ def _sorted_scores(frame: "pd.DataFrame", value: str, stratum: str, sample: str)
 
 
 def frame_estimate(frame: "pd.DataFrame", value: str = "score", stratum: str = "subtask",
-                   sample: str = "sample_id") -> Estimate | None:
+                   sample: str = "sample_id", weights: Mapping[str, float] | None = None) -> Estimate | None:
     """The `estimate` of one cell's records (a frame of `kvbench.results.load`, `value` in the units shown),
     stratified by subtask, samples in (subtask, sample id) order; None when no record has a value."""
     rows = _sorted_scores(frame, value, stratum, sample)
-    return estimate(rows[value].to_numpy(), rows["_stratum"].to_numpy()) if len(rows) else None
+    return estimate(rows[value].to_numpy(), rows["_stratum"].to_numpy(), weights=weights) if len(rows) else None
 
 
 # What makes two records the same sample: a sample id names a prompt only together with its subtask, and the
@@ -153,11 +170,14 @@ def paired_differences(frame: "pd.DataFrame", reference: "pd.DataFrame", value: 
     return both.sort_values(["subtask", "sample_id"], key=lambda s: s.astype(str), kind="stable")
 
 
-def paired_estimate(frame: "pd.DataFrame", reference: "pd.DataFrame", value: str = "score") -> Estimate | None:
-    """The mean paired difference (frame - reference) over the shared samples, stratified by subtask, with
-    its bootstrap interval; None when they share no sample."""
+def paired_estimate(frame: "pd.DataFrame", reference: "pd.DataFrame", value: str = "score",
+                    weights: Mapping[str, float] | None = None) -> Estimate | None:
+    """The mean paired difference (frame - reference) over the shared samples, stratified by subtask (weighted
+    as the cell, `weights`), with its bootstrap interval; None when they share no sample."""
     both = paired_differences(frame, reference, value)
-    return estimate(both["diff"].to_numpy(), both["subtask"].astype(str).to_numpy()) if len(both) else None
+    if both.empty:
+        return None
+    return estimate(both["diff"].to_numpy(), both["subtask"].astype(str).to_numpy(), weights=weights)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,20 +198,21 @@ def z_detect(alpha: float = ALPHA, power: float = POWER) -> float:
     return normal.inv_cdf(1 - alpha / 2) + normal.inv_cdf(power)
 
 
-def detectable_difference(comparisons: Sequence[tuple[Sequence[float], Sequence[Any]]], goal: float = 5.0, *,
-                          alpha: float = ALPHA, power: float = POWER) -> Detectable | None:
-    """The smallest difference `comparisons` (each: paired differences and their subtasks) can detect, and the
-    samples per subtask that detect `goal` (module doc). Only comparisons with two or more samples in every
-    subtask count; None when none does or none varies (no variance to plan with)."""
+def detectable_difference(comparisons: Sequence[tuple[Sequence[float], Sequence[Any], Mapping[str, float] | None]],
+                          goal: float = 5.0, *, alpha: float = ALPHA, power: float = POWER) -> Detectable | None:
+    """The smallest difference `comparisons` (each: paired differences, their subtasks, and the subtasks'
+    weights in the number or None for equal) can detect, and the samples per subtask that detect `goal`
+    (module doc). Only comparisons with two or more samples in every subtask count; None when none does or
+    none varies (no variance to plan with)."""
     per_sample, squared_se, sizes = [], [], []
-    for values, strata in comparisons:
-        groups = _strata(values, strata)
+    for values, strata, weights in comparisons:
+        names, groups = _strata(values, strata)
         if not groups or any(len(g) < 2 for g in groups):
             continue
-        variances = [float(np.var(g, ddof=1)) for g in groups]
-        k = len(groups)
-        per_sample.append(sum(variances) / k**2)  # Var of a mean of k subtask means, each of one pair
-        squared_se.append(sum(v / len(g) for v, g in zip(variances, groups)) / k**2)
+        w2 = _weights(names, weights) ** 2
+        variances = np.asarray([np.var(g, ddof=1) for g in groups])
+        per_sample.append(float(np.dot(w2, variances)))  # Var of the number with one pair per subtask
+        squared_se.append(float(np.dot(w2, variances / [len(g) for g in groups])))
         sizes.append(float(np.median([len(g) for g in groups])))
     if not per_sample or max(per_sample) == 0:
         return None
