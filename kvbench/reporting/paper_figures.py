@@ -7,6 +7,7 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.transforms import offset_copy
 import pandas as pd
 
 from kvbench.reporting.paper_tables import (
@@ -79,7 +80,7 @@ def equal_traffic_figure(source: Source, points: pd.DataFrame) -> plt.Figure | N
     return _finish(fig, axes, f"{spec.title}: at equal traffic (measured reads, not the budget)")
 
 
-def _error_bars(ax: plt.Axes, xs: pd.Series, points: pd.DataFrame, color: Any) -> None:
+def _error_bars(ax: plt.Axes, xs: pd.Series, points: pd.DataFrame, color: Any, **kwargs: Any) -> None:
     """Each point's 95% interval as an error bar; a point without one (too few samples) gets none, not a
     zero-length bar."""
     if "ci_low" not in points.columns:
@@ -88,7 +89,7 @@ def _error_bars(ax: plt.Axes, xs: pd.Series, points: pd.DataFrame, color: Any) -
     if has.any():
         y = points.loc[has, "score"].astype(float)
         ax.errorbar(xs[has].astype(float), y, yerr=[y - points.loc[has, "ci_low"], points.loc[has, "ci_high"] - y],
-                    fmt="none", ecolor=color, elinewidth=1, capsize=3, alpha=0.8)
+                    fmt="none", ecolor=color, elinewidth=1, capsize=3, alpha=0.8, **kwargs)
 
 
 def _reference_line(ax: plt.Axes, ref: pd.DataFrame, label: str) -> None:
@@ -143,13 +144,19 @@ def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
     for ax, pid in zip(axes, panel_ids):
         mask = (ident == list(pid)).all(axis=1) if panel_fields else pd.Series(True, index=points.index)
         here = points[mask]
-        for series in series_values:
+        for i, series in enumerate(series_values):
             line = here[here[spec.series].map(norm) == series]
             by_x = {norm(v): s for v, s in zip(line[x], line["score"])}
             ys = [by_x.get(v, np.nan) for v in xs_all]
             xv = [float(v) for v in xs_all]
-            ax.plot(xv, ys, color=colors[series], label=series, **styles[series])
-            _error_bars(ax, line[x].map(norm).astype(float), line, colors[series])
+            # each series a few points aside, so error bars at one x do not cover each other
+            dodged = offset_copy(ax.transData, fig=fig, x=3.0 * (i - (len(series_values) - 1) / 2), units="points")
+            ax.plot(xv, ys, color=colors[series], label=series, transform=dodged, **styles[series])
+            _error_bars(ax, line[x].map(norm).astype(float), line, colors[series], transform=dodged)
+            # a shifted transform keeps its artists out of autoscaling: the limits from the data themselves
+            bounds = [c for c in ("score", "ci_low", "ci_high") if c in line.columns]
+            ax.update_datalim([(float(norm(v)), float(y)) for v, row in zip(line[x], line[bounds].values)
+                               for y in row if pd.notna(y)])
             for v in xs_all:
                 gone = any(p.get(spec.series) == series and p.get(x) == v
                            and all(p.get(f, "-") == i for f, i in zip(panel_fields, pid)) for p in missing)
@@ -162,6 +169,7 @@ def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
         elif any(p.get(spec.series) == spec.reference and all(p.get(f, "-") == i for f, i in zip(panel_fields, pid))
                  for p in missing):
             ax.text(0.02, 0.96, f"{spec.reference}: {MISSING}", transform=ax.transAxes, va="top", fontsize=8)
+        ax.autoscale_view()
         if log_x:
             ax.set_xscale("log", base=2)
             ax.set_xticks(numeric_x, [f"{v:g}" for v in numeric_x])
