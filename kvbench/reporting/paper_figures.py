@@ -10,6 +10,7 @@ import numpy as np
 from matplotlib.transforms import offset_copy
 import pandas as pd
 
+from kvbench.reporting.efficiency import spread_bars
 from kvbench.reporting.paper_tables import (
     MISSING,
     ReportSpec,
@@ -233,7 +234,8 @@ def kept_tokens_figure(df: pd.DataFrame, spec: ReportSpec) -> plt.Figure | None:
 
 
 def efficiency_figure(table: pd.DataFrame, spec: ReportSpec) -> plt.Figure | None:
-    """Decode latency and peak memory vs budget per method, from `kvbench.reporting.efficiency.efficiency_table`."""
+    """Decode latency (with its min-max over each point's samples) and peak memory vs budget per method, from
+    `kvbench.reporting.efficiency.efficiency_table`."""
     if table.empty or table["decode_ms"].isna().all():
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -247,6 +249,8 @@ def efficiency_figure(table: pd.DataFrame, spec: ReportSpec) -> plt.Figure | Non
             by_budget = {norm(b): v for b, v in zip(rows["budget"], rows[column])}
             ax.bar(np.arange(len(budgets)) + i * width, [by_budget.get(b, np.nan) for b in budgets], width,
                    label=label)
+            if column == "decode_ms":  # the latency's spread over the point's samples
+                spread_bars(ax, [budgets.index(norm(b)) + i * width for b in rows["budget"]], rows, column)
         ax.set_xticks(np.arange(len(budgets)) + 0.4 - width / 2, budgets)
         ax.set_xlabel("budget")
         ax.set_ylabel(ylabel)
