@@ -12,6 +12,7 @@ import pytest
 from kvbench.cli.report import main
 from kvbench.core.errors import KVBenchError
 from kvbench.reporting.paper import build
+from kvbench.reporting.paper_figures import accuracy_figure
 from kvbench.reporting.paper_tables import (
     MISSING,
     ReportSpec,
@@ -22,7 +23,6 @@ from kvbench.reporting.paper_tables import (
     point_scores,
     resolve,
 )
-from kvbench.reporting.paper_figures import accuracy_figure
 from kvbench.reporting.preset_points import norm, select_points
 from kvbench.reporting.uncertainty import NOT_PAIRED
 from kvbench.results.collect import collect, load

@@ -15,7 +15,14 @@ from omegaconf import OmegaConf
 
 from kvbench.cli.report import main
 from kvbench.reporting.callback import PrintSweepSummary
-from kvbench.reporting.table import INTERVAL_LEGEND, TASK_MEAN_LABEL, format_table, pivot_scores, point_table, report_text
+from kvbench.reporting.table import (
+    INTERVAL_LEGEND,
+    TASK_MEAN_LABEL,
+    format_table,
+    pivot_scores,
+    point_table,
+    report_text,
+)
 from kvbench.results.collect import collect
 from kvbench.results.store import RecordStore, point_hash
 

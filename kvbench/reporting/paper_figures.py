@@ -7,8 +7,8 @@ from typing import Any
 
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.transforms import offset_copy
 import pandas as pd
+from matplotlib.transforms import offset_copy
 
 from kvbench.reporting.efficiency import spread_bars
 from kvbench.reporting.paper_tables import (

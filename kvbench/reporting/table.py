@@ -270,8 +270,8 @@ def format_table(table: pd.DataFrame, markdown: bool = False) -> str:
     Scores (including the columns of `pivot_scores`) show one decimal, with their 95% interval where the
     table carries one (``attrs["intervals"]``: score column -> its low and high columns, printed in the
     score's cell as `48.9 [37.8, 60.0]`) and, in a pivot, its sample count (``attrs["counts"]``: `n=9`); NLL
-    three decimals, KV bytes as MiB; identity fields such as budgets
-    are shown as stored (a budget of 1.0 is not shown as 1 tokens); missing values as "-".
+    three decimals, KV bytes as MiB; identity fields such as budgets are shown as stored (a budget of 1.0 is
+    not shown as 1 tokens); missing values as "-".
     """
     if table.empty:
         return "(no records)"

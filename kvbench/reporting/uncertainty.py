@@ -19,8 +19,14 @@ import pandas as pd
 
 from kvbench.reporting.paper_tables import MISSING, ReportSpec
 from kvbench.reporting.preset_points import norm
-from kvbench.results.stats import Detectable, Estimate, detectable_difference, frame_estimate, paired_differences, \
-    paired_estimate
+from kvbench.results.stats import (
+    Detectable,
+    Estimate,
+    detectable_difference,
+    frame_estimate,
+    paired_differences,
+    paired_estimate,
+)
 
 Cell = tuple[tuple, str]  # (row identity, column)
 
