@@ -13,6 +13,9 @@ An interval needs at least two samples in every subtask: a subtask with one samp
 (a bootstrap over it would report zero width, a certainty the data cannot give), so such a cell has none.
 A cell whose samples all score alike gets a zero-width interval: the bootstrap sees no variation, which with
 few samples is not the same as knowing the true score (nine failures are compatible with a third succeeding).
+With few samples per subtask the percentile bootstrap is also narrow: a resample's mean varies by (n - 1) / n
+of the sample variance over n, so at 3 samples per subtask its intervals are about a fifth too narrow, at 20
+about 3%.
 
 A paired comparison is the same bootstrap over the per-sample differences of two points on the samples they
 share (same subtask, sample id and sample content digest): every method of a sweep runs on the same prompts,
