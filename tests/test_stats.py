@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pandas as pd
 import pytest
+import scipy.stats as scipy_stats  # a test dependency (pyproject's [test]): the reference values
 
 from kvbench.results.stats import (
     RESAMPLES,
@@ -19,8 +20,6 @@ from kvbench.results.stats import (
     paired_estimate,
     z_detect,
 )
-
-scipy_stats = pytest.importorskip("scipy.stats")
 
 
 def test_one_subtask_is_scipys_percentile_bootstrap() -> None:
