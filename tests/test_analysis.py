@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 
-from kvbench.analysis.base import bootstrap_ci, verdict
+from kvbench.analysis.base import verdict
 from kvbench.analysis.runner import build_claim, claims
 from kvbench.analysis.trace import capture, dense_weight, share_for_mass, spearman
 from kvbench.cli.analyze import main as analyze
@@ -47,11 +47,13 @@ def test_verdict_compares_the_bootstrap_interval_with_the_threshold(effects, exp
     assert result["ci_low"] <= result["effect"] <= result["ci_high"] and result["n"] == len(effects)
 
 
-def test_bootstrap_is_seeded_and_brackets_the_mean():
-    effects = [0.1, 0.4, 0.35, 0.2, 0.5]
-    assert bootstrap_ci(effects, 3) == bootstrap_ci(effects, 3)
-    low, high = bootstrap_ci(effects, 3)
-    assert low < sum(effects) / 5 < high
+def test_one_sample_has_no_interval_and_a_worked_example_is_exact():
+    claim = build_claim("omnikv_sparsity", {})
+    one = verdict(claim, [{"effect": 0.05, "first_layers_share": 1.0}], seed=1)
+    assert (one["ci_low"], one["ci_high"], one["verdict"]) == (None, None, "inconclusive")
+    toy = build_claim("adakv_toy", {})
+    exact = verdict(toy, [toy.measure_once()], seed=0)
+    assert exact["ci_low"] == exact["ci_high"] == exact["effect"]
 
 
 def test_helpers():

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import matplotlib.image
+import matplotlib.pyplot as plt
 import pandas as pd
 import pytest
 
@@ -72,3 +73,39 @@ def test_an_oom_point_is_marked_never_drawn_as_a_value(tmp_path):
     paths = render(tmp_path, "omnikv_fig4", tmp_path / "fig")
     assert "True" in paths[3].read_text()  # the table says oom
     assert _drawn_fraction(paths[0])[1] > 0.02
+
+
+def test_timings_carry_their_spread_over_samples(tmp_path):
+    """Each timing's median comes with its min and max over the point's samples, in the tables and as error
+    bars; a speedup's spans every ratio of the two points' samples (Full 10-12 ms, the method 4-6: 10/6 to 3)."""
+    import json
+
+    from matplotlib.collections import LineCollection
+
+    from kvbench.reporting.efficiency import omnikv_fig4, rocketkv_fig7
+    from kvbench.results.store import RecordStore
+
+    for method, times in (("full", [10.0, 12.0, 11.0]), ("omnikv", [5.0, 4.0, 6.0])):
+        point = {"model": "m", "task": "synthetic", "method": method, "budget": 64, "seq_len": 1024,
+                 "dtype": "float32"}
+        store = RecordStore(tmp_path / method)
+        for j, ms in enumerate(times):
+            store.append(json.loads(json.dumps({
+                "sample_id": f"s{j}", "task": "synthetic", "score": None, "point": point, "point_hash": method,
+                "method_params": {}, "turns": [{"prediction": ""}],
+                "profile": {"decode_ms_median": ms, "ttft_s": 1.0 + j, "memory_kind": "cpu_rss_high_water_mark",
+                            "state_peak_bytes": 2**20}})))
+    table = efficiency_table(tmp_path).set_index("method")
+    assert table.loc["omnikv", ["decode_ms", "decode_ms_min", "decode_ms_max"]].tolist() == [5.0, 4.0, 6.0]
+    assert table.loc["omnikv", ["decode_tokens_per_s_min", "decode_tokens_per_s_max"]].tolist() == [
+        pytest.approx(1e3 / 6), pytest.approx(1e3 / 4)]
+    assert table.loc["full", ["ttft_s_min", "ttft_s_max"]].tolist() == [1.0, 3.0]
+    fig, axes = plt.subplots(1, 2)
+    omnikv_fig4(table.reset_index(), axes)
+    bars = sorted(tuple(c.get_segments()[0][:, 1]) for c in axes[0].collections if isinstance(c, LineCollection))
+    assert bars == [(4.0, 6.0), (10.0, 12.0)]
+    fig, axes = plt.subplots(1, 2)
+    speedup = rocketkv_fig7(table.reset_index(), axes).iloc[0]
+    assert (speedup["speedup"], speedup["speedup_min"], speedup["speedup_max"]) == (
+        pytest.approx(11 / 5), pytest.approx(10 / 6), pytest.approx(3.0))
+    plt.close("all")

@@ -12,6 +12,7 @@ import pytest
 from kvbench.cli.report import main
 from kvbench.core.errors import KVBenchError
 from kvbench.reporting.paper import build
+from kvbench.reporting.paper_figures import accuracy_figure
 from kvbench.reporting.paper_tables import (
     MISSING,
     ReportSpec,
@@ -23,6 +24,7 @@ from kvbench.reporting.paper_tables import (
     resolve,
 )
 from kvbench.reporting.preset_points import norm, select_points
+from kvbench.reporting.uncertainty import NOT_PAIRED
 from kvbench.results.collect import collect, load
 from kvbench.results.store import RecordStore, point_hash
 
@@ -193,9 +195,11 @@ def test_two_dtypes_split_a_row_and_hidden_differences_refuse_a_cell(tmp_path: P
 PRESET = ["model=tiny_llama", "method=full,snapkv", "budget=0.2", "compress_question=true"]
 
 
-def write_preset_point(root: Path, name: str, overrides: list[str], score: float, **manifest_model) -> None:
-    """A point directory as a run of adakv_fig4_cpu with `overrides` leaves it: records, and the manifest's
-    identity (`point_identity` of the composed config), its model fields replaced by `manifest_model`."""
+def write_preset_point(root: Path, name: str, overrides: list[str], score: float | list[float],
+                       **manifest_model) -> None:
+    """A point directory as a run of adakv_fig4_cpu with `overrides` leaves it: records (one per score, samples
+    s0, s1, ...), and the manifest's identity (`point_identity` of the composed config), its model fields
+    replaced by `manifest_model`."""
     import json
 
     from kvbench.config.paths import experiment_config
@@ -208,8 +212,10 @@ def write_preset_point(root: Path, name: str, overrides: list[str], score: float
     (root / name / "manifest.json").write_text(json.dumps({"point": identity, "point_hash": point_hash(identity)}))
     point = {"model": cfg.model.name, "task": cfg.task.name, "method": cfg.method.name, "budget": cfg.budget,
              "seq_len": cfg.task.seq_len, "compress_question": True, "dtype": "float32", "seed": 42}
-    RecordStore(root / name).append({"sample_id": "s0", "task": "ruler_niah_single_2", "score": score,
-                                     "point": point, "point_hash": point_hash(identity)})
+    for i, value in enumerate(score if isinstance(score, list) else [score]):
+        RecordStore(root / name).append({"sample_id": f"s{i}", "task": "ruler_niah_single_2", "score": value,
+                                         "sample_digest": f"d{i}", "point": point,
+                                         "point_hash": point_hash(identity)})
 
 
 def test_preset_report_leaves_out_points_of_other_settings_and_says_so(tmp_path: Path,
@@ -249,3 +255,79 @@ def test_a_preset_dtype_left_to_the_machine_matches_what_each_machine_resolved(t
                                                 f"results_dir={tmp_path}"])
     df, left_out = select_points(src, collect(tmp_path))
     assert list(df["run_dir"]) == ["gpu"] and dict(left_out) == {"cpu": ["seed=1 vs 42"]}
+
+
+def test_a_preset_report_carries_intervals_and_paired_comparisons(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """adakv_fig4_cpu's report (issue 38): each cell's n and interval in the CSV and on the page, each method
+    against Full and Ada-KV against SnapKV over their 20 shared samples, error bars in the figure, the same
+    numbers on a second run. SnapKV misses 6 of Full's 20: its mean difference resamples as -Binomial(20, 0.3)
+    / 20, 95% interval [-50, -10]: distinguishable. Ada-KV gets 2 more right than SnapKV: Binomial(20, 0.1) /
+    20, [0, 25]: not distinguishable."""
+    results = tmp_path / "results"
+    tiny = ["model=tiny_llama", "compress_question=true", "budget=0.2"]
+    full, snap = [1.0] * 20, [0.0] * 6 + [1.0] * 14
+    write_preset_point(results, "full", [*tiny, "method=full"], full)
+    write_preset_point(results, "snapkv", [*tiny, "method=snapkv"], snap)
+    write_preset_point(results, "adakv", [*tiny, "method=adakv"], [1.0, 1.0] + snap[2:])
+    write_preset_point(results, "pyramidkv", [*tiny, "method=pyramidkv"], [0.0])  # one sample: no interval
+    argv = ["experiment=adakv_fig4_cpu", "model=tiny_llama", "method=full,snapkv,adakv,pyramidkv", "budget=0.2",
+            "compress_question=true", f"results_dir={results}", "--out", str(tmp_path / "r")]
+    assert main(argv) == 0
+    assert "a paired difference of" in capsys.readouterr().out  # the detectable difference, printed
+    table = pd.read_csv(tmp_path / "r" / "table.csv").set_index("method")
+    assert (table.loc["snapkv", "0.2"], table.loc["snapkv", "0.2 n"]) == (pytest.approx(70.0), 20)
+    assert table.loc["full", ["0.2 ci_low", "0.2 ci_high"]].tolist() == [100.0, 100.0]
+    assert table.loc["pyramidkv", "0.2 n"] == 1 and table.loc["pyramidkv", ["0.2 ci_low", "0.2 ci_high"]].isna().all()
+    pairs = pd.read_csv(tmp_path / "r" / "comparisons.csv").set_index(["method", "against"])
+    assert pairs.loc[("snapkv", "full"), ["n_shared", "difference", "ci_low", "ci_high"]].tolist() == [
+        20, pytest.approx(-30.0), -50.0, -10.0]
+    assert pairs.loc[("snapkv", "full"), "result"] == "distinguishable"
+    assert pairs.loc[("adakv", "snapkv"), ["difference", "ci_low", "ci_high"]].tolist() == [
+        pytest.approx(10.0), 0.0, 25.0]
+    assert pairs.loc[("adakv", "snapkv"), "result"] == "not distinguishable"
+    assert pairs.loc[("pyramidkv", "full"), "result"].startswith("no interval")
+    page = (tmp_path / "r" / "index.html").read_text()
+    assert "title='95% CI [50.0, 90.0], n=20'" in page  # SnapKV's 14 of 20: Binomial(20, 0.7)'s 10 and 18
+    assert "Paired comparisons" in page and "not distinguishable" in page and "n=1" in page
+    assert "95\\% bootstrap intervals" in (tmp_path / "r" / "table.tex").read_text()  # the second LaTeX table
+    first = {name: (tmp_path / "r" / name).read_bytes() for name in ("table.csv", "comparisons.csv", "points.csv")}
+    assert main(argv) == 0  # seeded: a second report writes the same numbers
+    assert first == {name: (tmp_path / "r" / name).read_bytes() for name in first}
+
+    from matplotlib.collections import LineCollection
+
+    src = resolve("experiment=adakv_fig4_cpu", argv[1:-2])
+    points, _ = point_scores(select_points(src, collect(results))[0])
+    fig = accuracy_figure(src, points)
+    bars = [c for ax in fig.axes for c in ax.collections if isinstance(c, LineCollection)]
+    assert len(bars) == 2  # snapkv's and adakv's error bars; pyramidkv's one sample has none, not a flat one
+    snap_span, ada_span = sorted(tuple(bar.get_segments()[0][:, 1]) for bar in bars)
+    assert snap_span == (50.0, 90.0) and ada_span[0] < 80.0 < ada_span[1]
+
+
+def test_pairs_need_shared_samples_and_never_cross_a_dtype(tmp_path: Path) -> None:
+    dtypes, other = tmp_path / "dtypes", tmp_path / "other_samples"
+    write_point(dtypes, "full", None, {"a": [1.0, 1.0]}, dtype="float32")
+    write_point(dtypes, "snapkv", 64, {"a": [1.0, 0.0]}, dtype="float32")
+    write_point(dtypes, "snapkv", 64, {"a": [0.0, 0.0]}, dtype="bfloat16")  # no bfloat16 Full to pair with
+    write_point(other, "full", None, {"a": [1.0, 1.0]})  # SnapKV's cell ran on other prompts than Full's
+    write_point(other, "snapkv", 64, {"b": [1.0, 0.0]})
+    pairs = build(dtypes, tmp_path / "r")["stats"]["comparisons"]
+    assert pairs[["method", "dtype", "n_shared"]].values.tolist() == [["snapkv", "float32", 2]]
+    assert build(other, tmp_path / "r2")["stats"]["comparisons"]["result"].tolist() == [NOT_PAIRED]
+
+
+def test_a_category_average_weighs_its_subtasks_like_the_number_it_shows(tmp_path: Path) -> None:
+    """CTKVR's AVG is the mean of category means: qa1 and qa2 weigh 1/4 each, code 1/2; its interval (and in a
+    delta table, the paired difference's) resamples with those weights."""
+    write_point(tmp_path, "full", None, {"qa1": [1.0, 1.0], "qa2": [1.0, 1.0], "code": [1.0, 1.0]})
+    write_point(tmp_path, "snapkv", 64, {"qa1": [1.0, 1.0], "qa2": [1.0, 1.0], "code": [0.0, 1.0]})
+    spec = {"columns": "category", "categories": {"QA": ["qa1", "qa2"], "Code": ["code"]}, "rows": ("method",),
+            "delta": True}
+    out = build(source(tmp_path, **spec), tmp_path / "r")
+    table = pd.read_csv(tmp_path / "r" / "table.csv").set_index("method")
+    # code's difference resamples to 0, -50 or -100 (1/4, 1/2, 1/4), halved in the average: [-50, 0]
+    assert table.loc["snapkv", ["avg", "avg ci_low", "avg ci_high"]].tolist() == [-25.0, -50.0, 0.0]
+    assert table.loc["snapkv", ["Code", "Code ci_low", "Code ci_high"]].tolist() == [-50.0, -100.0, 0.0]
+    assert out["stats"]["detectable"] is not None and out["stats"]["detectable"].comparisons == 1

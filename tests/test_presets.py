@@ -25,7 +25,8 @@ PAPER_PRESETS = [name for name in EXPERIMENTS if name != "demo" and not name.end
 CPU_MODEL = "smollm2_135m"
 
 REPORT_KEYS = {"title", "kind", "x", "series", "panels", "rows", "columns", "categories", "reference", "delta", "note",
-               "not_in_kvbench", "efficiency_layout"}  # efficiency_layout: a kvbench.figures layout (profiled presets)
+               "not_in_kvbench", "efficiency_layout",  # efficiency_layout: a kvbench.figures layout (profiled presets)
+               "compare"}  # compare: [series, against] pairs compared like each series with the reference
 KINDS = {"accuracy", "storage_traffic", "math", "claims"}
 COLUMNS = {"budget", "subtask", "category"}
 POINT_FIELDS = {"model", "task", "method", "budget", "compress_question", "seq_len"}
@@ -146,10 +147,12 @@ def test_report_block_keeps_to_the_schema(name):
             assert isinstance(subtasks, list) and all(isinstance(s, str) and s for s in subtasks)
     else:
         assert categories is None, "report.categories is read only with columns: category"
+    swept = {OmegaConf.load(CONF / "method" / f"{m}.yaml").get("name", m) for m in choices(cfg, "method")}
     reference = report.get("reference")
     if reference is not None:
-        assert reference in {OmegaConf.load(CONF / "method" / f"{m}.yaml").get("name", m)
-                             for m in choices(cfg, "method")}, f"the reference {reference} is not swept"
+        assert reference in swept, f"the reference {reference} is not swept"
+    for pair in report.get("compare", []):
+        assert isinstance(pair, list) and len(pair) == 2 and set(pair) <= swept, f"report.compare: {pair} not swept"
     assert isinstance(report.get("not_in_kvbench", []), list)
 
 

@@ -15,7 +15,14 @@ from omegaconf import OmegaConf
 
 from kvbench.cli.report import main
 from kvbench.reporting.callback import PrintSweepSummary
-from kvbench.reporting.table import TASK_MEAN_LABEL, format_table, pivot_scores, point_table, report_text
+from kvbench.reporting.table import (
+    INTERVAL_LEGEND,
+    TASK_MEAN_LABEL,
+    format_table,
+    pivot_scores,
+    point_table,
+    report_text,
+)
 from kvbench.results.collect import collect
 from kvbench.results.store import RecordStore, point_hash
 
@@ -79,6 +86,20 @@ def test_point_table_math_and_suite_mean(results: Path) -> None:
     assert len(table) == 3 + 3 + 1
 
 
+def test_point_table_intervals_are_of_the_printed_number(results: Path) -> None:
+    """niah's two samples (1, 0) resample to a mean of 0, 50 or 100 with probabilities 1/4, 1/2, 1/4: the
+    interval is [0, 100]; a subtask or single task with one sample, and a suite mean over it, have none."""
+    table = point_table(collect(results))
+    snap = table[(table["task"] == "ruler") & (table["method"] == "snapkv")].set_index("subtask")
+    assert (snap.loc["niah", "ci_low"], snap.loc["niah", "ci_high"]) == (0.0, 100.0)
+    assert snap[["ci_low", "ci_high"]].loc[["vt", TASK_MEAN_LABEL]].isna().all(axis=None)
+    assert table.loc[table["task"] == "qa", ["ci_low", "ci_high"]].isna().all(axis=None)
+    full = table[(table["method"] == "full") & (table["subtask"] == "niah")].iloc[0]
+    assert (full["ci_low"], full["ci_high"]) == (100.0, 100.0)  # two alike: the bootstrap sees no spread
+    assert list(table.columns[table.columns.get_loc("score"):][:3]) == ["score", "ci_low", "ci_high"]
+    assert point_table(collect(results)).equals(table)  # seeded: a second report gives the same numbers
+
+
 def test_points_differing_only_in_hidden_settings_stay_apart(tmp_path: Path) -> None:
     point = {"model": "m", "task": "qa", "method": "snapkv", "budget": 0.5}
     for seed, score in ((0, 1.0), (1, 0.0)):
@@ -94,7 +115,7 @@ def test_points_differing_only_in_hidden_settings_stay_apart(tmp_path: Path) -> 
 def test_pivot_and_format(results: Path) -> None:
     table = point_table(collect(results))
     wide = pivot_scores(table, ["method", "budget"])
-    assert list(wide.columns[-2:]) == ["full/1.0", "snapkv/0.5"]
+    assert wide.attrs["score_columns"] == ["full/1.0", "snapkv/0.5"]
     assert list(wide["subtask"]) == ["qa", "niah", "vt", TASK_MEAN_LABEL]  # suite mean row stays last
     row = wide[(wide["task"] == "ruler") & (wide["subtask"] == TASK_MEAN_LABEL)].iloc[0]
     assert row["snapkv/0.5"] == pytest.approx(75.0) and row["full/1.0"] == pytest.approx(100.0)
@@ -164,7 +185,9 @@ def test_report_text_shows_what_varies_and_names_the_rest_once(results: Path) ->
     lines = report_text(results).splitlines()
     assert lines[0] == "model tiny, seq_len 4096, compress_question False"
     assert lines[1].split() == ["task", "method", "budget", "subtask", "n", "score", "nll", "KV", "MiB", "ms/token"]
-    assert "point_hash" not in lines[1] and len(lines) == 2 + 7
+    assert "point_hash" not in lines[1] and len(lines) == 2 + 7 + 1 and lines[-1] == INTERVAL_LEGEND
+    niah = next(line for line in lines if "snapkv" in line and "niah" in line).split()
+    assert niah[:6] == ["ruler", "snapkv", "0.5", "niah", "2", "50.0"] and niah[6:8] == ["[0.0,", "100.0]"]
     only = report_text(results, run_dirs=[results / "tiny" / "qa" / "snapkv_0.5"]).splitlines()
     assert only[0] == "model tiny, task qa, seq_len 4096, compress_question False, n 1"
     assert only[1].split() == ["method", "budget", "score", "nll", "KV", "MiB", "ms/token"]
@@ -208,6 +231,8 @@ def test_callback_prints_on_multirun_end(results: Path, capsys: pytest.CaptureFi
     callback.on_multirun_end(cfg)
     out = capsys.readouterr().out
     assert f"Results of sweep {results}\n" in out and "snapkv/0.5" in out and "did not finish" not in out
+    assert "50.0 [0.0, 100.0] n=2" in out and "25.0 n=1" in out  # the score's n and interval, in every cell
+    assert INTERVAL_LEGEND in out
 
 
 def test_hydra_sweep_with_a_failed_job_still_prints(tmp_path: Path) -> None:

@@ -39,7 +39,13 @@ def test_adakv_fig4_cpu_sweep_and_its_report(tmp_path: Path) -> None:
     assert "-qa-" in report.stdout and "(task.seq_len=2048 vs 4096)\n" in report.stdout
     out = tmp_path / "report"
     table = pd.read_csv(out / "table.csv", dtype=str, keep_default_na=False)
-    assert list(table.columns) == ["compress_question", "method", "0.2", "0.6", "0.8"]
+    assert list(table.columns[:5]) == ["compress_question", "method", "0.2", "0.6", "0.8"]  # the paper's layout
+    assert list(table.columns[5:8]) == ["0.2 n", "0.2 ci_low", "0.2 ci_high"]  # then each column's n and interval
+    assert (table["0.2 n"] == "1").all() and (table["0.2 ci_low"] == "").all()  # one sample: no interval
+    pairs = pd.read_csv(out / "comparisons.csv")
+    assert {("adakv", "full"), ("adakv", "snapkv"), ("ada_pyramid", "pyramidkv")} <= set(
+        zip(pairs["method"], pairs["against"]))
+    assert (pairs["n_shared"] == 1).all() and pairs["result"].str.startswith("no interval").all()
     methods = ["full", "ada_pyramid", "adakv", "pyramidkv", "snapkv", "streamingllm"]
     assert list(table["method"]) == methods * 2 and sorted(set(table["compress_question"])) == ["false", "true"]
     compressed = table[table["method"] != "full"]

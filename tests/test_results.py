@@ -232,6 +232,33 @@ def test_summarize_by_hand() -> None:
     assert "compressed" not in s["metrics"] and "score" not in s["metrics"]  # bools and score are not metrics
     assert s["tasks"]["niah"]["metrics"]["nll"] == pytest.approx(2.0)
     assert "turn_scores" not in s["tasks"]["niah"]
+    assert s["score_ci"] is None and s["tasks"]["vt"]["score_ci"] is None  # vt's one sample: no interval
+    low, high = s["tasks"]["niah"]["score_ci"]
+    assert 0.0 <= low < 62.5 < high <= 100.0
+
+
+def test_summary_interval_is_the_stratified_bootstrap_of_its_score() -> None:
+    """Subtask a always 1, b 0 and 1: b's resampled mean is 0, 0.5, 1 (1/4, 1/2, 1/4), so the score (1 + b) / 2
+    x100 has the interval [50, 100] (kvbench.results.stats), whatever the records' order."""
+    records = [rec("a1", "a", 1.0), rec("b1", "b", 0.0), rec("a2", "a", 1.0), rec("b2", "b", 1.0)]
+    s = summarize(records)
+    assert s["score"] == 75.0 and s["score_ci"] == [50.0, 100.0]
+    assert summarize(records[::-1])["score_ci"] == s["score_ci"]
+
+
+def test_scores_of_loaded_records_carry_n_and_the_interval(tmp_path: Path) -> None:
+    from kvbench.results import load, scores
+
+    for name, values in (("x", [("a", 1.0), ("a", 1.0), ("b", 0.0), ("b", 1.0)]), ("y", [("a", 0.5)])):
+        point = {"model": "m", "task": "suite", "method": name, "budget": 64}
+        store = RecordStore(tmp_path / name)
+        for i, (task, score) in enumerate(values):
+            store.append(rec(f"{task}{i}", task, score, point=point, point_hash=point_hash(point)))
+    table = scores(load(tmp_path)).set_index("method")
+    assert table.loc["x", ["n", "score", "ci_low", "ci_high"]].tolist() == [4, 75.0, 50.0, 100.0]
+    assert table.loc["y", "n"] == 1 and np.isnan(table.loc["y", "ci_low"])  # one sample: no interval
+    per = scores(load(tmp_path), by_subtask=True).set_index(["method", "subtask"])
+    assert per.loc[("x", "b"), ["score", "ci_low", "ci_high"]].tolist() == [50.0, 0.0, 100.0]
 
 
 def test_summarize_single_task_and_turns() -> None:

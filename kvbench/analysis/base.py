@@ -2,7 +2,7 @@
 per-sample effects into a verdict.
 
 Every claim records one number per sample, its `effect`; the measured value is their mean, with a 95%
-percentile-bootstrap interval over samples (`bootstrap_ci`, seeded). The verdict compares that interval with
+percentile-bootstrap interval over samples (`kvbench.results.stats.bootstrap_interval`, seeded by the run). The verdict compares that interval with
 the claim's `threshold` on the side the paper states (`holds_when`): the whole interval on that side is
 "holds", the whole interval on the other side "does_not_hold", an interval across it "inconclusive". Fewer
 than `MIN_SAMPLES` samples is always "inconclusive" (no interval worth the name), except for a claim that
@@ -18,10 +18,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kvbench.analysis.trace import Trace
+from kvbench.results.stats import bootstrap_interval
 from kvbench.tasks.base import Sample
 
 MIN_SAMPLES = 3
-BOOTSTRAP_RESAMPLES = 2000
 VERDICTS = ("holds", "does_not_hold", "inconclusive")
 
 _CLAIMS: dict[str, type["Claim"]] = {}
@@ -74,26 +74,17 @@ def registered() -> dict[str, type[Claim]]:
     return dict(sorted(_CLAIMS.items()))
 
 
-def bootstrap_ci(effects: Sequence[float], seed: int, level: float = 0.95) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean of `effects` over resampled samples."""
-    values = np.asarray(effects, dtype=float)
-    if len(values) < 2:
-        return float(values.mean()), float(values.mean())
-    rng = np.random.default_rng(seed)
-    means = values[rng.integers(0, len(values), size=(BOOTSTRAP_RESAMPLES, len(values)))].mean(axis=1)
-    tail = (1 - level) / 2 * 100
-    low, high = np.percentile(means, [tail, 100 - tail])
-    return float(low), float(high)
-
-
 def verdict(claim: Claim, records: Sequence[dict[str, Any]], seed: int) -> dict[str, Any]:
     """The verdict of `claim` over its records (the module docstring's rule)."""
     effects = [r["effect"] for r in records]
     effect = float(np.mean(effects))
-    low, high = bootstrap_ci(effects, seed)
+    if claim.needs_samples:  # one sample has no interval (None), not a zero-width one
+        low, high = bootstrap_interval(effects, seed=seed) or (None, None)
+    else:  # a worked example: exact, no sampling
+        low = high = effect
     above = claim.holds_when == "above"
-    on_side = low > claim.threshold if above else high < claim.threshold
-    off_side = high < claim.threshold if above else low > claim.threshold
+    on_side = low is not None and (low > claim.threshold if above else high < claim.threshold)
+    off_side = low is not None and (high < claim.threshold if above else low > claim.threshold)
     outcome = "holds" if on_side else "does_not_hold" if off_side else "inconclusive"
     rule = claim.rule()
     extra = claim.condition(records)

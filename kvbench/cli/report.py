@@ -15,6 +15,7 @@ from kvbench.reporting.paper import build, skipped_line
 from kvbench.reporting.paper_tables import Source, resolve
 from kvbench.reporting.preset_points import left_out_lines, select_points
 from kvbench.reporting.table import _split, point_table, points_text
+from kvbench.reporting.uncertainty import detectable_text
 from kvbench.reporting.wandb import publish_report
 from kvbench.results.collect import collect
 from kvbench.results.store import RECORDS_FILE
@@ -89,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(skipped_line(source.name, source.spec))
     if result["missing"]:
         print(f"{len(result['missing'])} expected points have no records (shown as 'missing')")
+    if result["stats"]:
+        print(detectable_text(result["stats"]["detectable"], source.name))
     print(f"report: {result['out_dir'] / 'index.html'} ({len(result['figures'])} figures)")
     if args.publish:
         print(publish_report(result, project=args.wandb_project, entity=args.wandb_entity))

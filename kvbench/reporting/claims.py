@@ -25,7 +25,7 @@ def verdicts(root: Path) -> list[dict[str, Any]]:
 
 def verdict_table(found: list[dict[str, Any]]) -> pd.DataFrame:
     rows = [{"paper": v["paper"], "claim": v["claim"], "source": v["source"], "paper_number": v["paper_number"],
-             "measured": f"{v['effect_name']} = {v['effect']:.3g}", "ci_95": f"[{v['ci_low']:.3g}, {v['ci_high']:.3g}]",
+             "measured": f"{v['effect_name']} = {v['effect']:.3g}", "ci_95": f"[{v['ci_low']:.3g}, {v['ci_high']:.3g}]" if v.get("ci_low") is not None else "-",
              "n": v["n"], "verdict": v["verdict"], "model": v.get("model") or "-", "task": v.get("task") or "-"}
             for v in found]
     return pd.DataFrame(rows, columns=COLUMNS)

@@ -16,15 +16,19 @@ Layouts (each preset's comment names its own):
 
 Each writes `<layout>.png`, `<layout>.pdf`, `<layout>.csv` and `<layout>.md` (the table behind the figure,
 with roofline utilisations where the records have them) into `--out` (default: the results directory).
-Points are aggregated over their samples (medians); a missing point is absent from the figure, not zero.
+Points are aggregated over their samples (medians), with the spread of the timings over those samples (min and
+max columns, error bars; Full's and the method's together for a speedup); a missing point is absent from the
+figure, not zero.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 
 from kvbench.reporting.table import method_labels
@@ -65,7 +69,13 @@ def efficiency_table(records: Path | pd.DataFrame) -> pd.DataFrame:
         for name, column in COLUMNS.items():
             value = pd.to_numeric(ok[column], errors="coerce").median() if column in ok and len(ok) else None
             row[name] = value / MiB if value is not None and name.endswith("MiB") else value
+        for name in SPREAD:  # the spread over the point's samples behind each median
+            values = pd.to_numeric(ok[COLUMNS[name]], errors="coerce") if COLUMNS[name] in ok else pd.Series([])
+            row[f"{name}_min"], row[f"{name}_max"] = (values.min(), values.max()) if values.notna().any() else (
+                None, None)
         row["decode_tokens_per_s"] = 1e3 / row["decode_ms"] if row["decode_ms"] else None  # CTKVR's measure
+        row["decode_tokens_per_s_min"] = 1e3 / row["decode_ms_max"] if row["decode_ms_max"] else None
+        row["decode_tokens_per_s_max"] = 1e3 / row["decode_ms_min"] if row["decode_ms_min"] else None
         repeat = points["method_params.repeat_kv"].iloc[0] if "method_params.repeat_kv" in points else None
         row["repeated_kv"] = bool(repeat) if pd.notna(repeat) else False  # gpt-fast's dense baseline
         row["dtype"] = points["dtype"].iloc[0] if "dtype" in points else None
@@ -78,6 +88,26 @@ def efficiency_table(records: Path | pd.DataFrame) -> pd.DataFrame:
                                default=None) if cuda else row["state_peak_MiB"])
         rows.append(row)
     return pd.DataFrame(rows)
+
+
+# Timings whose spread over a point's samples the tables give (`<name>_min`, `<name>_max`, beside the median)
+# and the figures draw as error bars: each sample's own value is already its median over decode steps and
+# profiler repeats, so the bars span what repeating the measurement on other prompts of the point gave.
+SPREAD = ("decode_ms", "ttft_s", "tokens_per_s")
+
+
+def spread_bars(ax: plt.Axes, xs: Sequence[float], rows: pd.DataFrame, column: str, low: pd.Series | None = None,
+                high: pd.Series | None = None, **kwargs: Any) -> None:
+    """`column`'s min-max over each point's samples as error bars at `xs` (`low`, `high`: other bounds, e.g.
+    of a ratio); a point measured on one sample gets none, not a zero-length bar."""
+    low = rows[f"{column}_min"] if low is None else low
+    high = rows[f"{column}_max"] if high is None else high
+    mid = pd.to_numeric(rows[column], errors="coerce")
+    has = ((rows["n"] >= 2) & low.notna() & high.notna() & mid.notna()).to_numpy()
+    if has.any():
+        x = np.asarray(xs, dtype=float)[has]
+        ax.errorbar(x, mid[has], yerr=[mid[has] - low[has], high[has] - mid[has]], fmt="none", capsize=3,
+                    elinewidth=1, **{"ecolor": "black", **kwargs})
 
 
 def _labels(df: pd.DataFrame) -> pd.Series:
@@ -97,6 +127,8 @@ def _with_full(table: pd.DataFrame, key: str) -> pd.DataFrame:
     full, baseline = table[dense & ~repeated].set_index(key), table[dense & repeated].set_index(key)
     out = table[~dense].copy()
     out["full_decode_ms"] = out[key].map(full["decode_ms"]) if len(full) else None
+    for bound in ("min", "max"):
+        out[f"full_decode_ms_{bound}"] = out[key].map(full[f"decode_ms_{bound}"]) if len(full) else None
     out["full_peak_MiB"] = out[key].map(full["peak_MiB"]) if len(full) else None
     out["repeated_kv_decode_ms"] = out[key].map(baseline["decode_ms"]) if len(baseline) else float("nan")
     return out
@@ -115,12 +147,16 @@ def rocketkv_fig7(table: pd.DataFrame, axes: Sequence[plt.Axes]) -> pd.DataFrame
     the part of the paper's speedup that its baseline, not the method, explains."""
     rows = _with_full(table, "seq_len")
     rows["speedup"] = rows["full_decode_ms"] / rows["decode_ms"]
+    # every ratio the two points' samples could give: Full's fastest over the method's slowest, and back
+    rows["speedup_min"] = rows["full_decode_ms_min"] / rows["decode_ms_max"]
+    rows["speedup_max"] = rows["full_decode_ms_max"] / rows["decode_ms_min"]
     rows["speedup_vs_repeated_kv"] = rows["repeated_kv_decode_ms"] / rows["decode_ms"]
     rows["baseline_factor"] = rows["repeated_kv_decode_ms"] / rows["full_decode_ms"]
     rows["memory_saving_pct"] = 100 * (1 - rows["peak_MiB"] / rows["full_peak_MiB"])
     for (label, seq_len), line in rows.groupby(["label", "seq_len"]):
         line = line.sort_values("budget")
         (drawn,) = axes[0].plot(line["budget"], line["speedup"], marker="o", label=f"{label} @ {seq_len}")
+        spread_bars(axes[0], line["budget"], line, "speedup", ecolor=drawn.get_color())
         if line["speedup_vs_repeated_kv"].notna().any():
             axes[0].plot(line["budget"], line["speedup_vs_repeated_kv"], marker="o", linestyle="--",
                          color=drawn.get_color(), label=f"{label} @ {seq_len} vs repeated K/V")
@@ -140,6 +176,7 @@ def omnikv_fig4(table: pd.DataFrame, axes: Sequence[plt.Axes]) -> pd.DataFrame:
             line = line.sort_values("seq_len")
             done = line[~line["oom"]]
             (drawn,) = ax.plot(done["seq_len"], done[column], marker="o", label=label)
+            spread_bars(ax, done["seq_len"], done, column, ecolor=drawn.get_color())
             for seq_len in line[line["oom"]]["seq_len"]:  # OOM: a mark at the top, never a value
                 ax.plot([seq_len], [1], marker="x", color=drawn.get_color(), transform=ax.get_xaxis_transform(),
                         clip_on=False)
@@ -154,7 +191,8 @@ def omnikv_fig4(table: pd.DataFrame, axes: Sequence[plt.Axes]) -> pd.DataFrame:
 def keydiff_latency(table: pd.DataFrame, axes: Sequence[plt.Axes]) -> pd.DataFrame:
     for label, line in table.groupby("label"):
         line = line.sort_values("budget")
-        axes[0].plot(line["budget"], line["ttft_s"], marker="o", label=label)
+        (drawn,) = axes[0].plot(line["budget"], line["ttft_s"], marker="o", label=label)
+        spread_bars(axes[0], line["budget"], line, "ttft_s", ecolor=drawn.get_color())
         axes[1].plot(line["budget"], line["peak_MiB"], marker="o", label=label)
     for ax, ylabel in zip(axes, ("time to first token (s)", "peak memory (MiB)")):
         ax.set_xlabel("cache budget (tokens per head)")
@@ -169,6 +207,7 @@ def ctkvr_throughput(table: pd.DataFrame, axes: Sequence[plt.Axes]) -> pd.DataFr
     names = [f"{label}\n@{seq_len}" for label, seq_len in zip(rows["label"], rows["seq_len"])]
     axes[0].bar(range(len(rows)), rows["decode_tokens_per_s"].fillna(0), tick_label=names,
                 color=["grey" if m == "full" else "tab:blue" for m in rows["method"]])
+    spread_bars(axes[0], range(len(rows)), rows, "decode_tokens_per_s")
     for i, oom in enumerate(rows["oom"]):
         if oom:
             axes[0].annotate("OOM", (i, 0), ha="center", va="bottom")

@@ -39,6 +39,16 @@ from kvbench.reporting.paper_tables import (
 )
 from kvbench.reporting.preset_points import left_out_lines, select_points
 from kvbench.reporting.table import point_table
+from kvbench.reporting.uncertainty import (
+    CellRecords,
+    cell_intervals,
+    comparisons,
+    detectable_text,
+    hover_titles,
+    html_table,
+    interval_table,
+    with_interval_columns,
+)
 from kvbench.results.collect import collect
 
 log = logging.getLogger(__name__)
@@ -103,9 +113,17 @@ def build(source: str | Path | Source, out_dir: Path | None = None, overrides: S
         written += [png, pdf]
     precise = spec.kind in ("storage_traffic", "math") or spec.efficiency_layout
     shown = _display(table, "{:.4g}" if precise else "{:.1f}")
-    table.to_csv(out / "table.csv", index=False)
+    stats = _uncertainty(table, spec, df) if "cells" in table.attrs and len(points) else None
+    (with_interval_columns(table, stats["estimates"]) if stats else table).to_csv(out / "table.csv", index=False)
     (out / "table.md").write_text(shown.to_markdown(index=False, disable_numparse=True) + "\n")
-    (out / "table.tex").write_text(shown.to_latex(index=False, caption=spec.title, label=f"tab:{src.name}"))
+    latex = shown.to_latex(index=False, caption=spec.title, label=f"tab:{src.name}")
+    if stats:  # the paper's layout stays one number a cell; the intervals are a second table of that layout
+        latex += "\n" + stats["intervals"].to_latex(
+            index=False, caption=f"{spec.title}: {intervals_caption(spec)}".replace("%", "\\%"),
+            label=f"tab:{src.name}-ci")
+        stats["comparisons"].to_csv(out / "comparisons.csv", index=False)
+        written.append(out / "comparisons.csv")
+    (out / "table.tex").write_text(latex)
     if len(df):
         point_table(df).to_csv(out / "points.csv", index=False)
         written.append(out / "points.csv")
@@ -113,7 +131,7 @@ def build(source: str | Path | Source, out_dir: Path | None = None, overrides: S
     skipped = skipped_line(src.name, spec)
     dtypes = sorted({str(d) for d in points["dtype"].dropna()}) if "dtype" in points else []
     facts = {"points": len(points), "records": len(df), "missing": missing, "skipped": skipped,
-             "left_out": left_out_lines(left_out), "dtypes": dtypes}
+             "left_out": left_out_lines(left_out), "dtypes": dtypes, "stats": stats}
     (out / "report.md").write_text(_markdown(src, shown, figure_paths, facts))
     (out / "index.html").write_text(_html(src, shown, figure_paths, facts))
     written += [out / "report.md", out / "index.html"]
@@ -125,7 +143,34 @@ def build(source: str | Path | Source, out_dir: Path | None = None, overrides: S
             report.write("\n## Claims about attention\n\n" + (out / "claims.md").read_text())
         written += [out / "claims.md", out / "claims.csv", *claims["figures"].values()]
     return {"out_dir": out, "written": written, "figures": figure_paths, "table": table, "missing": missing,
-            "points": points, "source": src, "left_out": left_out}
+            "points": points, "source": src, "left_out": left_out, "stats": stats}
+
+
+def intervals_caption(spec: ReportSpec) -> str:
+    """What the intervals table holds."""
+    return ("95% bootstrap intervals over samples (stratified by subtask) and sample counts"
+            + ("; a difference's: its paired comparison with the reference" if spec.delta else "")
+            + "; n alone: too few samples for an interval")
+
+
+COMPARISONS_INTRO = ("Each series against the reference of its row group, and the preset's own comparisons, "
+                     "paired over the samples both ran: the mean difference (score points) with its 95% bootstrap "
+                     "interval; an interval containing 0 is not distinguishable.")
+
+
+def _uncertainty(table: pd.DataFrame, spec: ReportSpec, records: pd.DataFrame) -> dict[str, Any]:
+    """The table's cell intervals, its paired comparisons and what they can detect (`uncertainty`)."""
+    cells = CellRecords(table, records, _point_key(records))
+    estimates = cell_intervals(table, spec, cells)
+    headline = table.attrs["value_columns"] if spec.columns == "budget" else ["avg"]
+    pairs, detectable = comparisons(table, spec, cells, headline)
+    shown_pairs = pairs.copy()
+    for column in ("difference", "ci_low", "ci_high"):
+        shown_pairs[column] = [f"{v:+.1f}" if column == "difference" and pd.notna(v) else
+                               f"{v:.1f}" if pd.notna(v) else "-" for v in pairs[column]]
+    return {"estimates": estimates, "intervals": interval_table(table, estimates), "comparisons": pairs,
+            "comparisons_shown": shown_pairs.astype(str), "titles": hover_titles(table, estimates),
+            "detectable": detectable}
 
 
 def skipped_line(name: str, spec: ReportSpec) -> str | None:
@@ -152,6 +197,13 @@ def _markdown(src: Source, shown: pd.DataFrame, figures: Mapping[str, Path], fac
         lines += [f"{len(facts['missing'])} expected points have no records (shown as `{MISSING}`):", ""]
         lines += [f"- {', '.join(f'{k}={v}' for k, v in p.items())}" for p in facts["missing"]] + [""]
     lines += [shown.to_markdown(index=False, disable_numparse=True), ""]
+    stats = facts["stats"]
+    if stats:
+        caption = intervals_caption(src.spec)
+        lines += [f"{caption[0].upper()}{caption[1:]}:", "",
+                  stats["intervals"].to_markdown(index=False, disable_numparse=True), "",
+                  detectable_text(stats["detectable"], src.name), "", "## Paired comparisons", "", COMPARISONS_INTRO,
+                  "", stats["comparisons_shown"].to_markdown(index=False, disable_numparse=True), ""]
     lines += [f"![{name}]({path.name})" for name, path in figures.items()]
     return "\n".join(lines) + "\n"
 
@@ -175,9 +227,23 @@ def _html(src: Source, shown: pd.DataFrame, figures: Mapping[str, Path], facts: 
                         for p in facts["missing"])
         parts.append(f"<p>{len(facts['missing'])} expected points have no records (shown as "
                      f"<em>{MISSING}</em>):</p><ul>{items}</ul>")
-    parts.append("<h2>Table</h2>" + shown.to_html(index=False, escape=True))
-    parts.append("<p>Also as <a href='table.csv'>CSV</a>, <a href='table.tex'>LaTeX</a>, "
-                 "<a href='table.md'>markdown</a>; every point and subtask: <a href='points.csv'>points.csv</a>.</p>")
+    stats = facts["stats"]
+    if stats:
+        parts.append("<h2>Table</h2><p>Hover a cell for its 95% interval and sample count.</p>"
+                     + html_table(shown, stats["titles"]))
+    else:
+        parts.append("<h2>Table</h2>" + shown.to_html(index=False, escape=True))
+    parts.append("<p>Also as <a href='table.csv'>CSV</a> (with each cell's n and interval), <a href='table.tex'>"
+                 "LaTeX</a>, <a href='table.md'>markdown</a>; every point and subtask: <a href='points.csv'>"
+                 "points.csv</a>" + ("; the paired comparisons: <a href='comparisons.csv'>comparisons.csv</a>"
+                                     if stats else "") + ".</p>")
+    if stats:
+        caption = intervals_caption(src.spec)
+        parts.append(f"<h2>95% intervals</h2><p>{html.escape(caption[0].upper() + caption[1:])}.</p>"
+                     + stats["intervals"].to_html(index=False, escape=True))
+        parts.append(f"<p>{html.escape(detectable_text(stats['detectable'], src.name))}</p>")
+        parts.append(f"<h2>Paired comparisons</h2><p>{html.escape(COMPARISONS_INTRO)}</p>"
+                     + stats["comparisons_shown"].to_html(index=False, escape=True))
     for name, path in figures.items():
         data = base64.b64encode(path.read_bytes()).decode()
         parts.append(f"<h2>{name}</h2><img alt='{name}' src='data:image/png;base64,{data}'>"

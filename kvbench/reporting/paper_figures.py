@@ -8,7 +8,9 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from matplotlib.transforms import offset_copy
 
+from kvbench.reporting.efficiency import spread_bars
 from kvbench.reporting.paper_tables import (
     MISSING,
     ReportSpec,
@@ -69,13 +71,33 @@ def equal_traffic_figure(source: Source, points: pd.DataFrame) -> plt.Figure | N
             if len(line):
                 ax.plot(line["read_tokens"], line["score"], color=plt.cm.tab10(i % 10), label=series,
                         marker="osD^vPX*"[i % 8], linestyle=("-", "--", "-.", ":")[i % 4])
+                _error_bars(ax, line["read_tokens"], line, plt.cm.tab10(i % 10))
         ref = here[here[spec.series] == spec.reference]
         if len(ref):
-            ax.axhline(float(ref["score"].mean()), color="black", linestyle="--", linewidth=1, label=spec.reference)
+            _reference_line(ax, ref, spec.reference)
         if drawn["read_tokens"].min() > 0:
             ax.set_xscale("log", base=2)
         _label_panel(ax, "K/V tokens read per KV group and step", panel_fields, pid, spec)
     return _finish(fig, axes, f"{spec.title}: at equal traffic (measured reads, not the budget)")
+
+
+def _error_bars(ax: plt.Axes, xs: pd.Series, points: pd.DataFrame, color: Any, **kwargs: Any) -> None:
+    """Each point's 95% interval as an error bar; a point without one (too few samples) gets none, not a
+    zero-length bar."""
+    if "ci_low" not in points.columns:
+        return
+    has = points["ci_low"].notna() & points["ci_high"].notna()
+    if has.any():
+        y = points.loc[has, "score"].astype(float)
+        ax.errorbar(xs[has].astype(float), y, yerr=[y - points.loc[has, "ci_low"], points.loc[has, "ci_high"] - y],
+                    fmt="none", ecolor=color, elinewidth=1, capsize=3, alpha=0.8, **kwargs)
+
+
+def _reference_line(ax: plt.Axes, ref: pd.DataFrame, label: str) -> None:
+    """The reference's score as a dashed line, its 95% interval as a grey band."""
+    ax.axhline(float(ref["score"].mean()), color="black", linestyle="--", linewidth=1, label=label)
+    if len(ref) == 1 and "ci_low" in ref.columns and pd.notna(ref["ci_low"].iloc[0]):
+        ax.axhspan(float(ref["ci_low"].iloc[0]), float(ref["ci_high"].iloc[0]), color="grey", alpha=0.15, linewidth=0)
 
 
 def _label_panel(ax: plt.Axes, xlabel: str, panel_fields: list[str], pid: tuple, spec: ReportSpec) -> None:
@@ -96,8 +118,9 @@ def _finish(fig: plt.Figure, axes: list[plt.Axes], title: str) -> plt.Figure:
 
 
 def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
-    """Score vs x, one panel per combination of the spec's panel fields, one line per series value; the
-    reference as a dashed line; an expected point without records is a gap with a "missing" mark."""
+    """Score vs x, one panel per combination of the spec's panel fields, one line per series value with each
+    point's 95% interval as an error bar; the reference as a dashed line in a grey band (its interval); an
+    expected point without records is a gap with a "missing" mark."""
     spec = source.spec
     x = spec.x
     if x not in points.columns:
@@ -122,12 +145,19 @@ def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
     for ax, pid in zip(axes, panel_ids):
         mask = (ident == list(pid)).all(axis=1) if panel_fields else pd.Series(True, index=points.index)
         here = points[mask]
-        for series in series_values:
+        for i, series in enumerate(series_values):
             line = here[here[spec.series].map(norm) == series]
             by_x = {norm(v): s for v, s in zip(line[x], line["score"])}
             ys = [by_x.get(v, np.nan) for v in xs_all]
             xv = [float(v) for v in xs_all]
-            ax.plot(xv, ys, color=colors[series], label=series, **styles[series])
+            # each series a few points aside, so error bars at one x do not cover each other
+            dodged = offset_copy(ax.transData, fig=fig, x=3.0 * (i - (len(series_values) - 1) / 2), units="points")
+            ax.plot(xv, ys, color=colors[series], label=series, transform=dodged, **styles[series])
+            _error_bars(ax, line[x].map(norm).astype(float), line, colors[series], transform=dodged)
+            # a shifted transform keeps its artists out of autoscaling: the limits from the data themselves
+            bounds = [c for c in ("score", "ci_low", "ci_high") if c in line.columns]
+            ax.update_datalim([(float(norm(v)), float(y)) for v, row in zip(line[x], line[bounds].values)
+                               for y in row if pd.notna(y)])
             for v in xs_all:
                 gone = any(p.get(spec.series) == series and p.get(x) == v
                            and all(p.get(f, "-") == i for f, i in zip(panel_fields, pid)) for p in missing)
@@ -136,10 +166,11 @@ def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
                             clip_on=False)
         ref = here[here[spec.series] == spec.reference]
         if len(ref):
-            ax.axhline(float(ref["score"].mean()), color="black", linestyle="--", linewidth=1, label=spec.reference)
+            _reference_line(ax, ref, spec.reference)
         elif any(p.get(spec.series) == spec.reference and all(p.get(f, "-") == i for f, i in zip(panel_fields, pid))
                  for p in missing):
             ax.text(0.02, 0.96, f"{spec.reference}: {MISSING}", transform=ax.transAxes, va="top", fontsize=8)
+        ax.autoscale_view()
         if log_x:
             ax.set_xscale("log", base=2)
             ax.set_xticks(numeric_x, [f"{v:g}" for v in numeric_x])
@@ -203,7 +234,8 @@ def kept_tokens_figure(df: pd.DataFrame, spec: ReportSpec) -> plt.Figure | None:
 
 
 def efficiency_figure(table: pd.DataFrame, spec: ReportSpec) -> plt.Figure | None:
-    """Decode latency and peak memory vs budget per method, from `kvbench.reporting.efficiency.efficiency_table`."""
+    """Decode latency (with its min-max over each point's samples) and peak memory vs budget per method, from
+    `kvbench.reporting.efficiency.efficiency_table`."""
     if table.empty or table["decode_ms"].isna().all():
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -217,6 +249,8 @@ def efficiency_figure(table: pd.DataFrame, spec: ReportSpec) -> plt.Figure | Non
             by_budget = {norm(b): v for b, v in zip(rows["budget"], rows[column])}
             ax.bar(np.arange(len(budgets)) + i * width, [by_budget.get(b, np.nan) for b in budgets], width,
                    label=label)
+            if column == "decode_ms":  # the latency's spread over the point's samples
+                spread_bars(ax, [budgets.index(norm(b)) + i * width for b in rows["budget"]], rows, column)
         ax.set_xticks(np.arange(len(budgets)) + 0.4 - width / 2, budgets)
         ax.set_xlabel("budget")
         ax.set_ylabel(ylabel)

@@ -36,6 +36,7 @@ from kvbench.config.paths import POINT_GROUPS, choice_name, experiment_config, e
 from kvbench.core.errors import KVBenchError
 from kvbench.reporting.preset_points import expected_identities, norm, sweep_axes
 from kvbench.reporting.table import method_labels
+from kvbench.results.stats import frame_estimate
 from kvbench.results.summary import mean_of_subtasks
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,8 @@ class ReportSpec:
     not_in_kvbench: tuple[str, ...] = ()
     efficiency_layout: str | None = None  # a `kvbench.figures` layout drawn from the profiled records
     note: str | None = None  # how to read the table, printed under it (the sweep's table) and in the report
+    # paired comparisons besides every series against `reference`: [series, against] (Ada-KV against SnapKV)
+    compare: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def from_block(cls, block: Mapping[str, Any] | None, default_title: str) -> ReportSpec:
@@ -89,6 +92,11 @@ class ReportSpec:
             if key in block:
                 value = block[key]
                 block[key] = tuple([value] if isinstance(value, str) else (value or ()))
+        if "compare" in block:
+            pairs = block["compare"] or ()
+            if not all(isinstance(p, (list, tuple)) and len(p) == 2 for p in pairs):
+                raise KVBenchError(f"report.compare: a list of [series, against] pairs, got {pairs!r}")
+            block["compare"] = tuple((str(a), str(b)) for a, b in pairs)
         if block.get("categories") is not None:
             block["categories"] = {str(k): list(v) for k, v in dict(block["categories"]).items()}
         spec = cls(**block)
@@ -194,7 +202,8 @@ def _point_key(df: pd.DataFrame) -> str:
 
 def point_scores(df: pd.DataFrame, shown: Sequence[str] = ()) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(points, subtasks): one row per point with its score (the unweighted mean of its subtask means, x100,
-    the RULER/LongBench rule: `mean_of_subtasks`) and sample count, and one row per point and subtask. Every other column keeps
+    the RULER/LongBench rule: `mean_of_subtasks`), sample count and the score's 95% interval (``ci_low``,
+    ``ci_high``, NaN: none; `kvbench.results.stats`), and one row per point and subtask. Every other column keeps
     the point's first value (identity and config columns are constant within a point). A method's variants
     get names of their own (`method_labels`), but for the settings in `shown` (the grid's swept keys, shown as
     fields of their own: `method.window`, `profile`)."""
@@ -205,6 +214,10 @@ def point_scores(df: pd.DataFrame, shown: Sequence[str] = ()) -> tuple[pd.DataFr
     first = numeric.drop(columns=["score", "subtask", "sample_id"]).groupby(key, sort=False).first()
     points = subtasks.groupby(key, sort=False).agg(score=("score", _mean_of_subtasks), n=("n", "sum"))
     points = points.join(first).reset_index()
+    estimates = {p: frame_estimate(rows) for p, rows in numeric.groupby(key, sort=False)}  # score's interval
+    for bound in ("low", "high"):
+        points[f"ci_{bound}"] = [getattr(e, bound) if e is not None and e.has_interval else math.nan
+                                 for e in map(estimates.get, points[key])]
     if "decode_read_tokens_per_group" in numeric.columns:  # the equal-traffic axis: the point's mean reads
         reads = pd.to_numeric(numeric["decode_read_tokens_per_group"], errors="coerce").groupby(numeric[key]).mean()
         points["read_tokens"] = points[key].map(reads)
@@ -266,12 +279,15 @@ def _row_fields(spec: ReportSpec, points: pd.DataFrame, grid: list[dict[str, str
 
 
 def _categories_of(subtasks: pd.DataFrame, spec: ReportSpec) -> pd.DataFrame:
-    """Per point and category: the mean of its subtasks' scores (absent subtasks are left out)."""
+    """Per point and category: the mean of its subtasks' scores (absent subtasks are left out), and the weight
+    of each subtask in it."""
     rows = []
     key = _point_key(subtasks)
     for category, names in (spec.categories or {}).items():
-        part = subtasks[subtasks["subtask"].isin(list(names))]
+        part = subtasks[subtasks["subtask"].isin(list(names)) & subtasks["score"].notna()]
         means = part.groupby(key, sort=False)["score"].agg(_mean_of_subtasks).reset_index()
+        present = part.groupby(key, sort=False)["subtask"].agg(list)
+        means["weights"] = [{name: 1 / len(present[p]) for name in present[p]} for p in means[key]]
         means["subtask"] = category
         rows.append(means)
     return pd.concat(rows, ignore_index=True) if rows else subtasks.iloc[0:0]
@@ -281,28 +297,42 @@ def main_table(source: Source, points: pd.DataFrame, subtasks: pd.DataFrame) -> 
     """The paper's table: one row per combination of row fields, columns from the spec; cells are floats,
     `MISSING` for expected points without records, `ABSENT` for a value a recorded point lacks, "" where
     the grid has no such point. With `delta`, non-reference rows hold differences from the reference row of
-    their group."""
+    their group. ``attrs["cells"]``: each valued cell's records, {(row, column): (point, subtask weights)}
+    (weights None: the point's subtasks alike), for its interval (`kvbench.reporting.uncertainty`)."""
     spec, grid = source.spec, source.grid
     rows = _row_fields(spec, points, grid)
     key = _point_key(points)
     ident = _norm_frame(points, rows)
     _refuse_shared_cells(points, ident, spec)
+    # each cell's records: (point, subtask weights), None weighing the point's subtasks alike (its score)
+    sources: dict[tuple[tuple, str], tuple[Any, dict[str, float] | None]] = {}
     if spec.columns == "budget":
         columns = sorted({norm(v) for v in points.get(spec.x, [])} | {_grid_x(p, spec.x) for p in grid or []},
                          key=_sort_key)
         values = {(tuple(r), norm(x)): s for r, x, s in zip(ident.itertuples(index=False), points[spec.x],
                                                                points["score"])}
+        sources = {(tuple(r), norm(x)): (p, None) for r, x, p in zip(ident.itertuples(index=False), points[spec.x],
+                                                                       points[key])}
     else:
-        per = subtasks if spec.columns == "subtask" else _categories_of(subtasks, spec)
+        per = (subtasks.assign(weights=[{str(name): 1.0} for name in subtasks["subtask"]])
+               if spec.columns == "subtask" else _categories_of(subtasks, spec))
         names = list(dict.fromkeys(per["subtask"]))
         columns = [*names, "avg"]
         row_of = dict(zip(points[key], map(tuple, ident.values)))
         values = {(row_of[p], name): s for p, name, s in zip(per[key], per["subtask"], per["score"])}
+        sources = {(row_of[p], name): (p, w) for p, name, w in zip(per[key], per["subtask"], per["weights"])}
         if spec.columns == "category":  # CTKVR's AVG: the mean of the category means
             avg = per.groupby(key, sort=False)["score"].agg(_mean_of_subtasks)
             values.update({(row_of[p], "avg"): v for p, v in avg.items()})
+            for p, cats in per.groupby(key, sort=False)["weights"]:
+                weights: dict[str, float] = {}
+                for category in cats:  # each category weighs 1/C, split among its subtasks
+                    for name, w in category.items():
+                        weights[name] = weights.get(name, 0.0) + w / len(cats)
+                sources[(row_of[p], "avg")] = (p, weights)
         else:
             values.update({(tuple(r), "avg"): s for r, s in zip(ident.itertuples(index=False), points["score"])})
+            sources.update({(row_of[p], "avg"): (p, None) for p in points[key]})
     row_ids = list(dict.fromkeys([tuple(r) for r in ident.itertuples(index=False)]
                                  + [tuple(p.get(f, "-") for f in rows) for p in grid or []]))
     expected = {tuple(p.get(f, "-") for f in rows): p for p in grid or []}
@@ -318,6 +348,7 @@ def main_table(source: Source, points: pd.DataFrame, subtasks: pd.DataFrame) -> 
             elif spec.columns == "budget":
                 if (rid, "-") in values:  # a method without a budget: one value for the whole row
                     cells[column] = values[(rid, "-")]
+                    sources[(rid, column)] = sources[(rid, "-")]
                 elif rid + (column,) in missing or rid + ("-",) in missing:
                     cells[column] = MISSING
                 else:
@@ -332,7 +363,9 @@ def main_table(source: Source, points: pd.DataFrame, subtasks: pd.DataFrame) -> 
     out = pd.DataFrame(table, columns=[*rows, *[c for c in columns if not (spec.columns == "budget" and c == "-")]])
     if spec.delta:
         out = _as_delta(out, rows, spec)
-    out.attrs.update(row_fields=rows, value_columns=[c for c in out.columns if c not in rows])
+    value_columns = [c for c in out.columns if c not in rows]
+    out.attrs.update(row_fields=rows, value_columns=value_columns,
+                     cells={cell: src for cell, src in sources.items() if cell[1] in value_columns})
     return out
 
 
@@ -408,10 +441,13 @@ def storage_traffic_table(points: pd.DataFrame) -> pd.DataFrame:
 
 
 def math_table(points: pd.DataFrame, rows: list[str]) -> pd.DataFrame:
-    """KeyDiff Table 3: flexible match (the score), exact match and mean generation length per point."""
+    """KeyDiff Table 3: flexible match (the score, with its sample count and 95% interval), exact match and mean
+    generation length per point."""
     fields = [f for f in dict.fromkeys(["task.max_new_tokens", *rows, "budget"]) if f in points.columns]
     out = points[fields].copy()
+    out["n"] = points["n"]
     out["flex_match"] = points["score"] / 100.0
+    out["flex_match_ci_low"], out["flex_match_ci_high"] = points["ci_low"] / 100.0, points["ci_high"] / 100.0
     out["exact_match"] = pd.to_numeric(points.get("extra.math_exact"), errors="coerce")
     out["avg_gen_length"] = pd.to_numeric(points.get("new_tokens"), errors="coerce")
     return out.reset_index(drop=True)

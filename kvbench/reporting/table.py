@@ -23,6 +23,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.results.collect import POINT_FIELDS, _flatten, collect
+from kvbench.results.stats import Estimate, frame_estimate
 from kvbench.results.summary import mean_of_subtasks
 
 log = logging.getLogger(__name__)
@@ -127,11 +128,13 @@ def method_labels(df: pd.DataFrame, exclude: Sequence[str] = ()) -> pd.Series:
 
 
 def point_table(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per point and subtask: n, mean score x100, and the means of `TABLE_METRICS` present.
+    """One row per point and subtask: n, mean score x100 with its 95% bootstrap interval (``ci_low``,
+    ``ci_high``: `kvbench.results.stats`; empty where the interval needs more samples), and the means of
+    `TABLE_METRICS` present.
 
     Points with several subtasks (suites) get an extra `TASK_MEAN_LABEL` row after their subtask rows: the
-    unweighted mean of those rows (`mean_of_subtasks`, RULER's rule), with n the total sample count. Variants
-    of a method get their own names (`method_labels`).
+    unweighted mean of those rows (`mean_of_subtasks`, RULER's rule) with its interval stratified by subtask,
+    and n the total sample count. Variants of a method get their own names (`method_labels`).
     """
     if df.empty:
         return pd.DataFrame()
@@ -142,10 +145,14 @@ def point_table(df: pd.DataFrame) -> pd.DataFrame:
     agg: dict[str, tuple[str, str]] = {"n": ("sample_id", "size"), "score": ("score", "mean")}
     agg.update({m: (m, "mean") for m in metrics})
     numeric = df.assign(**{c: pd.to_numeric(df[c], errors="coerce") for c in ("score", *metrics)})
-    table = numeric.groupby([*keys, "subtask"], dropna=False, sort=False).agg(**agg).reset_index()
+    numeric["_point"] = numeric.groupby(keys, dropna=False, sort=False).ngroup()
+    grouped = numeric.groupby([*keys, "subtask"], dropna=False, sort=False)
+    table = grouped.agg(**agg, _point=("_point", "first")).reset_index()
     table["score"] *= 100.0
+    _add_interval(table, [_score_estimate(rows) for _, rows in grouped])
     table = _sorted(table, [*keys, "subtask"])
 
+    records = dict(iter(numeric.groupby("_point", sort=False)))
     parts = []
     for _, rows in table.groupby(keys, dropna=False, sort=False):  # sort=False: keeps the sorted order
         parts.append(rows)
@@ -155,10 +162,35 @@ def point_table(df: pd.DataFrame) -> pd.DataFrame:
             mean["n"] = rows["n"].sum()
             for col in ("score", *metrics):
                 mean[col] = mean_of_subtasks(rows[col].dropna(), empty=math.nan)
+            estimate = _score_estimate(records[rows["_point"].iloc[0]])
+            mean[list(INTERVAL_COLUMNS)] = _bounds(estimate)
             parts.append(mean)
-    out = pd.concat(parts, ignore_index=True)
+    out = pd.concat(parts, ignore_index=True).drop(columns="_point")
     out.attrs["point_columns"] = keys
+    out.attrs["intervals"] = {"score": INTERVAL_COLUMNS}
     return out
+
+
+# A score's 95% interval, beside it in a table's columns (`format_table` prints them in the score's cell).
+INTERVAL_COLUMNS = ("ci_low", "ci_high")
+
+
+def _score_estimate(records: pd.DataFrame) -> Estimate | None:
+    """The score x100 of some records (one point's, of one subtask or all) with its stratified interval."""
+    return frame_estimate(records.assign(score=records["score"] * 100.0))
+
+
+def _bounds(estimate: Estimate | None) -> tuple[float, float]:
+    """(low, high), NaN without an interval."""
+    return (estimate.low, estimate.high) if estimate is not None and estimate.has_interval else (math.nan, math.nan)
+
+
+def _add_interval(table: pd.DataFrame, estimates: Sequence[Estimate | None]) -> None:
+    """`INTERVAL_COLUMNS` right after ``score``."""
+    at = table.columns.get_loc("score") + 1
+    bounds = [_bounds(e) for e in estimates]
+    for offset, column in enumerate(INTERVAL_COLUMNS):
+        table.insert(at + offset, column, [b[offset] for b in bounds])
 
 
 def _is_missing(value: Any) -> bool:
@@ -189,14 +221,26 @@ def pivot_scores(table: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
     if table.duplicated([*index, *columns]).any():
         raise ValueError("points differ only in fields not shown (seed? engine settings?); pivot would merge "
                          "them; report without --pivot to see their point_hash")
-    wide = table.pivot(index=index, columns=list(columns), values="score")
-    # pivot sorts as strings; instead sort rows by identity keeping each point's subtask order (suite mean
-    # row last), and columns by identity (budgets numerically within each method).
-    wide = wide.reindex(index=_index_of(_sorted(table[index].drop_duplicates(), index[:-1])),
-                        columns=_index_of(_sorted(table[list(columns)].drop_duplicates(), list(columns))))
-    wide.columns = ["/".join(_label(v) for v in (c if isinstance(c, tuple) else (c,))) for c in wide.columns]
-    wide = wide.reset_index()
-    wide.attrs["score_columns"] = [c for c in wide.columns if c not in index]
+    bounds = [c for c in INTERVAL_COLUMNS if c in table.columns]
+    companions = [*bounds, *(["n"] if "n" in table.columns else [])]
+    spread = []
+    for values in ("score", *companions):
+        part = table.pivot(index=index, columns=list(columns), values=values)
+        # pivot sorts as strings; instead sort rows by identity keeping each point's subtask order (suite mean
+        # row last), and columns by identity (budgets numerically within each method).
+        part = part.reindex(index=_index_of(_sorted(table[index].drop_duplicates(), index[:-1])),
+                            columns=_index_of(_sorted(table[list(columns)].drop_duplicates(), list(columns))))
+        part.columns = ["/".join(_label(v) for v in (c if isinstance(c, tuple) else (c,))) for c in part.columns]
+        spread.append(part)
+    scores = list(spread[0].columns)
+    for values, part in zip(companions, spread[1:]):  # each score's interval and n beside it, named after it
+        part.columns = [f"{c} {values}" for c in part.columns]
+    wide = pd.concat(spread, axis=1).reset_index()
+    wide.attrs["score_columns"] = scores
+    if len(bounds) == len(INTERVAL_COLUMNS):
+        wide.attrs["intervals"] = {c: tuple(f"{c} {b}" for b in INTERVAL_COLUMNS) for c in scores}
+    if "n" in companions:
+        wide.attrs["counts"] = {c: f"{c} n" for c in scores}
     return wide
 
 
@@ -223,22 +267,39 @@ def _format_cell(column: str, value: Any, score_columns: set[str]) -> str:
 def format_table(table: pd.DataFrame, markdown: bool = False) -> str:
     """Render a table for a terminal (fixed width) or a paper draft (markdown, no `tabulate` needed).
 
-    Scores (including the columns of `pivot_scores`) show one decimal, NLL three, KV bytes as MiB; identity
-    fields such as budgets are shown as stored (a budget of 1.0 is not shown as 1 tokens); missing values
-    as "-".
+    Scores (including the columns of `pivot_scores`) show one decimal, with their 95% interval where the
+    table carries one (``attrs["intervals"]``: score column -> its low and high columns, printed in the
+    score's cell as `48.9 [37.8, 60.0]`) and, in a pivot, its sample count (``attrs["counts"]``: `n=9`); NLL
+    three decimals, KV bytes as MiB; identity fields such as budgets are shown as stored (a budget of 1.0 is
+    not shown as 1 tokens); missing values as "-".
     """
     if table.empty:
         return "(no records)"
     score_columns = {"score", *table.attrs.get("score_columns", [])}
-    cells = pd.DataFrame({c: [_format_cell(str(c), v, score_columns) for v in table[c]] for c in table.columns})
+    intervals = {c: pair for c, pair in table.attrs.get("intervals", {}).items()
+                 if c in table.columns and all(b in table.columns for b in pair)}
+    counts = {c: n for c, n in table.attrs.get("counts", {}).items() if c in table.columns and n in table.columns}
+    hidden = {b for pair in intervals.values() for b in pair} | set(counts.values())
+    shown = [c for c in table.columns if c not in hidden]
+    cells = pd.DataFrame({c: [_format_cell(str(c), v, score_columns) for v in table[c]] for c in shown})
+    for column, (low, high) in intervals.items():
+        cells[column] = [text if _is_missing(lo) or _is_missing(hi) else f"{text} [{lo:.1f}, {hi:.1f}]"
+                         for text, lo, hi in zip(cells[column], table[low], table[high])]
+    for column, n in counts.items():
+        cells[column] = [text if _is_missing(k) else f"{text} n={int(k)}" for text, k in zip(cells[column], table[n])]
     if not markdown:
         return cells.to_string(index=False)
     numeric = [pd.api.types.is_numeric_dtype(table[c]) and not pd.api.types.is_bool_dtype(table[c])
-               for c in table.columns]
-    lines = ["| " + " | ".join(map(str, table.columns)) + " |",
+               for c in shown]
+    lines = ["| " + " | ".join(map(str, shown)) + " |",
              "|" + "|".join("---:" if num else "---" for num in numeric) + "|"]
     lines += ["| " + " | ".join(v.replace("|", "\\|") for v in row) + " |" for row in cells.itertuples(index=False)]
     return "\n".join(lines)
+
+
+# Under a printed table whose scores carry intervals: what the brackets are.
+INTERVAL_LEGEND = ("score x100 [95% bootstrap interval over samples, stratified by subtask]; no brackets: fewer "
+                   "than 2 samples in a subtask")
 
 
 def compact(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
@@ -248,7 +309,15 @@ def compact(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     between rows; the point hash only where rows would otherwise read alike. The constant columns go into the
     line ("model m, task t, dtype float32, seed 42"); a subtask equal to its task is not repeated there.
     """
-    scores = set(table.attrs.get("score_columns", []))
+    full, scores = table, set(table.attrs.get("score_columns", []))
+    intervals, counts = table.attrs.get("intervals", {}), table.attrs.get("counts", {})
+    # printed in their score's cell (`format_table`), not as columns of their own
+    companions = [b for pair in intervals.values() for b in pair] + list(counts.values())
+    table = table.drop(columns=[b for b in companions if b in table.columns])
+    same_n = full[[n for n in counts.values() if n in full.columns]].stack().dropna().unique()
+    if len(same_n) == 1:  # one sample count in every cell: said once in the note
+        table = table.assign(n=int(same_n[0]))
+        counts = {}
     texts = {c: table[c].map(_label) for c in table.columns}
     varying = {c for c in table.columns if texts[c].nunique() > 1}
     measured = ("score", *TABLE_METRICS)
@@ -263,10 +332,18 @@ def compact(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
         c == "subtask" and "task" in table and texts[c].iloc[0] == texts["task"].iloc[0]))
     shown = [c for c in table.columns if c in shown]
     out = table[shown].copy()
+    kept = {c: pair for c, pair in intervals.items() if c in out.columns}
+    for pair in kept.values():
+        out[list(pair)] = full[list(pair)]
+    counts = {c: n for c, n in counts.items() if c in out.columns}
+    for n in counts.values():
+        out[n] = full[n]
     if "kv_bytes_after_prefill" in out:
         out["kv_bytes_after_prefill"] = out["kv_bytes_after_prefill"] / 2**20
     out = out.rename(columns=DISPLAY_NAMES)
     out.attrs["score_columns"] = list(scores)
+    out.attrs["intervals"] = kept
+    out.attrs["counts"] = counts
     return out, note
 
 
@@ -277,6 +354,8 @@ def points_text(table: pd.DataFrame, markdown: bool = False, pivot: Sequence[str
         return format_table(table)
     shown, note = compact(pivot_scores(table, pivot) if pivot else table)
     text = format_table(shown, markdown=markdown)
+    if any(shown[b].notna().any() for pair in shown.attrs["intervals"].values() for b in pair):
+        text += ("\n\n" if markdown else "\n") + INTERVAL_LEGEND
     return f"{note}\n\n{text}" if note and markdown else f"{note}\n{text}" if note else text
 
 

@@ -49,8 +49,9 @@ def log_point(cfg: DictConfig, summary: dict[str, Any], run_dir: Path) -> None:
     try:
         table = records.drop(columns=[c for c in ("run_dir",) if c in records.columns])
         run.log({"records": wandb.Table(dataframe=table.astype(object).where(table.notna(), None))})
-        values: dict[str, Any] = {"score": summary.get("score"), "n_samples": summary.get("n_samples"),
-                                  **summary.get("point", {})}
+        ci = summary.get("score_ci") or (None, None)
+        values: dict[str, Any] = {"score": summary.get("score"), "score_ci_low": ci[0], "score_ci_high": ci[1],
+                                  "n_samples": summary.get("n_samples"), **summary.get("point", {})}
         values.update({k: v for k, v in summary.get("metrics", {}).items() if k in SUMMARY_METRICS})
         for column in records.columns:  # profile fields are nested in records: medians over samples
             if column.startswith(("profile.", "roofline.")) and records[column].dtype.kind in "if":

@@ -9,6 +9,7 @@ if TYPE_CHECKING:
 
 import json
 import logging
+import math
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 from kvbench.config.paths import POINT_GROUPS, experiment_config, experiments
 from kvbench.core.errors import KVBenchError
 from kvbench.results.manifest import MANIFEST_FILE
+from kvbench.results.stats import frame_estimate
 from kvbench.results.store import RECORDS_FILE, load_records
 from kvbench.results.summary import _is_number
 
@@ -171,3 +173,26 @@ def load(source: str | os.PathLike[str], results_dir: str | os.PathLike[str] | N
                 f"; pass load({str(source)!r}, results_dir=...) with the directory the sweep wrote to")
         raise KVBenchError(f"no records under {where}{hint}")
     return df
+
+
+def scores(records: "pd.DataFrame", by_subtask: bool = False) -> "pd.DataFrame":
+    """The score of every point of `records` (a frame of `load`), one row per point (and subtask, with
+    `by_subtask`): its identity, sample count ``n``, ``score`` x100 (a suite's: the unweighted mean of its
+    subtasks' means, as every table prints it) and the 95% bootstrap interval ``ci_low``, ``ci_high``
+    (`kvbench.results.stats`; NaN with fewer than two samples in a subtask). Points are told apart by their
+    hash, so two dtypes or code-identified settings never share a row."""
+    import pandas as pd
+
+    key = "point_hash" if "point_hash" in records.columns and records["point_hash"].notna().all() else "run_dir"
+    named = records.attrs.get("point_columns") or POINT_FIELDS
+    identity = [c for c in named if c in records.columns and c != key]
+    groups = [key, "subtask"] if by_subtask else [key]
+    rows = []
+    for _, part in records.groupby(groups, sort=False, dropna=False):
+        found = frame_estimate(part.assign(score=pd.to_numeric(part["score"], errors="coerce") * 100.0))
+        row = {c: part[c].iloc[0] for c in (*identity, *groups)}
+        row.update(n=len(part), score=found.value if found else math.nan,
+                   ci_low=found.low if found and found.has_interval else math.nan,
+                   ci_high=found.high if found and found.has_interval else math.nan)
+        rows.append(row)
+    return pd.DataFrame(rows, columns=[*identity, *groups, "n", "score", "ci_low", "ci_high"])

@@ -1,4 +1,5 @@
-"""A point's summary: score means (the unweighted mean of subtask means), metric means, per-turn scores."""
+"""A point's summary: score means (the unweighted mean of subtask means) with their 95% intervals, metric means,
+per-turn scores."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from kvbench.results.stats import bootstrap_interval
 from kvbench.results.store import _atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,15 @@ def _score_pct(records: list[dict[str, Any]]) -> float | None:
     return None if mean is None else 100.0 * mean
 
 
+def _score_ci(records: list[dict[str, Any]]) -> list[float] | None:
+    """The 95% bootstrap interval of the score x100 (stratified by subtask: `kvbench.results.stats`), as [low,
+    high]; None with fewer than two scored samples in a subtask."""
+    scored = sorted((rec["task"], str(rec["sample_id"]), 100.0 * float(rec["score"])) for rec in records
+                    if _is_number(rec.get("score")))
+    interval = bootstrap_interval([v for _, _, v in scored], [t for t, _, _ in scored]) if scored else None
+    return None if interval is None else list(interval)
+
+
 def _turn_scores(records: list[dict[str, Any]]) -> list[float | None]:
     """Mean score x100 of the i-th turn, over the samples that have one: degradation over a conversation."""
     per_turn: dict[int, list[float]] = defaultdict(list)
@@ -74,7 +85,8 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
 
     ``score`` is the headline: the unweighted mean of the per-subtask mean scores (x100), the RULER/LongBench
     rule, so a suite's subtasks weigh the same whatever their sample counts; for a single task it equals
-    ``score_micro``, the plain mean over samples. ``metrics`` are means of the other numeric record fields.
+    ``score_micro``, the plain mean over samples. ``score_ci``: its 95% bootstrap interval [low, high] (None
+    with fewer than two samples in a subtask), also per subtask. ``metrics`` are means of the other numeric record fields.
     ``tasks`` breaks everything down per subtask, plus per-turn scores for multi-turn tasks.
     """
     for rec in records:
@@ -91,13 +103,15 @@ def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
         by_task[rec["task"]].append(rec)
     tasks: dict[str, dict[str, Any]] = {}
     for name, recs in sorted(by_task.items()):
-        tasks[name] = {"n": len(recs), "score": _score_pct(recs), "metrics": _metric_means(recs)}
+        tasks[name] = {"n": len(recs), "score": _score_pct(recs), "score_ci": _score_ci(recs),
+                       "metrics": _metric_means(recs)}
         if any(len(r.get("turns") or []) > 1 for r in recs):
             tasks[name]["turn_scores"] = _turn_scores(recs)
 
     summary: dict[str, Any] = {
         "n_samples": len(records),
         "score": mean_of_subtasks(t["score"] for t in tasks.values()),
+        "score_ci": _score_ci(records),
         "score_micro": _score_pct(records),
         "metrics": _metric_means(records),
         "tasks": tasks,

@@ -66,10 +66,16 @@ def _run_prepared(prepared: PreparedPoint) -> dict[str, Any]:
     return summary
 
 
+def _interval(summary: dict[str, Any]) -> str:
+    """` [37.78, 60.00]`: a summary's 95% interval of its score, or nothing without one."""
+    ci = summary.get("score_ci")
+    return f" [{ci[0]:.2f}, {ci[1]:.2f}]" if ci else ""
+
+
 def _print_summary(summary: dict[str, Any]) -> None:
     point = summary["point"]
     budget = "-" if point["budget"] is None else point["budget"]
-    score = "-" if summary["score"] is None else f"{summary['score']:.2f}"
+    score = "-" if summary["score"] is None else f"{summary['score']:.2f}" + _interval(summary)
     lines = [f"{point['method']} budget={budget} on {point['task']} ({point['model']}): "
              f"score {score} over {summary['n_samples']} samples"]
     if summary.get("suite_skipped"):
@@ -77,7 +83,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
                      f"{', '.join(summary['suite_skipped'])})")
     if len(summary["tasks"]) > 1:
         for task, value in sorted(summary["tasks"].items()):
-            lines.append(f"  {task:<32} {value['score']:7.2f}  (n={value['n']})")
+            lines.append(f"  {task:<32} {value['score']:7.2f}{_interval(value)}  (n={value['n']})")
     for key in ("nll", "kept_tokens_mean", "kv_bytes_after_prefill", "prefill_s", "decode_ms_per_token"):
         if summary["metrics"].get(key) is not None:
             lines.append(f"  {key:<32} {summary['metrics'][key]:.4g}")
