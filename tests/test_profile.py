@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,7 @@ from kvbench.engine.config import EngineConfig
 from kvbench.engine.prompt import PromptBuilder
 from kvbench.engine.sample import run_sample
 from kvbench.methods import build_method
-from kvbench.profiling.profiler import PhaseProfiler, combine_repeats, is_out_of_memory
+from kvbench.profiling.profiler import PhaseProfiler, combine_repeats, is_out_of_memory, live_tensor_bytes
 from kvbench.profiling.roofline import phase_costs
 from kvbench.run.policy import run_or_oom
 
@@ -149,3 +150,15 @@ def test_profiled_kv_bytes_of_snapkv_vs_full_match_the_analytic_ratio(smollm2):
     mean_read = (prompt + (steps + 1) / 2) / (64 + (steps + 1) / 2)
     assert full["decode_read_bytes_per_step"] / snap["decode_read_bytes_per_step"] == pytest.approx(mean_read, rel=0.02)
     assert full["kv_bytes_end"] / snap["kv_bytes_end"] == pytest.approx((prompt + steps) / (64 + steps), rel=0.02)
+
+
+def test_live_tensor_bytes_counts_past_a_dead_weak_proxy():
+    class Referent:
+        pass
+
+    referent = Referent()
+    proxies = [weakref.proxy(referent)]  # in the garbage collector's list while the test runs
+    del referent  # isinstance on the proxy now raises ReferenceError
+    held = torch.zeros(1 << 20, dtype=torch.uint8)
+    assert live_tensor_bytes() >= held.nbytes
+    assert len(proxies) == 1

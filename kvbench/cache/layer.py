@@ -53,21 +53,18 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import MutableMapping
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvbench.cache.static import StaticRows, bucketed
+from kvbench.cache.static import StaticLayout, StaticRows
+from kvbench.cache.token_state import FIXED_FIELDS, TokenState
 from kvbench.core.contract import HeadView
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.numel() * t.element_size()
-
-
-FIXED_FIELDS = ("keys", "values", "positions")
 
 
 GROWTH = 0.25  # slack added when an append finds no room: a quarter of the longest head (amortised O(1))
@@ -81,37 +78,7 @@ def growth_slack(longest: int) -> int:
     return max(MIN_SLACK, math.ceil(GROWTH * longest))
 
 
-class TokenState(MutableMapping):
-    """A layer's method-owned per-token tensors by name: `[H, L]` on a uniform layer, flat `[sum_h len_h]`
-    (head after head) on a ragged one. Setting one installs a new buffer in the layer's row layout (clones
-    keep the old one); reading a ragged one gathers its rows."""
-
-    def __init__(self, layer: "KVLayer"):
-        self.layer = layer
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name in FIXED_FIELDS or name not in self.layer.buffers:
-            raise KeyError(name)
-        return self.layer.field(name)
-
-    def __setitem__(self, name: str, value: torch.Tensor) -> None:
-        if name in FIXED_FIELDS:
-            raise KeyError(f"{name} is not method state")
-        self.layer.set_field(name, value)
-
-    def __delitem__(self, name: str) -> None:
-        if name in FIXED_FIELDS or name not in self.layer.buffers:
-            raise KeyError(name)
-        del self.layer.buffers[name]
-
-    def __iter__(self):
-        return (name for name in list(self.layer.buffers) if name not in FIXED_FIELDS)
-
-    def __len__(self) -> int:
-        return sum(1 for _ in self)
-
-
-class KVLayer(CacheLayerMixin):
+class KVLayer(StaticLayout, CacheLayerMixin):
     is_compileable = False  # a True value makes generate() build 4D masks and auto-compile
     is_sliding = False
     is_croppable = False
@@ -408,147 +375,6 @@ class KVLayer(CacheLayerMixin):
                 buf.index_copy_(0, dest, buf.index_select(0, source))
                 buf.index_fill_(0, freed, -1 if name == "positions" else 0)
         self.lens, self.claimed = list(kept), list(kept)
-
-    # -- the static decode layout (kvbench.cache.static) ---------------------------------------------------
-    def make_static(self, tokens: int, query_window: int, query_heads: int, ragged: bool = False) -> None:
-        """Enter the static layout for a decode loop of up to `tokens` appends: one copy into buffers of a fixed,
-        bucketed capacity that this layer holds alone, lengths on the device, the last `query_window` queries in
-        a buffer of that size (empty entries at position -1), derived state at the same capacity. `ragged`: the
-        flat layout even if every head holds as many tokens (a method whose layers may be ragged)."""
-        heads, device = len(self.lens), self.buffers["keys"].device
-        uniform = not (ragged or self.is_ragged)
-        if uniform:
-            width = bucketed(self.lens[0] + tokens)
-            slack: list[int] = [width - self.lens[0]] * heads
-        else:  # fixed total rows, each head its own room: nothing padded to the longest head
-            slack = [tokens] * heads
-            slack[-1] += bucketed(sum(self.lens) + heads * tokens) - (sum(self.lens) + heads * tokens)
-            width = bucketed(max(self.lens) + tokens)
-        self._install(self._compact(), list(self.lens), slack=slack)
-        starts = torch.tensor(self.starts, dtype=torch.int64, device=device)
-        fill = torch.tensor(self.lens, dtype=torch.int64, device=device)
-        row_head = row_slot = None
-        if not uniform:
-            caps = torch.tensor(self.caps, dtype=torch.int64, device=device)
-            row_head = torch.repeat_interleave(torch.arange(heads, device=device), caps)
-            row_slot = torch.arange(row_head.shape[0], device=device) - starts[row_head]
-        self.static = StaticRows(
-            starts=starts, fill=fill, next_slot=fill.clone(),
-            peak=torch.tensor(self.peak_len, dtype=torch.int64, device=device),
-            evictions=torch.zeros((), dtype=torch.int64, device=device), width=width, uniform=uniform,
-            row_bytes=2 * self.head_dim * self.buffers["keys"].element_size(), row_head=row_head, row_slot=row_slot)
-        for name, state in list(self.derived.items()):
-            if not hasattr(state, "make_static"):
-                raise NotImplementedError(f"{type(state).__name__} (derived state {name!r}) has no static layout")
-            self.derived[name] = state.make_static(self)
-        if query_window:
-            self._static_queries(query_window, query_heads, device)
-
-    def _static_queries(self, window: int, heads: int, device: torch.device) -> None:
-        """The last `window` queries in a buffer of exactly `window` entries, oldest first (empty: position -1)."""
-        kept = 0 if self.queries is None else min(window, self.queries.shape[1])
-        queries = torch.zeros(heads, window, self.head_dim, dtype=self.dtype, device=device)
-        positions = torch.full((window,), -1, dtype=torch.int32, device=device)
-        if kept:
-            queries[:, window - kept:] = self.queries[:, -kept:]
-            positions[window - kept:] = self.query_positions[-kept:]
-        self.queries, self.query_positions = queries, positions
-
-    def _static_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
-        """A decode step's token written at each head's `next_slot` (an emptied slot, or the next free one)."""
-        st, heads = self.static, self.num_heads
-        if key_states.shape[2] != 1:
-            raise RuntimeError("a static layer takes one token per step")
-        rows = st.starts + st.next_slot
-        position = self.cache.static_position
-        for name, buf in self.buffers.items():
-            if name == "keys":
-                new = key_states[0, :, 0]
-            elif name == "values":
-                new = value_states[0, :, 0]
-            elif name == "positions":
-                new = position.to(buf.dtype).expand(heads)
-            else:  # method token state starts at zero
-                new = buf.new_zeros(heads, *buf.shape[1:])
-            buf.index_copy_(0, rows, new)
-        for state in self.derived.values():
-            state.append_static(self, key_states[0, :, 0], value_states[0, :, 0])
-        st.fill.add_((st.next_slot == st.fill).to(st.fill.dtype))
-        st.next_slot.copy_(st.fill)
-        st.peak.copy_(torch.maximum(st.peak, st.fill.max()))
-        self.cache.static_counters.add(torch.tensor(heads * st.row_bytes, device=st.fill.device))
-        self.fresh = True
-        return key_states, value_states
-
-    def _static_view(self) -> HeadView:
-        st = self.static
-        valid = st.valid()
-        if st.uniform:
-            heads, width = self.num_heads, st.width
-            keys, values = (self.buffers[n].view(heads, width, -1) for n in ("keys", "values"))
-            positions = self.buffers["positions"].view(heads, width)
-        else:
-            rows = st.padded_rows(self.buffers["keys"].shape[0])
-            keys, values = self.buffers["keys"][rows], self.buffers["values"][rows]
-            positions = torch.where(valid, self.buffers["positions"][rows], -1)
-        return HeadView(keys, values, positions, valid, lengths=st.fill)
-
-    def static_evict(self, slot: torch.Tensor, evict: torch.Tensor) -> None:
-        """Empty slot `slot[h]` of every head with `evict[h]` (one token per head at most): its position becomes
-        -1 and the next token is written there, so nothing else moves."""
-        st = self.static
-        rows = st.starts + slot
-        positions = self.buffers["positions"]
-        positions.index_copy_(0, rows, torch.where(evict, -1, positions.index_select(0, rows)).to(positions.dtype))
-        st.next_slot.copy_(torch.where(evict, slot, st.fill))
-        removed = evict.sum()
-        st.evictions.add_((removed > 0).to(st.evictions.dtype))
-        self.cache.static_counters.add(-removed * st.row_bytes)
-
-    def static_add_token_state(self, name: str, delta: torch.Tensor) -> None:
-        """Add `delta` [H, width] to the token state `name` of the slots holding tokens, in place (the layer owns
-        its buffers while static; others are added nothing)."""
-        st, buf = self.static, self.buffers[name]
-        delta = delta.masked_fill(~st.valid(), 0).to(buf.dtype)
-        if st.uniform:
-            buf.view(self.num_heads, st.width).add_(delta)
-        else:
-            buf.index_add_(0, st.padded_rows(buf.shape[0]).flatten(), delta.flatten())
-
-    def static_remember_query(self, query: torch.Tensor) -> None:
-        """The step's queries `[H_q, 1, D]` become the newest entry of the static query window (oldest drops)."""
-        self.queries.copy_(torch.cat([self.queries[:, 1:], query], dim=1))
-        position = self.cache.static_position.to(self.query_positions.dtype)
-        self.query_positions.copy_(torch.cat([self.query_positions[1:], position]))
-
-    def static_host_numbers(self) -> list[torch.Tensor]:
-        """What `make_dynamic` reads back, as 1-d int64 tensors: fill, next_slot, [peak, evictions]."""
-        st = self.static
-        return [st.fill, st.next_slot, torch.stack([st.peak, st.evictions])]
-
-    def make_dynamic(self, fill: list[int], next_slot: list[int], peak: int, evictions: int) -> None:
-        """Leave the static layout after its decode loop (the device numbers read back once, by the cache). A
-        layer that evicted while decoding is compacted into position order, as the eager layout keeps it."""
-        st, self.static = self.static, None
-        self.peak_len, self.evictions = max(self.peak_len, peak), self.evictions + evictions
-        held = [f - (s != f) for f, s in zip(fill, next_slot)]  # an eviction's emptied slot is not refilled yet
-        if evictions:
-            positions = self.buffers["positions"]
-            rows = (st.starts[:, None] + st.slots()[None, :]).clamp(max=positions.shape[0] - 1)
-            pos = positions[rows].long()
-            taken = (st.slots()[None, :] < st.fill[:, None]) & (pos >= 0)
-            order = torch.where(taken, pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)
-            kept = torch.cat([rows[h, order[h, :n]] for h, n in enumerate(held)])
-            self._install({name: t.index_select(0, kept) for name, t in self.buffers.items()}, held)
-            self.derived = {name: k for name, state in self.derived.items()
-                            if (k := getattr(state, "kept", lambda layer: None)(self)) is not None}
-        else:
-            self.lens, self.claimed = list(held), list(held)
-        self.derived = {name: state.make_dynamic(self) for name, state in self.derived.items()}
-        if self.query_positions is not None and bool((self.query_positions < 0).any()):
-            kept_queries = self.query_positions >= 0
-            self.queries = self.queries[:, kept_queries].clone() if bool(kept_queries.any()) else None
-            self.query_positions = self.query_positions[kept_queries].clone() if self.queries is not None else None
 
     def truncate(self, logical_length: int) -> None:
         """Drop every stored token (and query) whose logical position is >= `logical_length` (rollback)."""

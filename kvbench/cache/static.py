@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.core.contract import HeadView
+
 CAPACITY_BUCKET = 256  # rows: capacities are rounded up to this, so samples of similar length share a graph
 
 
@@ -77,3 +79,149 @@ class StaticCounters:
     def add(self, delta: torch.Tensor) -> None:
         self.kv_bytes.add_(delta)
         self.kv_peak_bytes.copy_(torch.maximum(self.kv_peak_bytes, self.kv_bytes))
+
+
+class StaticLayout:
+    """`KVLayer`'s side of the static layout: entering it for a decode loop, a step's append, view and in-place
+    eviction on it, and leaving it (the device numbers read back once by the cache). Mixed into `KVLayer`, whose
+    storage (`buffers`, `starts`, `lens`, `_install`, ...) it works on."""
+
+    def make_static(self, tokens: int, query_window: int, query_heads: int, ragged: bool = False) -> None:
+        """Enter the static layout for a decode loop of up to `tokens` appends: one copy into buffers of a fixed,
+        bucketed capacity that this layer holds alone, lengths on the device, the last `query_window` queries in
+        a buffer of that size (empty entries at position -1), derived state at the same capacity. `ragged`: the
+        flat layout even if every head holds as many tokens (a method whose layers may be ragged)."""
+        heads, device = len(self.lens), self.buffers["keys"].device
+        uniform = not (ragged or self.is_ragged)
+        if uniform:
+            width = bucketed(self.lens[0] + tokens)
+            slack: list[int] = [width - self.lens[0]] * heads
+        else:  # fixed total rows, each head its own room: nothing padded to the longest head
+            slack = [tokens] * heads
+            slack[-1] += bucketed(sum(self.lens) + heads * tokens) - (sum(self.lens) + heads * tokens)
+            width = bucketed(max(self.lens) + tokens)
+        self._install(self._compact(), list(self.lens), slack=slack)
+        starts = torch.tensor(self.starts, dtype=torch.int64, device=device)
+        fill = torch.tensor(self.lens, dtype=torch.int64, device=device)
+        row_head = row_slot = None
+        if not uniform:
+            caps = torch.tensor(self.caps, dtype=torch.int64, device=device)
+            row_head = torch.repeat_interleave(torch.arange(heads, device=device), caps)
+            row_slot = torch.arange(row_head.shape[0], device=device) - starts[row_head]
+        self.static = StaticRows(
+            starts=starts, fill=fill, next_slot=fill.clone(),
+            peak=torch.tensor(self.peak_len, dtype=torch.int64, device=device),
+            evictions=torch.zeros((), dtype=torch.int64, device=device), width=width, uniform=uniform,
+            row_bytes=2 * self.head_dim * self.buffers["keys"].element_size(), row_head=row_head, row_slot=row_slot)
+        for name, state in list(self.derived.items()):
+            if not hasattr(state, "make_static"):
+                raise NotImplementedError(f"{type(state).__name__} (derived state {name!r}) has no static layout")
+            self.derived[name] = state.make_static(self)
+        if query_window:
+            self._static_queries(query_window, query_heads, device)
+
+    def _static_queries(self, window: int, heads: int, device: torch.device) -> None:
+        """The last `window` queries in a buffer of exactly `window` entries, oldest first (empty: position -1)."""
+        kept = 0 if self.queries is None else min(window, self.queries.shape[1])
+        queries = torch.zeros(heads, window, self.head_dim, dtype=self.dtype, device=device)
+        positions = torch.full((window,), -1, dtype=torch.int32, device=device)
+        if kept:
+            queries[:, window - kept:] = self.queries[:, -kept:]
+            positions[window - kept:] = self.query_positions[-kept:]
+        self.queries, self.query_positions = queries, positions
+
+    def _static_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """A decode step's token written at each head's `next_slot` (an emptied slot, or the next free one)."""
+        st, heads = self.static, self.num_heads
+        if key_states.shape[2] != 1:
+            raise RuntimeError("a static layer takes one token per step")
+        rows = st.starts + st.next_slot
+        position = self.cache.static_position
+        for name, buf in self.buffers.items():
+            if name == "keys":
+                new = key_states[0, :, 0]
+            elif name == "values":
+                new = value_states[0, :, 0]
+            elif name == "positions":
+                new = position.to(buf.dtype).expand(heads)
+            else:  # method token state starts at zero
+                new = buf.new_zeros(heads, *buf.shape[1:])
+            buf.index_copy_(0, rows, new)
+        for state in self.derived.values():
+            state.append_static(self, key_states[0, :, 0], value_states[0, :, 0])
+        st.fill.add_((st.next_slot == st.fill).to(st.fill.dtype))
+        st.next_slot.copy_(st.fill)
+        st.peak.copy_(torch.maximum(st.peak, st.fill.max()))
+        self.cache.static_counters.add(torch.tensor(heads * st.row_bytes, device=st.fill.device))
+        self.fresh = True
+        return key_states, value_states
+
+    def _static_view(self) -> HeadView:
+        st = self.static
+        valid = st.valid()
+        if st.uniform:
+            heads, width = self.num_heads, st.width
+            keys, values = (self.buffers[n].view(heads, width, -1) for n in ("keys", "values"))
+            positions = self.buffers["positions"].view(heads, width)
+        else:
+            rows = st.padded_rows(self.buffers["keys"].shape[0])
+            keys, values = self.buffers["keys"][rows], self.buffers["values"][rows]
+            positions = torch.where(valid, self.buffers["positions"][rows], -1)
+        return HeadView(keys, values, positions, valid, lengths=st.fill)
+
+    def static_evict(self, slot: torch.Tensor, evict: torch.Tensor) -> None:
+        """Empty slot `slot[h]` of every head with `evict[h]` (one token per head at most): its position becomes
+        -1 and the next token is written there, so nothing else moves."""
+        st = self.static
+        rows = st.starts + slot
+        positions = self.buffers["positions"]
+        positions.index_copy_(0, rows, torch.where(evict, -1, positions.index_select(0, rows)).to(positions.dtype))
+        st.next_slot.copy_(torch.where(evict, slot, st.fill))
+        removed = evict.sum()
+        st.evictions.add_((removed > 0).to(st.evictions.dtype))
+        self.cache.static_counters.add(-removed * st.row_bytes)
+
+    def static_add_token_state(self, name: str, delta: torch.Tensor) -> None:
+        """Add `delta` [H, width] to the token state `name` of the slots holding tokens, in place (the layer owns
+        its buffers while static; others are added nothing)."""
+        st, buf = self.static, self.buffers[name]
+        delta = delta.masked_fill(~st.valid(), 0).to(buf.dtype)
+        if st.uniform:
+            buf.view(self.num_heads, st.width).add_(delta)
+        else:
+            buf.index_add_(0, st.padded_rows(buf.shape[0]).flatten(), delta.flatten())
+
+    def static_remember_query(self, query: torch.Tensor) -> None:
+        """The step's queries `[H_q, 1, D]` become the newest entry of the static query window (oldest drops)."""
+        self.queries.copy_(torch.cat([self.queries[:, 1:], query], dim=1))
+        position = self.cache.static_position.to(self.query_positions.dtype)
+        self.query_positions.copy_(torch.cat([self.query_positions[1:], position]))
+
+    def static_host_numbers(self) -> list[torch.Tensor]:
+        """What `make_dynamic` reads back, as 1-d int64 tensors: fill, next_slot, [peak, evictions]."""
+        st = self.static
+        return [st.fill, st.next_slot, torch.stack([st.peak, st.evictions])]
+
+    def make_dynamic(self, fill: list[int], next_slot: list[int], peak: int, evictions: int) -> None:
+        """Leave the static layout after its decode loop (the device numbers read back once, by the cache). A
+        layer that evicted while decoding is compacted into position order, as the eager layout keeps it."""
+        st, self.static = self.static, None
+        self.peak_len, self.evictions = max(self.peak_len, peak), self.evictions + evictions
+        held = [f - (s != f) for f, s in zip(fill, next_slot)]  # an eviction's emptied slot is not refilled yet
+        if evictions:
+            positions = self.buffers["positions"]
+            rows = (st.starts[:, None] + st.slots()[None, :]).clamp(max=positions.shape[0] - 1)
+            pos = positions[rows].long()
+            taken = (st.slots()[None, :] < st.fill[:, None]) & (pos >= 0)
+            order = torch.where(taken, pos, torch.iinfo(torch.int64).max).argsort(dim=-1, stable=True)
+            kept = torch.cat([rows[h, order[h, :n]] for h, n in enumerate(held)])
+            self._install({name: t.index_select(0, kept) for name, t in self.buffers.items()}, held)
+            self.derived = {name: k for name, state in self.derived.items()
+                            if (k := getattr(state, "kept", lambda layer: None)(self)) is not None}
+        else:
+            self.lens, self.claimed = list(held), list(held)
+        self.derived = {name: state.make_dynamic(self) for name, state in self.derived.items()}
+        if self.query_positions is not None and bool((self.query_positions < 0).any()):
+            kept_queries = self.query_positions >= 0
+            self.queries = self.queries[:, kept_queries].clone() if bool(kept_queries.any()) else None
+            self.query_positions = self.query_positions[kept_queries].clone() if self.queries is not None else None

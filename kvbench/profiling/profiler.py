@@ -49,12 +49,19 @@ def _reset_rss_peak() -> bool:
         return False
 
 
+def _is_tensor(obj: object) -> bool:
+    try:
+        return isinstance(obj, torch.Tensor)
+    except ReferenceError:  # a weak-reference proxy whose referent is gone (isinstance reads its __class__)
+        return False
+
+
 def live_tensor_bytes() -> int:
     """Bytes of the distinct storages of every tensor the garbage collector can reach."""
     storages: dict[tuple[str, int], int] = {}
     with warnings.catch_warnings():  # isinstance on some module objects trips their deprecation warnings
         warnings.simplefilter("ignore")
-        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+        objects = [obj for obj in gc.get_objects() if _is_tensor(obj)]
     for obj in objects:
         try:
             if obj.device.type != "meta":

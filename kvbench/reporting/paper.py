@@ -31,7 +31,6 @@ from kvbench.reporting.paper_tables import (
     _point_key,
     _row_fields,
     main_table,
-    math_table,
     missing_points,
     point_scores,
     resolve,
@@ -250,3 +249,16 @@ def _html(src: Source, shown: pd.DataFrame, figures: Mapping[str, Path], facts: 
                      f"<p><a href='{path.stem}.pdf'>PDF</a></p>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+def math_table(points: pd.DataFrame, rows: list[str]) -> pd.DataFrame:
+    """KeyDiff Table 3: flexible match (the score, with its sample count and 95% interval), exact match and mean
+    generation length per point."""
+    fields = [f for f in dict.fromkeys(["task.max_new_tokens", *rows, "budget"]) if f in points.columns]
+    out = points[fields].copy()
+    out["n"] = points["n"]
+    out["flex_match"] = points["score"] / 100.0
+    out["flex_match_ci_low"], out["flex_match_ci_high"] = points["ci_low"] / 100.0, points["ci_high"] / 100.0
+    out["exact_match"] = pd.to_numeric(points.get("extra.math_exact"), errors="coerce")
+    out["avg_gen_length"] = pd.to_numeric(points.get("new_tokens"), errors="coerce")
+    return out.reset_index(drop=True)

@@ -438,16 +438,3 @@ def storage_traffic_table(points: pd.DataFrame) -> pd.DataFrame:
         / pd.to_numeric(points.get("kv_bytes_full_prompt"), errors="coerce"),
     })
     return out.sort_values(["method", "budget"], key=lambda s: s.map(norm).map(_sort_key)).reset_index(drop=True)
-
-
-def math_table(points: pd.DataFrame, rows: list[str]) -> pd.DataFrame:
-    """KeyDiff Table 3: flexible match (the score, with its sample count and 95% interval), exact match and mean
-    generation length per point."""
-    fields = [f for f in dict.fromkeys(["task.max_new_tokens", *rows, "budget"]) if f in points.columns]
-    out = points[fields].copy()
-    out["n"] = points["n"]
-    out["flex_match"] = points["score"] / 100.0
-    out["flex_match_ci_low"], out["flex_match_ci_high"] = points["ci_low"] / 100.0, points["ci_high"] / 100.0
-    out["exact_match"] = pd.to_numeric(points.get("extra.math_exact"), errors="coerce")
-    out["avg_gen_length"] = pd.to_numeric(points.get("new_tokens"), errors="coerce")
-    return out.reset_index(drop=True)
