@@ -7,9 +7,10 @@ import json
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
-from conftest import random_ids
+from conftest import CONF, random_ids
 from kvbench.tasks.base import Sample, Turn
 from kvbench.tasks.haystack import essay_text
 
@@ -32,6 +33,7 @@ from kvbench.methods.duoattention import (
     RELEASE_FILE,
     rank_heads,
     read_pattern,
+    release_gates,
     rocketkv_split,
     shipped_patterns,
     write_pattern,
@@ -148,16 +150,73 @@ def test_retrieval_heads_are_the_highest_gates_dense_layers_first():
     assert rank_heads(gates, 0).sum() == 0 and rank_heads(gates, 99).all()
 
 
-def test_sparsity_rule_follows_duoattentions_quantile_threshold(tmp_path):
-    """DuoAttention's sparsify_attention_heads: threshold = numpy quantile, heads >= it retrieve."""
-    gates = torch.rand(30, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+def sparsify_attention_heads(gates: torch.Tensor, sparsity: float, seed: int) -> list:
+    """The release's head choice, step by step: `load_attn_pattern` clips, pred.py's `seed_everything(seed)` seeds
+    numpy's global generator, `sparsify_attention_heads` adds uniform noise in [0, 1e-6), thresholds at the numpy
+    quantile and keeps the heads at or above it."""
+    heads = np.clip(gates.numpy(), 0, 1)
+    np.random.seed(seed)
+    heads = heads + np.random.uniform(0, 1e-6, heads.shape)
+    threshold = 2 if sparsity >= 1 else -1 if sparsity <= 0 else np.quantile(heads, sparsity)
+    return (heads >= threshold).tolist()
+
+
+def test_sparsity_rule_chooses_the_releases_heads(tmp_path):
+    """DuoAttention's sparsify_attention_heads on the clipped, noised gates: threshold = numpy quantile, heads >= it
+    retrieve. Gates rounded to a few values (many ties) and some outside [0, 1], as the released patterns."""
+    gates = (torch.rand(30, 3, generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 6).round() / 5 - 0.1
     path = pattern_file(tmp_path, gates.tolist())
-    for sparsity in (0.0, 0.25, 0.5, 0.75, 0.9, 1.0):
-        method = build_method("duoattention", pattern=path, budget_rule="sparsity", sparsity=sparsity)
-        d = method.plan(100, sequence_length=5000, new_tokens=0, head_dim=64, num_layers=30).derived
-        threshold = 2.0 if sparsity >= 1 else torch.quantile(gates.flatten(), sparsity).item()
-        assert method.retrieval_mask(d["retrieval_heads"]).tolist() == (gates >= threshold).tolist()
-        assert (d["sink"], d["recent"]) == (64, 256)
+    for seed in (42, 7):
+        for sparsity in (0.0, 0.25, 0.5, 0.75, 0.9, 1.0):
+            method = build_method("duoattention", pattern=path, budget_rule="sparsity", sparsity=sparsity, seed=seed)
+            d = method.plan(100, sequence_length=5000, new_tokens=0, head_dim=64, num_layers=30).derived
+            assert method.retrieval_mask(d["retrieval_heads"]).tolist() == sparsify_attention_heads(gates, sparsity, seed)
+            assert (d["sink"], d["recent"]) == (64, 256) and d["tie_break_seed"] == seed
+
+
+def test_release_gates_are_the_clipped_gates_plus_the_releases_seeded_noise():
+    gates = torch.tensor([[1.3, 1.0, 0.5], [-0.2, 0.0, 0.999999]], dtype=torch.float64)
+    noisy = release_gates(gates, 42)
+    np.random.seed(42)  # what pred.py's seed_everything(42) leaves for sparsify_attention_heads' first draw
+    expected = np.clip(gates.numpy(), 0, 1) + np.random.uniform(0, 1e-6, (2, 3))
+    assert noisy.tolist() == expected.tolist()  # bitwise the release's values
+    assert ((noisy - gates.clamp(0, 1)) < 1e-6).all() and (noisy >= gates.clamp(0, 1)).all()
+    assert not torch.equal(release_gates(gates, 43), noisy)
+
+
+def test_released_mistral_ties_spread_over_the_layers_one_choice_per_seed():
+    """Mistral-7B-Instruct-v0.2's released gates: 110 of 256 heads tie at 1.0. RocketKV's rule picks 29 of them at
+    t = 1773 on 10,640 tokens; the release's seeded noise spreads them over more than half of the 32 layers (by
+    stable order they would all be in layers 0-9), the same heads for the same seed, other tied heads for another."""
+    gates = read_pattern(PATTERN_DIR / "mistral_7b_instruct_v0.2.tsv")
+    tied = gates.clamp(0, 1) == 1.0
+    assert int(tied.sum()) == 110 and gates.shape == (32, 8)
+    method = build_method("duoattention", pattern="mistral_7b_instruct_v0.2")  # seed 42, the release's
+    plan = method.plan(1773, sequence_length=10_640, new_tokens=0, head_dim=128, num_layers=32).derived
+    assert plan["retrieval_heads"] == 29 and plan["tie_break_seed"] == 42
+    chosen = rank_heads(gates, 29, seed=42)
+    assert plan["retrieval_head_ids"] == torch.nonzero(chosen.flatten()).flatten().tolist()
+    assert torch.equal(method.retrieval_mask(29), chosen)
+    assert (chosen <= tied).all()  # only tied heads: the noise never outranks a real gate difference
+    assert len(set(torch.nonzero(chosen)[:, 0].tolist())) > 16
+    assert set(torch.nonzero(rank_heads(gates, 29))[:, 0].tolist()) <= set(range(10))  # the tie order it replaces
+    assert torch.equal(rank_heads(gates, 29, seed=42), chosen)
+    other = rank_heads(gates, 29, seed=43)
+    assert (other <= tied).all() and not torch.equal(other, chosen)
+    assert build_method("duoattention", pattern="mistral_7b_instruct_v0.2", seed=43).plan(
+        1773, sequence_length=10_640, new_tokens=0, head_dim=128, num_layers=32).derived["retrieval_head_ids"] == \
+        torch.nonzero(other.flatten()).flatten().tolist()
+
+
+def test_the_tie_break_seed_is_the_runs_seed():
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        for seed in (42, 7):
+            cfg = compose("config", overrides=["method=duoattention", f"seed={seed}"])
+            assert cfg.method.seed == seed
+    with pytest.raises(KVBenchError, match="seed"):
+        build_method("duoattention", seed=-1)
 
 
 def test_pattern_round_trip_release_folders_and_errors(tmp_path):

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import matplotlib.figure
 import matplotlib.image
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -30,8 +31,11 @@ def _drawn_fraction(png: Path) -> tuple[tuple[int, ...], float]:
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))
-def test_cpu_preset_runs_and_its_figure_comes_from_the_records(tmp_path, preset):
+def test_cpu_preset_runs_and_its_figure_comes_from_the_records(tmp_path, preset, monkeypatch):
     layout, grid, rows = PRESETS[preset]
+    titles = []
+    suptitle = matplotlib.figure.Figure.suptitle
+    monkeypatch.setattr(matplotlib.figure.Figure, "suptitle", lambda fig, t, **kw: titles.append(t) or suptitle(fig, t, **kw))
     result = subprocess.run([sys.executable, "-m", "kvbench", "-m", f"experiment={preset}", *TINY, *grid,
                              f"results_dir={tmp_path}", "show_progress=false"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=600)
@@ -41,6 +45,8 @@ def test_cpu_preset_runs_and_its_figure_comes_from_the_records(tmp_path, preset)
     assert table["decode_ms"].notna().all() and table["ttft_s"].notna().all()
     paths = render(tmp_path, layout, tmp_path / "fig")
     assert [p.suffix for p in paths] == [".png", ".pdf", ".csv", ".md"]
+    # the title names the preset and its settings, never the results directory (a machine's path)
+    assert titles == [f"{preset}: tiny_llama; float32; memory: weights + K/V peak + method state"]
     shape, drawn = _drawn_fraction(paths[0])
     assert shape[0] >= 400 and shape[1] >= 1000 and 0.02 < drawn < 0.9
     assert paths[1].stat().st_size > 5000 and paths[1].read_bytes().startswith(b"%PDF")

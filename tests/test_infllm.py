@@ -1,10 +1,11 @@
-"""InfLLM: block memory in host memory, representative keys, LRU device cache of blocks (tiny random models)."""
+"""InfLLM: block memory in host memory, representative keys, LRU device cache of blocks, the chunked prefill
+through that memory (tiny random models)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import random_ids
+from conftest import CONF, random_ids
 from test_retrieval_methods import kv_turns
 
 from kvbench.engine.config import EngineConfig
@@ -15,7 +16,8 @@ from kvbench.methods.common.blocks import rope, unrope
 from kvbench.methods.infllm import BlockCache
 
 PROMPT = 400
-SMALL = {"n_init": 8, "n_local": 40, "memory_block_size": 32, "topk": 3}  # 11 blocks after the prompt
+# 11 blocks after the prompt; prefill chunks of 32 (<= n_local, as the repo requires of exc_block_size)
+SMALL = {"n_init": 8, "n_local": 40, "memory_block_size": 32, "topk": 3, "prefill_chunk": 32}
 
 
 def decode(session: Session, logits: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -42,13 +44,19 @@ def every_position_once(session: Session) -> None:
 
 
 @pytest.mark.parametrize("memory_positions", ["infllm", "exact"])
-def test_budget_at_or_above_the_sequence_is_bitwise_full(tiny, memory_positions):
+def test_budget_at_or_above_the_sequence_is_full_attention(tiny, memory_positions):
+    """Bitwise `full` with the dense prefill; the chunked one is the same attention in chunks (rounded so)."""
     ids = random_ids(PROMPT, seed=80)
-    session = Session(tiny, build_method("infllm", **SMALL, memory_positions=memory_positions), PROMPT + 6,
-                      sequence_length=PROMPT + 6)
-    assert session.plan.derived == {"full_attention": True}
-    outs = decode(session, session.prefill(ids, compress=True)[0], 6)
-    assert all(torch.equal(a, b) for a, b in zip(outs, dense_run(tiny, ids, 6)[1]))
+    dense = dense_run(tiny, ids, 6)[1]
+    for prefill in ("dense", "chunked"):
+        session = Session(tiny, build_method("infllm", **SMALL, memory_positions=memory_positions, prefill=prefill),
+                          PROMPT + 6, sequence_length=PROMPT + 6)
+        assert session.plan.derived == {"full_attention": True}
+        outs = decode(session, session.prefill(ids, compress=True)[0], 6)
+        if prefill == "dense":
+            assert all(torch.equal(a, b) for a, b in zip(outs, dense))
+        for a, b in zip(outs, dense):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_no_token_is_dropped_after_prefill_decode_and_a_rollback(tiny_llama):
@@ -95,7 +103,7 @@ def test_infllm_positions_put_every_token_beyond_the_window_at_its_far_edge(tiny
     """The repo's positions: init, remainder and retrieved blocks attend as if at distance n_local - 1."""
     ids = random_ids(PROMPT, seed=83)
     dense, _ = dense_run(tiny_llama, ids, 4)
-    method = build_method("infllm", **{**SMALL, "topk": 11})
+    method = build_method("infllm", **{**SMALL, "topk": 11}, prefill="dense")  # the dense run's keys: dense prefill
     seen = spy(method, "select")
     session = Session(tiny_llama, method, 200, sequence_length=PROMPT + 10)
     decode(session, session.prefill(ids, compress=True)[0], 4)
@@ -116,7 +124,9 @@ def test_infllm_positions_put_every_token_beyond_the_window_at_its_far_edge(tiny
 
 
 def test_representatives_are_the_mean_key_of_the_tokens_with_the_highest_local_score(tiny_llama):
-    method = build_method("infllm", **SMALL)
+    """`prefill=dense`: a token's local score is its dense attention probability from the queries whose window
+    holds it (the chunked prefill's scores: test_chunked_prefill_attends_init_retrieved_blocks_and_window_only)."""
+    method = build_method("infllm", **SMALL, prefill="dense")
     queries = []
     observe = method.observe
 
@@ -144,14 +154,21 @@ def test_representatives_are_the_mean_key_of_the_tokens_with_the_highest_local_s
             torch.testing.assert_close(reprs[b], expected, atol=1e-4, rtol=1e-4)
 
 
-def test_blocks_are_chosen_by_the_query_against_representatives_summed_over_every_head(tiny_llama):
-    method = build_method("infllm", **SMALL, memory_positions="exact")
-    seen = spy(method, "select")
-    tops = []
+def spied_decode(lm, method, seed: int, steps: int):
+    """Prefill, then `steps` decode steps with `select` and `_top_blocks` spied (the prefill's chunks choose blocks
+    too: only the decode steps' choices are collected)."""
+    session = Session(lm, method, 200, sequence_length=PROMPT + 10)
+    logits = session.prefill(random_ids(PROMPT, seed=seed), compress=True)[0]
+    seen, tops = spy(method, "select"), []
     top_blocks = method._top_blocks
     method._top_blocks = lambda *args: tops.append(top_blocks(*args)) or tops[-1]
-    session = Session(tiny_llama, method, 200, sequence_length=PROMPT + 10)
-    decode(session, session.prefill(random_ids(PROMPT, seed=85), compress=True)[0], 3)
+    decode(session, logits, steps)
+    return session, seen, tops
+
+
+def test_blocks_are_chosen_by_the_query_against_representatives_summed_over_every_head(tiny_llama):
+    method = build_method("infllm", **SMALL, memory_positions="exact")
+    session, seen, tops = spied_decode(tiny_llama, method, 85, 3)
     assert len(tops) == len(seen) == 3 * 2
     for (layer_idx, q, _, sel), (chosen, scored) in zip(seen, tops):
         reprs = session.cache.layers[layer_idx].derived["infllm_reprs"].reprs
@@ -163,13 +180,7 @@ def test_blocks_are_chosen_by_the_query_against_representatives_summed_over_ever
 def test_infllm_positions_score_blocks_with_the_query_at_the_windows_far_edge(tiny_llama):
     """The repo rotates the query to n_local - 1 against unrotated representatives: the same scores as the
     decode query against representatives rotated to p - n_local + 1, where the memory's keys attend."""
-    method = build_method("infllm", **SMALL)
-    seen = spy(method, "select")
-    tops = []
-    top_blocks = method._top_blocks
-    method._top_blocks = lambda *args: tops.append(top_blocks(*args)) or tops[-1]
-    session = Session(tiny_llama, method, 200, sequence_length=PROMPT + 10)
-    decode(session, session.prefill(random_ids(PROMPT, seed=88), compress=True)[0], 3)
+    session, seen, tops = spied_decode(tiny_llama, build_method("infllm", **SMALL), 88, 3)
     assert len(tops) == len(seen) == 3 * 2
     for (layer_idx, q, positions, _), (chosen, _) in zip(seen, tops):
         reprs = session.cache.layers[layer_idx].derived["infllm_reprs"].reprs  # [B, H, G, D], pre-RoPE
@@ -229,3 +240,184 @@ def test_infllm_positions_refuse_a_model_without_rope(tiny_llama):
     session.rotary = None
     with pytest.raises(ValueError, match="rotary"):
         session.prefill(random_ids(PROMPT, seed=87), compress=True)
+
+
+def prefill_calls(method, layer_idx: int = 0) -> list[dict]:
+    """Spy `chunk_attention` on one layer: each call's query, the positions stored, the memory's blocks and the
+    blocks the chunk retrieved, and the output (None: the dispatcher's dense attention)."""
+    calls, original, top_blocks = [], method.chunk_attention, method._top_blocks
+
+    def chosen(*args):
+        calls[-1]["chosen"] = top_blocks(*args)[0]
+        return top_blocks(*args)
+
+    def wrapper(layer, query, step, scaling):
+        if layer.layer_idx != layer_idx:
+            return original(layer, query, step, scaling)
+        memory = layer.derived.get("infllm_memory")
+        calls.append({"q": query.clone(), "seen": layer.seen, "stored": layer.head_view().positions[0].clone(),
+                      "blocks": [] if memory is None else list(zip(memory.starts.tolist(), memory.lengths.tolist())),
+                      "chosen": []})
+        method._top_blocks = chosen
+        calls[-1]["out"] = original(layer, query, step, scaling)
+        method._top_blocks = top_blocks
+        return calls[-1]["out"]
+
+    method.chunk_attention = wrapper
+    return calls
+
+
+@pytest.mark.parametrize("memory_positions", ["infllm", "exact"])
+def test_chunked_prefill_attends_init_retrieved_blocks_and_window_only(tiny_llama, memory_positions):
+    """Every prefill chunk past the local window attends, row by row, to the rows it may see of what is stored
+    (initial tokens, the remainder, its window, the chunk itself) and to the blocks the chunk retrieved, nothing
+    else: its output is the attention over exactly that set (layer 0, whose keys and values a dense run gives),
+    with the window at its own positions and the rest at the window's far edge (`infllm`) or its own (`exact`)."""
+    ids = random_ids(PROMPT, seed=89)
+    dense, _ = dense_run(tiny_llama, ids, 0)
+    full = dense.cache.layers[0].head_view()
+    method = build_method("infllm", **SMALL, memory_positions=memory_positions)
+    calls = prefill_calls(method)
+    session = Session(tiny_llama, method, 200, sequence_length=PROMPT + 10)
+    session.prefill(ids, compress=True)
+    rotary, local, scaling = session.rotary, SMALL["n_local"], session.cache.layers[0].scaling
+    assert len(calls) == PROMPT // SMALL["prefill_chunk"] + 1  # 12 chunks of 32 and one of 16
+    assert calls[0]["out"] is None  # the first chunk is within every row's window: dense causal attention
+    excluded = 0
+    for call in calls[1:]:
+        n = call["q"].shape[1]
+        q = call["q"].view(2, 2, n, 16)
+        held = set(call["stored"].tolist())
+        retrieved = {s + i for b in call["chosen"] for s, length in [call["blocks"][b]] for i in range(length)}
+        assert not held & retrieved
+        outs = []
+        for row in range(n):
+            p = call["seen"] - n + row
+            seen_rows = sorted(k for k in held | retrieved if k <= p)
+            # the window, the initial tokens, the remainder and the retrieved blocks: never the blocks left out
+            assert len(seen_rows) <= SMALL["n_init"] + local + SMALL["memory_block_size"] * (SMALL["topk"] + 1) + n
+            keys = full.keys[:, seen_rows]
+            far = torch.tensor([p - k >= local for k in seen_rows])
+            if memory_positions == "infllm":
+                moved = rope(unrope(keys, full.positions[:, seen_rows], rotary),
+                             torch.full((2, len(seen_rows)), p - local + 1), rotary)
+                keys = torch.where(far[None, :, None], moved, keys)
+            probs = torch.softmax(torch.einsum("hgd,hkd->hgk", q[:, :, row], keys) * scaling, dim=-1)
+            outs.append(torch.einsum("hgk,hkd->hgd", probs, full.values[:, seen_rows]))
+            excluded += p + 1 - len(seen_rows)
+        expected = torch.stack(outs, dim=2).reshape(4, n, 16)
+        torch.testing.assert_close(call["out"], expected, atol=1e-4, rtol=1e-4)
+    assert excluded > 0 and any(len(c["blocks"]) > SMALL["topk"] for c in calls)  # retrieval left rows out
+
+
+def test_chunked_prefill_holds_init_remainder_window_and_one_chunk_at_most(tiny_llama):
+    method = build_method("infllm", **SMALL)
+    session = Session(tiny_llama, method, 200, sequence_length=PROMPT + 10)
+    session.prefill(random_ids(PROMPT, seed=90), compress=True)
+    bound = SMALL["n_init"] + SMALL["memory_block_size"] - 1 + SMALL["n_local"] + SMALL["prefill_chunk"]
+    assert session.cache.peak_entries_per_head() <= bound < PROMPT
+    dense = Session(tiny_llama, build_method("infllm", **SMALL, prefill="dense"), 200, sequence_length=PROMPT + 10)
+    dense.prefill(random_ids(PROMPT, seed=90), compress=True)
+    assert dense.cache.peak_entries_per_head() == PROMPT  # kvbench's dense prefill holds the whole prompt first
+
+
+def test_the_last_prompt_token_runs_as_a_decode_step_with_chunked_prefill(tiny_llama):
+    """The repo's GreedySearch: the prompt but its last token in chunks, that token alone (a decode step, which
+    retrieves blocks with its own query); `prefill=dense` keeps kvbench's one dense pass."""
+    assert build_method("infllm").schedule().block_size == 512
+    assert build_method("infllm", prefill="dense").schedule().block_size is None
+    for prefill, first_step in (("chunked", -1), ("dense", 0)):
+        method = build_method("infllm", **SMALL, prefill=prefill)
+        assert method.last_prompt_token_via_decode == (prefill == "chunked")
+        seen = spy(method, "select")
+        record = run_sample(tiny_llama, method, 200, kv_turns(1), EngineConfig(nll=False, topk_recall=False))
+        steps = sorted({int(s[2].max()) for s in seen})
+        assert record["prompt_tokens"] + first_step in steps and steps[-1] < record["prompt_tokens"] + 6
+        if prefill == "dense":
+            assert steps[0] == record["prompt_tokens"]  # no decode-path step before the first generated token
+
+
+def test_recall_is_over_the_block_memory_what_retrieval_chose(tiny_llama):
+    """`topk_recall`: the full attention's mass on the retrieved blocks' rows over the mass of as many of the
+    memory's best rows (the resident rows count neither way); 1 when every block is retrieved."""
+    ids = random_ids(PROMPT, seed=91)
+    for memory_positions in ("infllm", "exact"):
+        every = Session(tiny_llama, build_method("infllm", **{**SMALL, "topk": 20}, memory_positions=memory_positions),
+                        200, sequence_length=PROMPT + 10)
+        every.measure_recall = True
+        decode(every, every.prefill(ids, compress=True)[0], 3)
+        assert every.cache.stats.recall_sum / every.cache.stats.recall_steps == pytest.approx(1.0)
+    method = build_method("infllm", **SMALL, memory_positions="exact")
+    calls, original = [], method._recall
+
+    def spy_recall(q, view, memory, chosen, step, scaling):
+        calls.append((q, view.keys.clone(), memory, list(chosen), scaling, original(q, view, memory, chosen, step,
+                                                                                     scaling)))
+        return calls[-1][-1]
+
+    method._recall = spy_recall
+    session = Session(tiny_llama, method, 200, sequence_length=PROMPT + 10)
+    session.measure_recall = True
+    decode(session, session.prefill(ids, compress=True)[0], 2)
+    assert len(calls) == 2 * 2
+    for q, resident, memory, chosen, scaling, recall in calls:
+        bs = memory.keys.shape[2]
+        keys = torch.cat([resident, memory.keys.transpose(0, 1).flatten(1, 2)], dim=1)  # exact: post-RoPE
+        probs = torch.softmax(torch.einsum("hgd,hnd->hgn", q, keys) * scaling, -1)[..., resident.shape[1]:]
+        rows = [b * bs + i for b in chosen for i in range(bs)]
+        expected = (probs[..., rows].sum(-1) / probs.topk(len(rows), dim=-1).values.sum(-1)).mean()
+        assert len(chosen) == 3 and recall == pytest.approx(float(expected), rel=1e-5) and recall < 1
+
+
+def test_the_record_says_whether_the_needles_block_was_retrieved(tiny_llama):
+    """A task that knows where its answer lies (RULER's answer offset, the NIAH needle) gives its prompt positions
+    to the session; InfLLM's records then say how much of it sat in the block memory and how much of that the
+    retrieved blocks held."""
+    from kvbench.engine.prompt import PromptBuilder
+
+    sample = kv_turns(1)
+    answer = sample.turns[0].answers[0]
+    sample.meta["answer_char_offset"] = sample.context.index(answer)
+    builder = PromptBuilder(tiny_llama.tokenizer)
+    start, end = builder.evidence_positions(sample)
+    ctx_ids, _ = builder.first_turn(sample)
+    assert tiny_llama.tokenizer.decode(ctx_ids[start:end]).strip() == answer
+    record = run_sample(tiny_llama, build_method("infllm", **{**SMALL, "topk": 1}), 64, sample, EngineConfig(nll=False))
+    stats = record["decode_method_stats"]
+    assert stats["needle_in_memory"] == 1.0  # the answer is far from the end: in a memory block
+    assert 0 <= stats["needle_retrieved"] <= stats["needle_in_memory"]
+    covering = build_method("infllm", **{**SMALL, "topk": 50})  # every block retrieved
+    assert run_sample(tiny_llama, covering, 64, sample, EngineConfig(nll=False))["decode_method_stats"][
+        "needle_retrieved"] == 1.0
+    assert "needle_in_memory" not in run_sample(tiny_llama, build_method("infllm", **SMALL), 64, kv_turns(1),
+                                                EngineConfig(nll=False))["decode_method_stats"]
+
+
+def test_a_fixed_configuration_is_not_split_by_the_budget():
+    omnikv = {"n_init": 128, "n_local": 1024, "topk": 16, "memory_block_size": 32, "max_cached_blocks": 16}
+    for budget in (300, 900, 5000):
+        d = build_method("infllm", **omnikv).plan(budget, sequence_length=20_000, new_tokens=0, head_dim=128).derived
+        assert {k: d[k] for k in ("n_init", "n_local", "topk", "block_size", "cached_blocks", "split")} == \
+            {"n_init": 128, "n_local": 1024, "topk": 16, "block_size": 32, "cached_blocks": 16, "split": "fixed"}
+    assert build_method("infllm").plan(300, sequence_length=20_000, new_tokens=0, head_dim=128).derived["split"] == \
+        "budget"
+
+
+@pytest.mark.parametrize("preset", ["omnikv_table1", "omnikv_table1_cpu"])
+def test_omnikv_presets_run_infllm_in_its_authors_configuration(preset):
+    """OmniKV's Table 1 InfLLM: antgroup/OmniKV baselines/infllm/config/llama3-8b-inf-30-longbench.yaml."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        swept = compose("config", overrides=[f"experiment={preset}"], return_hydra_config=True)
+        methods = str(swept.hydra.sweeper.params.method).split(",")
+        assert "infllm_omnikv" in methods and "infllm" not in methods
+        cfg = compose("config", overrides=[f"experiment={preset}", "method=infllm_omnikv"])
+    params = {k: v for k, v in OmegaConf.to_container(cfg.method, resolve=True).items() if k != "name"}
+    assert {k: params[k] for k in ("memory_block_size", "n_init", "n_local", "topk", "max_cached_blocks", "repr_topk",
+                                   "prefill", "prefill_chunk")} == \
+        {"memory_block_size": 32, "n_init": 128, "n_local": 1024, "topk": 16, "max_cached_blocks": 16, "repr_topk": 4,
+         "prefill": "chunked", "prefill_chunk": 512}
+    assert build_method(cfg.method.name, **params).plan(int(0.3 * 9418), sequence_length=9418 + 64, new_tokens=64,
+                                                         head_dim=128).derived["split"] == "fixed"

@@ -185,6 +185,26 @@ def test_a_sample_records_the_search_traffic_recall_and_host_bytes(tiny_llama):
     assert record["storage_ratio_table1"] > 0.9  # every token is kept somewhere
 
 
+def test_records_say_how_many_rows_a_kv_group_reads_per_step_and_which_settings_are_unverified(tiny_llama):
+    """`group_max` (conf retrieval_attention_group, ctkvr_table8's): k rows per KV group, CTKVR's count of rho'; `head`
+    (the paper's per-head attention): each query head its own k, so a group reads between k and G*k distinct rows.
+    Both records say which, and name the settings whose paper values are unverified."""
+    sample = Sample(id="kv-1", task="synthetic_kv", context="Remember.\n" + "\n".join(
+        f"key-{i:03d} = value-{i * 7919 % 1000:03d}" for i in range(40)), turns=[Turn(
+        "What is key-005?", ["value-595"], max_new_tokens=4, metric="string_match_all", answer_prefix="Answer:")])
+    group = run_sample(tiny_llama, build_method("retrieval_attention", **SMALL, granularity="group_max"), 32, sample,
+                       EngineConfig(nll=False))
+    head = run_sample(tiny_llama, build_method("retrieval_attention", **SMALL), 32, sample, EngineConfig(nll=False))
+    for record, per_group in ((group, 32), (head, None)):
+        plan = record["budget_plan"]
+        assert plan["k_per_query_head"] == 32 and plan["k_per_kv_group"] == per_group
+        assert plan["unverified"] == ["n_init", "n_local", "ef_search"]
+    assert group["budget_plan"]["granularity"] == "group_max" and head["budget_plan"]["granularity"] == "head"
+    assert group["decode_method_stats"]["retrieved_rows"] == 32  # exactly k per KV group and step
+    groups = tiny_llama.model.config.num_attention_heads // tiny_llama.model.config.num_key_value_heads
+    assert 32 < head["decode_method_stats"]["retrieved_rows"] <= groups * 32
+
+
 def _bench():
     path = Path(__file__).resolve().parents[1] / "scripts" / "bench_index_build.py"
     spec = importlib.util.spec_from_file_location("bench_index_build", path)

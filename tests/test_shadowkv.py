@@ -8,7 +8,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_ids
+from conftest import CONF, model_cfg, random_ids
 from test_retrieval_methods import kv_turns
 
 from kvbench.engine.config import EngineConfig
@@ -16,7 +16,7 @@ from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.methods.common.blocks import unrope
-from kvbench.methods.shadowkv import low_rank_factors
+from kvbench.methods.shadowkv import low_rank_factors, shadowkv_rank
 
 PROMPT = 400
 SMALL = {"outlier_chunks": 4}  # 400 tokens = 46 chunks of 8 + 4 local chunks + the remainder: 48 outliers is all
@@ -45,6 +45,39 @@ def spy_selections(method) -> list:
 
     method.select = spy
     return seen
+
+
+# KV heads x head dim of every shipped model config (their config.json; the random ones' from conf/model). A model
+# config added without its geometry here fails test_the_releases_rank_on_every_shipped_model.
+KEY_GEOMETRY = {"smollm2_135m": (3, 64), "tiny_llama": (2, 16), "tiny_qwen3": (2, 16), "llama3.1_8b_instruct": (8, 128),
+                "llama3.2_3b_instruct": (8, 128), "llama3_8b_262k": (8, 128), "mistral_7b_instruct_v0.2": (8, 128),
+                "longchat_7b_v1.5_32k": (32, 128), "yi_9b_200k": (4, 128), "deepseek_r1_distill_llama_8b": (8, 128)}
+
+
+def test_the_releases_rank_on_every_shipped_model():
+    """The release factors every model's keys at rank 160 (models/*.py: rank=160); kvbench too, where the key
+    width allows it, by default. `rank: scaled` (kvbench's former rule) halves it on Yi-9B-200K's 4 x 128 keys."""
+    from omegaconf import OmegaConf
+
+    assert {p.stem for p in (CONF / "model").glob("*.yaml")} == set(KEY_GEOMETRY)
+    for name in ("tiny_llama", "tiny_qwen3"):
+        config = model_cfg(name).config
+        assert KEY_GEOMETRY[name] == (config.num_key_value_heads, config.head_dim)
+    default = OmegaConf.load(CONF / "method" / "shadowkv.yaml").rank
+    assert default == 160 and build_method("shadowkv").rank == 160
+    for name, (heads, dim) in KEY_GEOMETRY.items():
+        assert shadowkv_rank(default, heads, dim) == min(160, heads * dim), name
+        if heads * dim >= 160:
+            assert shadowkv_rank(default, heads, dim) == 160, name
+    assert shadowkv_rank("scaled", 4, 128) == 80 and shadowkv_rank("scaled", 8, 128) == 160
+    assert shadowkv_rank("scaled", 3, 64) == 30 and shadowkv_rank(96, 3, 64) == 96
+
+
+def test_the_default_rank_is_capped_by_the_key_width_in_a_run(tiny_llama):
+    session = Session(tiny_llama, build_method("shadowkv", **SMALL), 64, sequence_length=PROMPT + 8)
+    session.prefill(random_ids(PROMPT, seed=75), compress=True)
+    assert {layer.derived["shadowkv"].u.shape[1] for layer in session.cache.layers} == {2 * 16}
+    assert session.plan.derived["rank"] == 160
 
 
 def test_low_rank_factors_leave_exactly_the_truncation_error_and_nothing_at_full_rank():
@@ -185,7 +218,9 @@ def test_memory_is_freed_and_the_values_are_host_bytes(tiny_llama):
     assert session.cache.kv_bytes() == full_bytes * resident // PROMPT
     host = [layer.derived["shadowkv_values"] for layer in session.cache.layers]
     assert all(h.values.shape == (2, 42, 8, 16) and h.on_host for h in host)
-    record = run_sample(session.lm, build_method("shadowkv", **SMALL), 64, kv_turns(1), EngineConfig(nll=False))
+    # rank 5 of the 32-wide keys (`scaled`): the release's 160 would be the whole width here, factors bigger than keys
+    record = run_sample(session.lm, build_method("shadowkv", **SMALL, rank="scaled"), 64, kv_turns(1),
+                        EngineConfig(nll=False))
     assert record["host_bytes_end"] > 0 and record["device_bytes_end"] > 0
     assert record["decode_read_tokens_per_group"] > 64  # the sparse budget plus landmarks, factors, resident rows
     assert 0 < record["storage_ratio_table1"] < 1

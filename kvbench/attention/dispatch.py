@@ -78,7 +78,10 @@ def _attend(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> 
     """One row: the chunk's attention over the layer, then the method's per-chunk work. [1, q, H_q, D]."""
     q_len = query.shape[2]
     layer.scaling = scaling
-    if q_len > 1 and layer.seen == q_len:  # first prefill chunk: stock causal SDPA
+    own = _own_chunk_attention(layer, step, query, scaling) if q_len > 1 else None
+    if own is not None:  # the method attends this chunk itself (InfLLM's chunked prefill)
+        out = own[None]
+    elif q_len > 1 and layer.seen == q_len:  # first prefill chunk: stock causal SDPA
         out = F.scaled_dot_product_attention(query, layer.keys, layer.values, scale=scaling, is_causal=True,
                                              enable_gqa=True)
     elif q_len == 1:
@@ -87,6 +90,14 @@ def _attend(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> 
         out = _continuation(layer, step, query, scaling)
     _after_attention(layer, step, query)
     return out.transpose(1, 2).contiguous()
+
+
+def _own_chunk_attention(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> torch.Tensor | None:
+    """A selecting method's own attention of a multi-token chunk (`Method.chunk_attention`), or None."""
+    method = step.method
+    if method is None or step.plan is None or step.plan.select is None or method.is_dense_layer(layer.layer_idx):
+        return None
+    return method.chunk_attention(layer, query[0], step, scaling)
 
 
 def _after_attention(layer: KVLayer, step: Step, query: torch.Tensor) -> None:

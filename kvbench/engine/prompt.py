@@ -52,6 +52,29 @@ class PromptBuilder:
         templated = self._templated(sample.chat_template)
         return self._ids(head, first=not templated), self._ids(tail, first=False)
 
+    def evidence_positions(self, sample: Sample) -> tuple[int, int] | None:
+        """Prompt positions [start, end) of the context span that a task says holds the answer: a NIAH needle
+        (`needle_char_offset` .. `needle_char_end`), a RULER answer (`answer_char_offset` + the first answer);
+        None where the task does not say. Counted as the tokens of the prompt's head up to each end (the leading
+        space that joins the span's first token is left out of the start)."""
+        meta, turn = sample.meta, sample.turns[0] if sample.turns else None
+        if sample.token_prompt is not None or turn is None:
+            return None
+        if "needle_char_offset" in meta and "needle_char_end" in meta:
+            start, end = int(meta["needle_char_offset"]), int(meta["needle_char_end"])
+        elif "answer_char_offset" in meta and turn.answers and int(meta["answer_char_offset"]) >= 0:
+            start = int(meta["answer_char_offset"])
+            end = start + len(str(turn.answers[0]))
+        else:
+            return None
+        first = not self._templated(sample.chat_template)
+
+        def tokens(upto: str) -> int:
+            head, _ = self.split_texts(upto, turn.question, turn.answer_prefix, sample.chat_template)
+            return len(self._ids(head, first=first))
+
+        return tokens(sample.context[:start].rstrip()), tokens(sample.context[:end])
+
     def token_prompt_ids(self, recipe: dict[str, Any]) -> list[int]:
         """Token ids from a synthetic recipe: `length` ordinary tokens (no special ones), uniformly random or
         one token repeated, drawn with the recipe's seed."""

@@ -169,6 +169,7 @@ def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | Compr
     ctx_ids, q_ids = builder.first_turn(sample)
     if multi_request:
         q_ids = builder.request(sample, 0)
+    untruncated = ctx_ids
     ctx_ids = fit_to_model(lm, sample, ctx_ids, q_ids)
     compress_question = cfg.compress_question and not multi_request
     segment = ctx_ids + q_ids if compress_question else ctx_ids
@@ -184,6 +185,9 @@ def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | Compr
     else:
         held_back = []
     session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, plan, segment, cfg, snapshots)
+    evidence = builder.evidence_positions(sample) if ctx_ids is untruncated else None
+    if evidence is not None:  # where the task knows its answer lies, for a method's own diagnostics (InfLLM)
+        session.shared["evidence_positions"] = evidence
     cache = session.cache
     session.measure_recall = cfg.topk_recall and method.selects
     run = SampleRun(method, budget_cfg, sample, ctx_ids, q_ids, segment, budget, plan, sequence_length, session, logits,

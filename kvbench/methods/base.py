@@ -15,6 +15,8 @@ attention function and `attention.hooks.evict_layer` call them, never the other 
   (or a `Selection`), None for all tokens.
 - `chunk_context(layer, query, step, scaling)`: the past rows a multi-token chunk on top of the cache attends
   to besides itself (None: everything, the dense default; OmniKV-prefill).
+- `chunk_attention(layer, query, step, scaling)`: a multi-token chunk's whole attention output, where each of
+  its rows sees the past differently (InfLLM's chunked prefill); None: the dispatcher's.
 - `build_derived(layer, step)`: state a selection reads (page summaries), kept current by its own
   `append` / `truncate`; `step_traffic(layer, selection, step)`: elements one decode step reads.
 - `decode_eviction_scores(layer, budget, step)`: a decode step's eviction on the static layout (below).
@@ -155,6 +157,14 @@ class Method:
         """For a multi-token chunk attended on top of a cache (a prefill block, a question, a turn; `query`
         `[H_q, q, D]`): the past keys and values `[H_kv, m, D]` the chunk attends to besides itself, causally,
         or None for everything the layer holds (dense). OmniKV-prefill."""
+        return None
+
+    def chunk_attention(self, layer: "KVLayer", query: torch.Tensor, step: Step,
+                        scaling: float) -> torch.Tensor | None:
+        """For a multi-token chunk (`query` `[H_q, q, D]`, its keys already stored: the first prefill chunk
+        included), the method's own attention output `[H_q, q, D]`, when what a row sees depends on the row in a way
+        `chunk_context` cannot say (InfLLM: each row its own local window, the rest at another position); None for
+        the dispatcher's. Called before `chunk_context`, on the layers that are not `dense_layers`."""
         return None
 
     def step_traffic(self, layer: "KVLayer", selection: "Selection | None", step: Step) -> int:

@@ -6,9 +6,18 @@ Which KV heads retrieve is decided by a *pattern*: one learned gate per (layer, 
 load as they are). `pattern` is a shipped name (kvbench/methods/patterns/duoattention/<name>.tsv; the config
 passes `${model.name}`) or a path to such a file (or to a folder holding `full_attention_heads.tsv`). A model
 without one is an error naming `python -m kvbench calibrate duoattention`, kvbench's port of the gate training
-(kvbench/calibration/duoattention.py). The heads with the highest gates over all layers are the retrieval heads;
-ties go to the lower (layer, head) index (DuoAttention adds 1e-6 uniform noise from numpy's global RNG instead).
-Shipped: all six of DuoAttention's released patterns (repository commit fe93c31, MIT licence; each .json sidecar
+(kvbench/calibration/duoattention.py). The heads with the highest gates over all layers are the retrieval heads,
+chosen as the release chooses them: `load_attn_pattern` clips the gates to [0, 1], then `sparsify_attention_heads`
+(duo_attn/utils.py) adds uniform noise in [0, 1e-6) from numpy's global RNG, which eval/LongBench/pred.py seeds
+with `seed_everything(42)` at start-up (its first numpy draw, as far as the release's code shows), and ranks the
+noisy gates. kvbench draws the same
+noise, `numpy.random.RandomState(seed).uniform(0, 1e-6, shape)` in float64, from the method's `seed` (conf:
+`${seed}`, the run's seed, so it is in config.yaml and the point's identity; 42 by default, the release's draw).
+Why it matters: the released patterns are rounded, so many gates tie at the maximum (110 of 256 heads of
+Mistral-7B-Instruct-v0.2 at 1.0, 57 of 256 of Llama-3.1-8B-Instruct), and a rule that picks a few dozen of them
+(RocketKV's, below) would otherwise take the lowest (layer, head) indices, i.e. the first layers only; the noise
+spreads them over the tied heads of every layer, one fixed choice per run (per seed), as the release's. The noise
+is below the gates' rounding, so it only orders ties. Shipped: all six of DuoAttention's released patterns (repository commit fe93c31, MIT licence; each .json sidecar
 names its source), two under kvbench's model names (mistral_7b_instruct_v0.2, llama3.1_8b_instruct), the others
 under their own (llama2_7b_32k_instruct, llama3_8b_instruct_gradient_1048k / _4194k, mistral_7b_instruct_v0.3:
 a documented proxy for a related model is `method.pattern=<that name>`), and kvbench-calibrated ones for
@@ -27,7 +36,8 @@ How many heads retrieve (`budget_rule`):
   not used, except that a budget at or above S is full attention as for every method.
 
 A budget at or above S is exact full attention (no eviction at all). Everything derived (rho, head counts, sink,
-recent, the pattern's sha256) is in the Plan, so every record says which heads retrieved.
+recent, the pattern's sha256, the tie-break seed and the retrieval heads themselves, `retrieval_head_ids`: layer *
+KV heads + head) is in the Plan, so every record says which heads retrieved.
 
 Cache: the layer becomes ragged (per KV head, as Ada-KV): retrieval heads never lose a token; streaming heads are
 cut to their first `sink` and last `recent` tokens when the compressed segment ends and again after every decode
@@ -44,7 +54,6 @@ Departures from the release, and why:
   prefill, whose streaming heads see sink + recent + the chunk).
 - `dense_layers` heads count as retrieval heads (they keep everything), so the RocketKV rule still averages t:
   round(rho * N) minus the dense heads are picked by gate among the other layers.
-- Gates are ranked as stored; DuoAttention clips them to [0, 1] first, which only ties values outside [0, 1].
 """
 
 from __future__ import annotations
@@ -54,6 +63,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from kvbench.core.checks import is_int
@@ -65,6 +75,7 @@ PATTERN_DIR = Path(__file__).resolve().parent / "patterns" / "duoattention"
 RELEASE_FILE = "full_attention_heads.tsv"  # a DuoAttention attn_patterns/<model>/<setting>/ folder holds it
 CALIBRATE = "python -m kvbench calibrate duoattention model=<name> [steps=N seq_len=L out=FILE.tsv]"
 STREAM_SINK, STREAM_RECENT = 128, 512  # RocketKV's streaming heads when t > 640
+TIE_NOISE = 1e-6  # sparsify_attention_heads' uniform tie-break noise (duo_attn/utils.py)
 BUDGET_RULES = ("rocketkv", "sparsity")
 
 
@@ -113,14 +124,25 @@ def write_pattern(gates: torch.Tensor, path: str | Path) -> None:
     Path(path).write_text("\n".join(lines) + "\n")
 
 
-def rank_heads(gates: torch.Tensor, count: int, dense_rows: list[int] = ()) -> torch.Tensor:
+def release_gates(gates: torch.Tensor, seed: int) -> torch.Tensor:
+    """The gates as the release ranks them (float64): clipped to [0, 1] (`load_attn_pattern`), plus uniform noise
+    in [0, 1e-6) from numpy's legacy generator seeded with `seed` (`sparsify_attention_heads` after
+    `seed_everything(seed)`: the same draw as the release's for the same seed)."""
+    noise = np.random.RandomState(seed).uniform(0, TIE_NOISE, tuple(gates.shape))
+    return gates.double().clamp(0, 1) + torch.from_numpy(noise)
+
+
+def rank_heads(gates: torch.Tensor, count: int, dense_rows: list[int] = (), seed: int | None = None) -> torch.Tensor:
     """Bool `[layers, heads]`: the retrieval heads. Rows in `dense_rows` retrieve wholly and count towards `count`;
-    the rest of `count` goes to the highest gates of the other rows (ties: lower layer, then head, first)."""
+    the rest of `count` goes to the highest gates of the other rows. With a `seed` the gates are ranked as the
+    release ranks them (`release_gates`: ties broken by the seeded noise); without one, as stored, ties to the lower
+    layer, then head (the order the noise replaces)."""
     layers, heads = gates.shape
     mask = torch.zeros(layers, heads, dtype=torch.bool)
     mask[list(dense_rows)] = True
     extra = max(0, count - int(mask.sum()))
-    flat = gates.flatten().masked_fill(mask.flatten(), float("-inf"))
+    ranked = release_gates(gates, seed) if seed is not None else gates
+    flat = ranked.flatten().masked_fill(mask.flatten(), float("-inf"))
     order = torch.sort(flat, descending=True, stable=True).indices[:min(extra, int((~mask).sum()))]
     mask.view(-1)[order] = True
     return mask
@@ -154,6 +176,7 @@ class DuoAttention(EvictionMethod):
     sink: int = 64  # budget_rule=sparsity: streaming heads' sink tokens (DuoAttention's eval scripts)
     recent: int = 256  # budget_rule=sparsity: streaming heads' recent tokens (DuoAttention's eval scripts)
     decode_every: int | None = 1  # the streaming window slides: streaming heads cut after every decode step
+    seed: int = 42  # the tie-break noise's numpy seed (conf: ${seed}; the release's pred.py seeds 42)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -166,6 +189,9 @@ class DuoAttention(EvictionMethod):
         for field in ("sink", "recent"):
             if not is_int(getattr(self, field)) or getattr(self, field) < 0:
                 raise ValueError(f"{field} must be a number of tokens >= 0, got {getattr(self, field)!r}")
+        if not is_int(self.seed) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed (numpy's, for the gates' tie-break noise) must be an integer in [0, 2**32), "
+                             f"got {self.seed!r}")
         if self.sink + self.recent < 1:
             raise ValueError("sink + recent must keep at least one token in a streaming head")
         self._masks: dict[tuple, torch.Tensor] = {}
@@ -193,6 +219,7 @@ class DuoAttention(EvictionMethod):
                      "sink": self.sink, "recent": self.recent}
         retrieval = min(heads, max(split["retrieval_target"], dense))
         window = split["sink"] + split["recent"]
+        chosen = torch.nonzero(self.retrieval_mask(retrieval).flatten()).flatten().tolist()
         return Plan(evict=budget, select=None, derived={
             "budget_rule": self.budget_rule, "rho": split["rho"], "retrieval_heads": retrieval,
             "streaming_heads": heads - retrieval, "dense_layer_heads": dense, "retrieval_share": retrieval / heads,
@@ -200,15 +227,17 @@ class DuoAttention(EvictionMethod):
             # what the cache averages per head once every generated token is in: the RocketKV rule's t
             "mean_head_budget": (retrieval * sequence_length + (heads - retrieval) * min(window, sequence_length))
             / heads,
-            "pattern": self.pattern, "pattern_sha256": self.pattern_sha256[:16]})
+            "pattern": self.pattern, "pattern_sha256": self.pattern_sha256[:16], "tie_break_seed": self.seed,
+            "retrieval_head_ids": chosen})
 
     def retrieval_mask(self, count: int) -> torch.Tensor:
-        """Bool `[layers, kv_heads]`: the `count` retrieval heads (dense layers' heads first)."""
+        """Bool `[layers, kv_heads]`: the `count` retrieval heads (dense layers' heads first), the release's choice
+        for this run's seed: one fixed pattern per run, every sample the same."""
         layers = self.gates.shape[0]
         dense = [i for i in range(layers) if self.is_dense_layer(i)]
         key = (count, tuple(dense))
         if key not in self._masks:
-            self._masks[key] = rank_heads(self.gates, count, dense)
+            self._masks[key] = rank_heads(self.gates, count, dense, seed=self.seed)
         return self._masks[key]
 
     def decode_eviction_scores(self, layer, budget, step):

@@ -4,12 +4,23 @@ retrieved blocks (OmniKV's baseline, specs/omnikv.md §5). Nothing is dropped.
 
 Per layer (the repo's `ContextManager`): the first `n_init` tokens stay resident, and so do the last `n_local`
 (the local window: tokens at distance < n_local from the current one). Between them, every full block of
-`memory_block_size` tokens moves to host memory (pinned when the model runs on CUDA), at the end of the
-compressed segment and whenever decoding pushes tokens out of the window (`append_global`: the repo forms a
-block once a block's worth has left the window; the rest, the remainder, stays resident and attended). A
-block's representative key, per query head, is the mean of the keys of its `repr_topk` tokens with the highest
-local score: the attention probability each token received from the queries whose local window held it (the
-repo's `global_remainder_local_score`: the joint-softmax probability of the local part, summed over queries).
+`memory_block_size` tokens moves to host memory (pinned when the model runs on CUDA), after every prefill chunk
+and whenever decoding pushes tokens out of the window (`append_global`: the repo forms a block once a block's
+worth has left the window; the rest, the remainder, stays resident and attended). A block's representative key,
+per query head, is the mean of the keys of its `repr_topk` tokens with the highest local score: the attention
+probability each token received from the queries whose local window held it (the repo's
+`global_remainder_local_score`: the joint-softmax probability of the local part, summed over queries).
+
+Prefill (`prefill`): `chunked` (default), the repo's: the prompt, but its last token, goes through in chunks of
+`prefill_chunk` (the repo's `exc_block_size`, 512), each one an eviction event (`Schedule.block_size`), and every
+chunk's rows attend through the memory (`chunk_attention`, the repo's `_append`): each row to the stored rows in
+its own local window at their positions, to the initial tokens and the remainder beyond its window, and to the
+top-k blocks retrieved for the chunk by its mean query, one joint softmax; the cache never holds more than init +
+remainder + window + one chunk. The last prompt token then runs alone as a decode step (GreedySearch's
+`input_ids[:, -1:]`), which retrieves with its own query. `dense`: kvbench's one dense prefill of the whole
+prompt, then the blocks (a token's local score is then its dense attention probability from the n_local queries
+after it). Dense prefill gives InfLLM exact hidden states for the prompt and its first answer token from full
+attention: it flatters InfLLM, and OmniKV's comparison ran the repo's chunked prefill.
 
 Each decode step: the blocks are scored by the query against their representative keys, summed over every
 query head of the layer (one set for the layer, as the repo's `calc_block_topk`: all blocks while there are at
@@ -24,27 +35,41 @@ blocks) at the window's far edge, distance n_local - 1 from the query (the query
 those keys are kept without RoPE, `apply_rotary_pos_emb_one_angle`); the window keeps its relative positions.
 kvbench stores blocks' keys pre-RoPE in this mode and rotates them with the model's RoPE (`Step.rotary`; a model
 without RoPE is refused). `exact` keeps every key at its own position, so retrieving every block is full
-attention.
+attention; comparing the two separates what the position remapping costs from what retrieval misses.
 
-Budget: the tokens attended per step, init + local + topk * block (OmniKV compares InfLLM at a memory share
-only approximately); the remainder, fewer than one block, is attended on top, as in the repo. The repo's
-Llama-3 / Mistral configuration is init 128, local 4096, topk 16 x block 128 (6272 tokens); a budget keeps its
-proportions: init = min(n_init, budget / 8), topk = the blocks that fit in a third of the rest (the repo's 2048
-of 6144), local = what is left; `topk` and `n_local` fix them. `max_cached_blocks` null is 2 x topk (the repo's
-32 for 16). A budget under init + 3 blocks retrieves nothing (topk 0): init + sliding window.
+What the records say: `topk_recall` is what retrieval found, the full attention's mass (every token at its own
+position) on the retrieved blocks' rows over the mass of as many of the block memory's best rows; resident rows
+(init, remainder, window) are no retrieval's doing and count neither way. Where the task knows where its answer
+lies (`step.shared["evidence_positions"]`: a NIAH needle, a RULER answer), `decode_method_stats` has
+`needle_in_memory` (the share of it held in the block memory, per layer and step) and `needle_retrieved` (the
+share in the blocks retrieved).
 
-Where kvbench departs from the repo: the prefill is kvbench's dense one (the repo runs InfLLM's own sparse
-attention over chunks of `exc_block_size` = 512), so a prompt token's local score is its dense attention
-probability from the n_local queries after it; later chunks of the prompt (a question after a compressed
-context, a new turn) go token by token through the decode path (`steps_through_chunks`), where the repo scores
-blocks once per 512-token chunk with the chunk's mean query; `score_decay`, `chunk_topk_calc` and the `lru-s`
-strategy (off in the repo's configurations) are not implemented; a rollback cuts the blocks after it (a block it
-splits keeps its first rows, masked past the cut; its representative is not recomputed).
+Budget: the tokens attended per step, init + local + topk * block; the remainder, fewer than one block, is
+attended on top, as in the repo. With `n_local` and `topk` both set the configuration is fixed, as the repo's
+and OmniKV's runs are (conf/method/infllm_omnikv.yaml: their LongBench configuration, block 32, init 128, local
+1024, top 16, cache 16), and the budget only switches compression on (at or above S: full attention). With
+either null the budget is split by kvbench's rule, for equal-memory sweeps: the repo's Llama-3 / Mistral
+configuration is init 128, local 4096, topk 16 x block 128 (6272 tokens), and a budget keeps its proportions:
+init = min(n_init, budget / 8), topk = the blocks that fit in a third of the rest (the repo's 2048 of 6144),
+local = what is left. `max_cached_blocks` null is 2 x topk (the repo's 32 for 16). A budget under init + 3
+blocks retrieves nothing (topk 0): init + sliding window. The plan says which (`split`: fixed or budget).
+
+Where kvbench departs from the repo: later chunks (a question after a compressed context, a new turn) go token
+by token through the decode path (`steps_through_chunks`), where the repo scores blocks once per 512-token chunk
+with the chunk's mean query; in a prefill chunk the repo's global part also attends, at the far edge, to the
+remainder rows still inside the first rows' windows (`get_global_hidden_and_mask` offsets the complement mask by
+the whole input's length, not the chunk's place in it), so they count twice for the chunk's first queries (up to
+511 rows for the first query with local 1024 and chunks of 512, fewer down the chunk): kvbench attends each row
+once, by its distance;
+`score_decay`, `chunk_topk_calc` and the `lru-s` strategy (off in the repo's configurations) are not
+implemented; the prefill chunks' block loads go through the LRU but are not counted in `decode_method_stats`; a
+rollback cuts the blocks after it (a block it splits keeps its first rows, masked past the cut; its
+representative is not recomputed).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -52,151 +77,12 @@ import torch
 from kvbench.core.checks import is_int
 from kvbench.core.contract import Plan, Schedule, Selection
 from kvbench.methods.base import Method, register_method
+from kvbench.methods.common.block_memory import BlockCache, BlockMemory, BlockReprs
 from kvbench.methods.common.blocks import needs_rotary, rope, unrope
-from kvbench.methods.common.placement import recall_of
+from kvbench.methods.common.placement import mass_recall
 
 SCORE_CHUNK = 2**25  # logits computed at once while scoring the prefill's tokens (bounds its memory)
 SCORE = "infllm_score"  # token state: each token's local score per query head [H, L, G]
-
-
-@dataclass(frozen=True)
-class BlockMemory:
-    """One layer's block memory in host memory: keys and values `[B, H, bs, D]` (keys pre-RoPE with
-    `memory_positions=infllm`, post-RoPE with `exact`), each block's first position `starts` `[B]` and valid rows
-    `lengths` `[B]` (bs unless a rollback cut the block)."""
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    starts: torch.Tensor
-    lengths: torch.Tensor
-    on_host = True
-    paper_elements = 0
-
-    def added(self, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor) -> "BlockMemory":
-        """New blocks after these (a new object: a copy of the cache may share this one)."""
-        lengths = torch.full_like(starts, keys.shape[2])
-        return BlockMemory(*(torch.cat([old, new]) for old, new in zip(
-            (self.keys, self.values, self.starts, self.lengths), (keys, values, starts, lengths))))
-
-    @property
-    def blocks(self) -> int:
-        return self.keys.shape[0]
-
-    def kept(self, layer) -> "BlockMemory":
-        return self
-
-    def append(self, layer, n: int) -> "BlockMemory":
-        return self
-
-    def truncate(self, layer) -> "BlockMemory | None":
-        alive = self.starts < layer.seen
-        if bool(alive.all()) and int((self.starts + self.lengths).max()) <= layer.seen:
-            return self
-        if not bool(alive.any()):
-            return None
-        lengths = (layer.seen - self.starts[alive]).clamp(max=self.keys.shape[2])
-        return BlockMemory(self.keys[alive], self.values[alive], self.starts[alive], torch.minimum(
-            self.lengths[alive], lengths))
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.starts, self.lengths))
-
-    @property
-    def kv_tokens(self) -> int:
-        return self.keys.shape[1] * int(self.lengths.sum())
-
-
-@dataclass(frozen=True)
-class BlockReprs:
-    """Each block's representative key per query head, `[B, H, G, D]` on the device, and its first position."""
-
-    reprs: torch.Tensor
-    starts: torch.Tensor
-    on_host = False
-
-    def kept(self, layer) -> "BlockReprs":
-        return self
-
-    def append(self, layer, n: int) -> "BlockReprs":
-        return self
-
-    def truncate(self, layer) -> "BlockReprs | None":
-        alive = self.starts < layer.seen
-        if bool(alive.all()):
-            return self
-        return BlockReprs(self.reprs[alive], self.starts[alive]) if bool(alive.any()) else None
-
-    def nbytes(self) -> int:
-        return self.reprs.numel() * self.reprs.element_size() + self.starts.numel() * self.starts.element_size()
-
-    @property
-    def paper_elements(self) -> int:  # representative keys: auxiliary storage
-        return self.reprs.numel()
-
-
-@dataclass
-class BlockCache:
-    """InfLLM's LRU device cache of at most `capacity` blocks (`CudaCache` + `cached_blocks`): each cached
-    block's last use, and its device copy when the memory lives in another device's memory. Updated in place at
-    every step, so a copy of the cache forks it."""
-
-    capacity: int
-    last_use: dict[int, int] = field(default_factory=dict)
-    copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
-    clock: int = 0
-    on_host = False
-    paper_elements = 0
-
-    def load(self, chosen: list[int], memory: BlockMemory | None = None,
-             device: torch.device | None = None) -> tuple[int, int]:
-        """Make `chosen` resident (`remove_lru_blocks`, then the repo's `lru` stamp): (hits, misses)."""
-        misses = [b for b in chosen if b not in self.last_use]
-        excess = len(self.last_use) + len(misses) - self.capacity
-        for b, _ in sorted(self.last_use.items(), key=lambda item: item[1]):  # oldest first, ties in load order
-            if excess <= 0:
-                break
-            if b not in chosen:
-                del self.last_use[b]
-                self.copies.pop(b, None)
-                excess -= 1
-        self.clock += 1
-        for b in chosen:
-            self.last_use[b] = self.clock
-        if memory is not None and memory.keys.device != device:
-            for b in misses:
-                self.copies[b] = (memory.keys[b].to(device), memory.values[b].to(device))
-        return len(chosen) - len(misses), len(misses)
-
-    def gather(self, chosen: list[int], memory: BlockMemory, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """Keys and values `[H, k * bs, D]` of the chosen blocks on `device`, and their valid rows (None: all)."""
-        pairs = [self.copies.get(b, (memory.keys[b], memory.values[b])) for b in chosen]
-        keys, values = (torch.stack([p[i] for p in pairs]).to(device).transpose(0, 1).flatten(1, 2) for i in (0, 1))
-        lengths = memory.lengths[chosen]
-        if bool((lengths == memory.keys.shape[2]).all()):
-            return keys, values, None
-        valid = torch.arange(memory.keys.shape[2]) < lengths[:, None]
-        return keys, values, valid.flatten().to(device).expand(keys.shape[0], -1)
-
-    def prune(self, blocks: int) -> None:
-        """Forget blocks a rollback removed."""
-        for b in [b for b in self.last_use if b >= blocks]:
-            del self.last_use[b]
-            self.copies.pop(b, None)
-
-    def kept(self, layer) -> "BlockCache":
-        return self
-
-    def append(self, layer, n: int) -> "BlockCache":
-        return self
-
-    def truncate(self, layer) -> "BlockCache":
-        return self  # blocks a rollback removed are forgotten at the next step (`prune`)
-
-    def fork(self) -> "BlockCache":
-        return BlockCache(self.capacity, dict(self.last_use), dict(self.copies), self.clock)
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for pair in self.copies.values() for t in pair)
 
 
 @register_method
@@ -215,27 +101,39 @@ class InfLLM(Method):
     repr_topk: int = 4
     max_cached_blocks: int | None = None  # null: 2 x topk (the repo's 32 for 16)
     memory_positions: str = "infllm"  # infllm: beyond the window at its far edge (the repo); exact: their own
+    prefill: str = "chunked"  # chunked: through the context memory, the repo's; dense: kvbench's dense prefill
+    prefill_chunk: int = 512  # the repo's exc_block_size: prompt tokens attended (and then memorised) together
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("n_init", "n_local", "topk", "memory_block_size", "repr_topk", "max_cached_blocks"):
+        for name in ("n_init", "n_local", "topk", "memory_block_size", "repr_topk", "max_cached_blocks",
+                     "prefill_chunk"):
             value = getattr(self, name)
-            least = 1 if name in ("memory_block_size", "repr_topk", "n_local") else 0
+            least = 1 if name in ("memory_block_size", "repr_topk", "n_local", "prefill_chunk") else 0
             optional = name in ("n_local", "topk", "max_cached_blocks")
             if (value is not None or not optional) and (not is_int(value) or value < least):
                 raise ValueError(f"{name} must be an integer >= {least}{' or null' if optional else ''}, got {value!r}")
         if self.memory_positions not in ("infllm", "exact"):
             raise ValueError(f"memory_positions must be infllm or exact, not {self.memory_positions!r}")
+        if self.prefill not in ("chunked", "dense"):
+            raise ValueError(f"prefill must be chunked or dense, not {self.prefill!r}")
+
+    @property
+    def last_prompt_token_via_decode(self) -> bool:
+        # the repo's GreedySearch prefills all but the last prompt token, then runs that one as a decode step
+        return self.prefill == "chunked"
 
     def schedule(self) -> Schedule:
-        # the events move full blocks out of the resident set: at the segment's end and after every decode step
-        return Schedule(block_size=None, decode_every=1)
+        # the events move full blocks out of the resident set: after every prefill chunk (chunked) or at the
+        # segment's end (dense), and after every decode step
+        return Schedule(block_size=self.prefill_chunk if self.prefill == "chunked" else None, decode_every=1)
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
             return Plan.full_attention()
         block = self.memory_block_size
-        init = min(self.n_init, budget // 8)
+        fixed = self.n_local is not None and self.topk is not None  # a configuration of its own: the budget sets nothing
+        init = self.n_init if fixed else min(self.n_init, budget // 8)
         topk = self.topk if self.topk is not None else (budget - init) // (3 * block)
         local = self.n_local if self.n_local is not None else budget - init - topk * block
         if local < 1:
@@ -246,7 +144,9 @@ class InfLLM(Method):
             raise ValueError(f"infllm: max_cached_blocks ({cached}) must hold the topk ({topk}) blocks of a step")
         return Plan(evict=budget, select=budget, derived={
             "n_init": init, "n_local": local, "topk": topk, "block_size": block, "repr_topk": self.repr_topk,
-            "cached_blocks": cached, "attended": init + local + topk * block, "memory_positions": self.memory_positions})
+            "cached_blocks": cached, "attended": init + local + topk * block, "memory_positions": self.memory_positions,
+            "split": "fixed" if fixed else "budget", "prefill": self.prefill,
+            "prefill_chunk": self.prefill_chunk if self.prefill == "chunked" else None})
 
     # -- local scores --------------------------------------------------------------------------------------------
     @staticmethod
@@ -257,9 +157,10 @@ class InfLLM(Method):
         layer.token_state[SCORE] = old + score
 
     def observe(self, layer, queries, step):
-        """A prefill chunk: each stored token's dense attention probability from the chunk's queries whose
-        local window holds it. (A decode step's scores are taken in `select`, from what it attended.)"""
-        if step.plan is None or step.plan.select is None or queries.shape[1] == 1:
+        """`prefill=dense`, a prefill chunk: each stored token's dense attention probability from the chunk's queries
+        whose local window holds it. (A chunked prefill's scores are taken in `chunk_attention`, a decode step's in
+        `select`, each from what it attended.)"""
+        if self.prefill == "chunked" or step.plan is None or step.plan.select is None or queries.shape[1] == 1:
             return
         local = step.plan.derived["n_local"]
         view = layer.head_view()
@@ -276,6 +177,61 @@ class InfLLM(Method):
             probs = torch.softmax(logits.masked_fill_(dist < 0, float("-inf")), dim=-1)
             score += probs.masked_fill_(dist >= local, 0.0).sum(dim=2)
         self._accumulate(layer, score)
+
+    # -- chunked prefill: each chunk through the context memory ----------------------------------------------------
+    def chunk_attention(self, layer, query, step, scaling):
+        """`prefill=chunked` (the repo's `ContextManager.append`, one `exc_block_size` chunk at a time): each query
+        row attends to the stored rows within its local window (distance < n_local) at their own positions, and to
+        everything else it may see, the initial tokens, the remainder beyond its window and the top-k blocks the
+        chunk retrieves from the memory (by its mean query), at the window's far edge (`memory_positions=infllm`)
+        or at their own (`exact`); one joint softmax. The local part's probabilities are the tokens' local scores.
+        None (the dispatcher's dense causal attention, the same up to rounding) while nothing is beyond any row's
+        window and the memory is empty."""
+        if self.prefill != "chunked":
+            return None
+        d = step.plan.derived
+        local, topk = d["n_local"], d["topk"]
+        view = layer.head_view()
+        heads, length, dim = view.keys.shape
+        n, group = query.shape[1], query.shape[0] // heads
+        q = query.view(heads, group, n, dim).float()
+        q_pos = layer.seen - n + torch.arange(n, device=q.device)
+        dist = q_pos[:, None] - view.positions[0].long()[None, :]  # [n, L]
+        near, far = (dist >= 0) & (dist < local), dist >= local
+        logits = torch.einsum("hgnd,hld->hgnl", q, view.keys.float()) * scaling
+        memory, reprs = layer.derived.get("infllm_memory"), layer.derived.get("infllm_reprs")
+        infllm = self.memory_positions == "infllm"
+        if infllm and (bool(far.any()) or memory is not None):
+            rotary = needs_rotary(step.rotary, "InfLLM's memory_positions=infllm")
+            q_far = rope(unrope(q, q_pos, rotary), torch.full_like(q_pos, local - 1), rotary)
+            far_logits = torch.einsum("hgnd,hld->hgnl", q_far, unrope(view.keys, view.positions, rotary)) * scaling
+            logits = torch.where(far, far_logits, logits)  # every row's own split of the stored rows
+        else:
+            q_far = q
+        logits = logits.masked_fill(~(near | far), float("-inf"))
+        external = None
+        if memory is not None and topk > 0:
+            chosen, _ = self._top_blocks(q_far.mean(dim=2), reprs.reprs, topk)
+            cache = layer.derived["infllm_cache"]
+            cache.prune(memory.blocks)
+            cache.load(chosen, memory, q.device)
+            keys, values, valid = cache.gather(chosen, memory, q.device)
+            outer = torch.einsum("hgnd,hmd->hgnm", q_far, keys.float()) * scaling  # stored as attended: no rotation
+            if valid is not None:
+                outer = outer.masked_fill(~valid[:, None, None, :], float("-inf"))
+            external = (outer, values)
+        elif not bool(far.any()):
+            probs = torch.softmax(logits, dim=-1)
+            self._accumulate(layer, (probs * near).sum(dim=2))
+            return None
+        joint = logits if external is None else torch.cat([logits, external[0]], dim=-1)
+        probs = torch.softmax(joint, dim=-1)
+        mine = probs[..., :length]
+        self._accumulate(layer, (mine * near).sum(dim=2))
+        out = torch.einsum("hgnl,hld->hgnd", mine, view.values.float())
+        if external is not None:
+            out = out + torch.einsum("hgnm,hmd->hgnd", probs[..., length:], external[1].float())
+        return out.reshape(heads * group, n, dim).to(query.dtype)
 
     # -- the events: full blocks beyond the window move to the block memory ----------------------------------------
     def keep(self, layer, budget, step):
@@ -341,7 +297,11 @@ class InfLLM(Method):
             rows = rows[window]
         chosen, scored, hits, misses, moved = [], 0, 0, 0, 0
         if memory is not None and topk > 0:
-            chosen, scored = self._top_blocks(q, reprs.reprs, p, local, topk, rotary)
+            query = q.float()
+            if infllm:  # the repo's query at angle n_local - 1 against unrotated representative keys
+                at = torch.full((group,), p, device=q.device)
+                query = rope(unrope(query, at, rotary), torch.full_like(at, local - 1), rotary)
+            chosen, scored = self._top_blocks(query, reprs.reprs, topk)
             cache = layer.derived["infllm_cache"]
             cache.prune(memory.blocks)
             hits, misses = cache.load(chosen, memory, q.device)
@@ -357,22 +317,23 @@ class InfLLM(Method):
         self._score_step(layer, q, view, rows, window, external, scaling)
         if external is None:
             return None  # init + remainder + window, all in storage at their own positions: dense
+        extra = {"retrieved_blocks": float(len(chosen)), "scored_blocks": float(scored), "cache_hits": float(hits),
+                 "cache_misses": float(misses)}
+        if "evidence_positions" in step.shared:
+            extra.update(self._needle(memory, chosen, step.shared["evidence_positions"]))
         recall = self._recall(q, view, memory, chosen, step, scaling) if step.measure_recall and chosen else None
         return Selection(rows.expand(heads, group, -1), external=external, recall=recall, moved_bytes=moved,
-                         extra={"retrieved_blocks": float(len(chosen)), "scored_blocks": float(scored),
-                                "cache_hits": float(hits), "cache_misses": float(misses)})
+                         extra=extra)
 
-    def _top_blocks(self, q, reprs, p, local, topk, rotary) -> tuple[list[int], int]:
-        """`calc_block_topk`: every block while there are at most topk, else the topk by the query against the
-        representative keys summed over every query head. (chosen, blocks scored)."""
+    @staticmethod
+    def _top_blocks(query, reprs, topk) -> tuple[list[int], int]:
+        """`calc_block_topk`: every block while there are at most topk, else the topk by `query` `[H, G, D]` (in the
+        representatives' frame: at n_local - 1 against unrotated ones with `memory_positions=infllm`) against the
+        representative keys, summed over every query head. (chosen, blocks scored)."""
         blocks = reprs.shape[0]
         if blocks <= topk:
             return list(range(blocks)), 0
-        query = q.float()
-        if rotary is not None:  # the repo's query at angle n_local - 1 against unrotated representative keys
-            at = torch.full((q.shape[1],), p, device=q.device)
-            query = rope(unrope(query, at, rotary), torch.full_like(at, local - 1), rotary)
-        score = torch.einsum("hgd,bhgd->b", query, reprs.float())
+        score = torch.einsum("hgd,bhgd->b", query.float(), reprs.float())
         return score.topk(topk).indices.tolist(), blocks
 
     def _score_step(self, layer, q, view, rows, window, external, scaling) -> None:
@@ -387,18 +348,38 @@ class InfLLM(Method):
             lse = torch.logaddexp(lse, torch.logsumexp(outer.masked_fill(~external[2][:, None], float("-inf")), -1))
         self._accumulate(layer, torch.exp(logits - lse[..., None]) * window)
 
+    @staticmethod
+    def _needle(memory: BlockMemory | None, chosen: list[int], span) -> dict[str, float]:
+        """Where the task knows the evidence (`step.shared["evidence_positions"]`, [start, end): the needle, the
+        answer), the share of its positions held in the block memory and the share in the blocks retrieved."""
+        at = torch.arange(int(span[0]), int(span[1]))
+        count = max(1, at.numel())
+        if memory is None:
+            return {"needle_in_memory": 0.0, "needle_retrieved": 0.0}
+        inside = (at[:, None] >= memory.starts[None, :]) & (at[:, None] < (memory.starts + memory.lengths)[None, :])
+        picked = torch.zeros(memory.blocks, dtype=torch.bool)
+        picked[torch.tensor(chosen, dtype=torch.long)] = True
+        return {"needle_in_memory": float(inside.any(1).sum()) / count,
+                "needle_retrieved": float((inside & picked[None, :]).any(1).sum()) / count}
+
     def _recall(self, q, view, memory, chosen, step, scaling) -> float:
-        """Top-k attention recall over every token at its own position (storage and block memory)."""
+        """What retrieval found: with every token at its own position and the full attention over all of them, the
+        attention mass on the retrieved blocks' rows over the mass of the top as many rows of the block memory
+        (resident rows are no retrieval's doing, so they count neither way)."""
         bs = memory.keys.shape[2]
         mem_keys = memory.keys.to(q.device).transpose(0, 1).flatten(1, 2)  # [H, B * bs, D]
+        at = (memory.starts.to(q.device)[:, None] + torch.arange(bs, device=q.device)).flatten()
         if self.memory_positions == "infllm":
-            at = (memory.starts.to(q.device)[:, None] + torch.arange(bs, device=q.device)).flatten()
             mem_keys = rope(mem_keys, at.expand(mem_keys.shape[0], -1), step.rotary)
-        everything = torch.cat([view.keys.float(), mem_keys.float()], dim=1)
-        length = view.keys.shape[1]
+        logits = torch.einsum("hgd,hnd->hgn", q.float(), torch.cat([view.keys.float(), mem_keys.float()], 1)) * scaling
+        if view.valid is not None:
+            logits[..., :view.keys.shape[1]] = logits[..., :view.keys.shape[1]].masked_fill(
+                ~view.valid[:, None, :], float("-inf"))
+        alive = (torch.arange(bs, device=q.device)[None, :] < memory.lengths.to(q.device)[:, None]).flatten()
+        probs = torch.softmax(logits, dim=-1)[..., view.keys.shape[1]:] * alive  # [H, G, B * bs]
         picked = (torch.tensor(chosen, device=q.device)[:, None] * bs + torch.arange(bs, device=q.device)).flatten()
-        rows = torch.cat([torch.arange(length, device=q.device), length + picked]).expand(q.shape[0], -1)
-        return recall_of(q, everything, rows, None, scaling)
+        rows = int(alive[picked].sum())
+        return mass_recall(probs, probs[..., picked].sum(-1), max(1, rows))
 
     def step_traffic(self, layer, selection, step):
         """Per step: the representative keys scored (every query head's), the attended storage rows and the

@@ -11,7 +11,8 @@ When the prompt's prefill ends (dense and exact, as in the paper), per layer:
 Every decode step, per layer: each query head searches its KV head's index with its own query for its top-k
 keys (k = the budget; CTKVR's Table 8 runs k = 1024) with a beam of `ef_search`; attention over those host
 rows and over the resident set merge exactly by log-sum-exp (`Selection.external`), as the paper's CPU/GPU
-co-execution merges its two partial attentions.
+co-execution merges its two partial attentions. The resident set is attended on top of k (CTKVR's budget
+convention: rho' counts the retrieved keys only, conf/experiment/ctkvr_table8.yaml).
 
 **The index.** The paper's RoarGraph (Chen et al., VLDB 2024) has no maintained Python package; kvbench uses
 faiss's HNSW (`IndexHNSWFlat`, `METRIC_INNER_PRODUCT`), with two graphs:
@@ -33,14 +34,22 @@ faiss's HNSW (`IndexHNSWFlat`, `METRIC_INNER_PRODUCT`), with two graphs:
 k rows (the paper's per-head attention); the group's union is gathered once and each head's logits of the
 other heads' rows are -inf (`Selection.external`'s log-weights), so a group reads up to G*k distinct rows,
 as Exact-TopK's `granularity=head` (`decode_attended_tokens_per_head` counts each head's own k).
-`granularity=group_max`: the union of the G searches is reranked by the max over the group of each head's
-softmax over it, one shared top-k per KV head (CTKVR's aggregation, for an equal per-group budget).
+`granularity=group_max` (conf/method/retrieval_attention_group.yaml): the union of the G searches is reranked by
+the max over the group of each head's softmax over it, one shared top-k per KV head: k rows per KV group, CTKVR's
+count of rho' and its aggregation (its FLAT's), so RetrievalAttention and CTKVR do equal work per KV group. Every
+record says which: `budget_plan.granularity`, `k_per_query_head`, `k_per_kv_group` (k with `group_max`; null with
+`head`, where it varies) and, measured, `decode_method_stats.retrieved_rows` (distinct host rows a KV group read
+per step).
 
-Defaults: n_init 128 and n_local 512, a 640-token static pattern, our reading of the paper's experimental
-setup (the paper's text was not at hand when this was written: check it; the authors' repository now holds
-RetroInfer, whose config keeps 4 + 64); M = 32 and efConstruction = 40 (faiss's HNSW defaults); `ef_search`
-null = the budget, the smallest beam that returns k rows; query_knn 32 and index_queries 2048 (RoarGraph's
-N_q and its training queries; RetrievalAttention states neither here).
+Defaults, and which of them are assumptions. n_init 128 and n_local 512 (a 640-token static pattern) and
+`ef_search` null (= k, the smallest beam that returns k rows) are NOT verified against the paper: its text was not
+at hand, and its repository's history holds no RetrievalAttention code (github.com/microsoft/RetrievalAttention:
+template files of 2024-09-26, then RetroInfer from 2025-05-15 on, whose configs keep a static pattern of 4 + 64
+and search clusters, not a graph; no branch or pull-request ref holds more). CTKVR's Table 8 states only the
+model and rho' = 1024. So every record names them (`budget_plan.unverified`: n_init, n_local, ef_search) and
+docs/baselines.md says so; a run that knows the paper's values sets `method.n_init`, `method.n_local`,
+`method.ef_search`. M = 32 and efConstruction = 40 are faiss's HNSW defaults; query_knn 32 and index_queries 2048
+RoarGraph's N_q and its training queries (RetrievalAttention states neither here).
 
 **Cost model** (`step_traffic`, elements per step): the keys the graph search scored (faiss's
 `hnsw_stats.ndis`, every query head's search counted; the adjacency lists it read are not), the retrieved
@@ -69,6 +78,9 @@ from kvbench.core.checks import is_int
 from kvbench.core.contract import Plan, Schedule, Selection
 from kvbench.methods.base import Method, register_method
 from kvbench.methods.common.placement import HostSegment, mass_recall
+
+# parameters whose paper values kvbench could not check (module docstring): every record names them
+UNVERIFIED = ["n_init", "n_local", "ef_search"]
 
 
 def _faiss():
@@ -226,7 +238,10 @@ class RetrievalAttention(Method):
         if budget >= sequence_length:
             return Plan.full_attention()
         return Plan(evict=budget, select=budget, derived={
-            "k": budget, "ef_search": self.ef_search or budget, "n_init": self.n_init, "n_local": self.n_local})
+            "k": budget, "ef_search": self.ef_search or budget, "n_init": self.n_init, "n_local": self.n_local,
+            "granularity": self.granularity, "k_per_query_head": budget,
+            "k_per_kv_group": budget if self.granularity == "group_max" else None,  # head: up to G * k, measured
+            "unverified": list(UNVERIFIED)})
 
     # -- prefill end: offload the middle, index it ----------------------------------------------------------
     def keep(self, layer, budget, step):

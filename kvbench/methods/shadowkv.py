@@ -22,9 +22,13 @@ window, generated tokens), merged by log-sum-exp (`Selection.external`). Later c
 after a compressed context, a new turn) go token by token through the same path (`steps_through_chunks`), as
 the repo runs every chunk of up to 4K tokens after its prefill through the decode path.
 
-Defaults are the repo's: chunk 8, rank 160 for Llama-3-8B's 8 x 128 = 1024-wide keys (null here scales it to
-160/1024 of the model's H * D; a number fixes it), 48 outlier chunks (`ShadowKVCache`; the CPU-offload class
-uses 24 per 1024 of sparse budget), 4 local chunks. The budget is the sparse budget in tokens per KV head (2048
+Defaults are the repo's: chunk 8, rank 160 (`rank=160` in every model class of the release, models/llama.py,
+qwen.py, glm.py, phi3.py: the same for every model, whatever its key width), capped by the key width H * D (and
+by the segment's length), 48 outlier chunks (`ShadowKVCache`; the CPU-offload class uses 24 per 1024 of sparse
+budget), 4 local chunks. `rank: scaled` is kvbench's earlier rule, 160/1024 of H * D (160 on Llama-3-8B's
+8 x 128, half that on Yi-9B-200K's 4 x 128), an option for comparing equal compression of the keys. On narrow
+keys the release's rank hardly compresses them: SmolLM2-135M's are 3 x 64 = 192 wide, so U alone is 160/192 of
+the keys (the factors are counted in the records' storage), and a tiny test model's 32 are kept at full rank. The budget is the sparse budget in tokens per KV head (2048
 in the paper, 1024 as CTKVR runs it); resident rows are attended on top of it, as in the repo.
 
 `low_rank: false` (conf/method/shadowkv_landmark.yaml, with no outliers) is the landmark part alone, as CTKVR
@@ -35,7 +39,9 @@ Accounting: the factors and landmarks are auxiliary storage (`paper_elements`); 
 and as half a retained K/V row each (a value without its key); `step_traffic` reads the landmarks, the selected
 rows of U, S V^T, the selected values and the resident K/V. Where kvbench departs from the repo: the prefill is
 kvbench's dense one (the repo's MInference option is not used); landmark logits use the layer's softmax scale
-(the repo hard-codes 1/sqrt(128), the same at head_dim 128); the repo's kernel cache of the chunks already
+1/sqrt(head_dim) (the repo's kv_cache.py hard-codes `/ math.sqrt(128)` in the landmark score: the same on every
+model of the papers, whose heads are 128 wide, and a different temperature only for other head widths, e.g.
+SmolLM2's 64, where the repo's softmax over chunks would be flatter by sqrt(2)); the repo's kernel cache of the chunks already
 in the device buffer (a hit skips the fetch) is not modelled, so each step's traffic counts every selected
 chunk; U keeps a row per segment token (as the repo) and the segment is the compressed one (the prompt, or the
 context with `compress_question=false`); the SVD runs in fp32 on the model's device; the repo factors the keys
@@ -58,7 +64,8 @@ from kvbench.methods.base import Method, register_method
 from kvbench.methods.common.blocks import needs_rotary, rope, unrope
 from kvbench.methods.common.placement import recall_of
 
-RANK_SHARE = 160 / 1024  # the repo's rank for Llama-3-8B's 8 KV heads x 128
+RELEASE_RANK = 160  # the release's rank for every model (models/*.py: rank=160)
+RANK_SHARE = RELEASE_RANK / 1024  # `rank: scaled`: 160 per 1024 of key width (Llama-3-8B's 8 KV heads x 128)
 
 
 @dataclass(frozen=True)
@@ -144,6 +151,14 @@ def low_rank_factors(pre_keys: torch.Tensor, rank: int) -> tuple[torch.Tensor, t
     return u[:, :rank], sv, s
 
 
+def shadowkv_rank(rank: int | str, kv_heads: int, head_dim: int) -> int:
+    """The rank of the keys' SVD on a model whose keys are `kv_heads` x `head_dim` wide: a number as given (the
+    release's 160), `scaled` 160/1024 of the width; never more than the width (a factor cannot be wider)."""
+    width = kv_heads * head_dim
+    wanted = max(1, round(RANK_SHARE * width)) if rank == "scaled" else rank
+    return min(wanted, width)
+
+
 @register_method
 @dataclass
 class ShadowKV(Method):
@@ -153,7 +168,7 @@ class ShadowKV(Method):
     host_work = "ShadowKV gathers the selected values from host memory at every decode step"
     steps_through_chunks: ClassVar[bool] = True
     chunk_size: int = 8
-    rank: int | None = None  # null: 160/1024 of the model's H * D (the repo's 160 at 8 x 128)
+    rank: int | str = RELEASE_RANK  # the release's 160 (capped by the key width); `scaled`: 160/1024 of H * D
     outlier_chunks: int = 48
     local_chunks: int = 4
     sink_tokens: int = 0
@@ -161,11 +176,11 @@ class ShadowKV(Method):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("chunk_size", "rank"):
-            value = getattr(self, name)
-            if (value is not None or name != "rank") and (not is_int(value) or value < 1):
-                raise ValueError(f"{name} must be a positive integer{' or null' if name == 'rank' else ''}, "
-                                 f"got {value!r}")
+        if not is_int(self.chunk_size) or self.chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer, got {self.chunk_size!r}")
+        if self.rank != "scaled" and (not is_int(self.rank) or self.rank < 1):
+            raise ValueError(f"rank must be a positive integer (the release's: 160) or scaled (160/1024 of the key "
+                             f"width), got {self.rank!r}")
         for name in ("outlier_chunks", "local_chunks", "sink_tokens"):
             value = getattr(self, name)
             if not is_int(value) or value < 0:
@@ -184,12 +199,11 @@ class ShadowKV(Method):
             "sparse_budget": budget, "select_chunks": budget // self.chunk_size, "chunk_size": self.chunk_size,
             "outlier_chunks": self.outlier_chunks, "local_chunks": self.local_chunks,
             "sink_tokens": self.sink_tokens, "low_rank": self.low_rank,
-            "rank": self.rank if self.rank is not None else "160/1024 of H*D"})
+            "rank": self.rank})
 
     def layer_rank(self, layer) -> int:
-        width = layer.num_heads * layer.head_dim
-        rank = self.rank if self.rank is not None else max(1, round(RANK_SHARE * width))
-        return min(rank, width, layer.seen)
+        """The SVD rank of a layer: `shadowkv_rank` of its key width, capped by the segment's length."""
+        return min(shadowkv_rank(self.rank, layer.num_heads, layer.head_dim), layer.seen)
 
     # -- the segment's end: landmarks, outliers, factors, values to host ----------------------------------------
     def keep(self, layer, budget, step):

@@ -226,13 +226,27 @@ LAYOUTS: dict[str, Callable[[pd.DataFrame, Sequence[plt.Axes]], pd.DataFrame]] =
 }
 
 
+def figure_title(layout: str, table: pd.DataFrame, records: pd.DataFrame) -> str:
+    """What a figure shows, never where it was read from (a results directory is a machine's path): the preset
+    the records were swept by (else the layout), the model, the dtype and what its memory axis measures."""
+    def values(frame: pd.DataFrame, column: str) -> str:
+        return ", ".join(sorted(str(v) for v in frame[column].dropna().unique())) if column in frame else ""
+
+    name = values(records, "choice.experiment") or layout
+    settings = [values(records, "model"), values(table, "dtype")]
+    basis = values(table, "memory_basis")
+    text = "; ".join(s for s in settings if s) + (f"; memory: {basis}" if basis else "")
+    return f"{name}: {text}" if text else name
+
+
 def render(results_root: Path, layout: str, out_dir: Path | None = None,
            records: pd.DataFrame | None = None) -> list[Path]:
     """Write the layout's figure (PNG, PDF) and table (CSV, markdown); returns the paths written. `records`:
     the records of `results_root` to draw (a report's selection), default all of them."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r}; layouts: {', '.join(LAYOUTS)}")
-    table = efficiency_table(results_root if records is None else records)
+    records = collect(results_root) if records is None else records
+    table = efficiency_table(records)
     if table.empty:
         raise ValueError(f"no profiled records under {results_root} (run the preset with profile=true)")
     out_dir = Path(out_dir or results_root)
@@ -243,8 +257,7 @@ def render(results_root: Path, layout: str, out_dir: Path | None = None,
     if handles:
         fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(4, len(handles)), fontsize=8,
                    frameon=False)
-    notes = [", ".join(sorted(str(d) for d in table[c].dropna().unique())) for c in ("dtype", "memory_basis")]
-    fig.suptitle(f"{layout}: {results_root} ({'; memory: '.join(n for n in notes if n)})", fontsize=10)
+    fig.suptitle(figure_title(layout, table, records), fontsize=10)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     paths = [out_dir / f"{layout}.{ext}" for ext in ("png", "pdf", "csv", "md")]
     fig.savefig(paths[0], dpi=120)

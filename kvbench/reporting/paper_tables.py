@@ -143,7 +143,7 @@ def resolve(source: str | Path, overrides: Sequence[str] = ()) -> Source:
             raise KVBenchError(f"{' '.join(overrides)}: KEY=VALUE overrides apply to experiment=NAME, not to a "
                                f"results directory")
         root = Path(text)
-        return Source(root.name, root, ReportSpec(title=f"results under {root}"), None)
+        return Source(root.name, root, ReportSpec(title=f"results in {root.resolve().name}"), None)  # no path in titles
     if not preset and name not in experiments():
         raise KVBenchError(f"results directory {text} does not exist" + (
             "" if "/" in text or text.startswith(".") else f" (nor is {text!r} an experiment; experiments: "
