@@ -10,7 +10,6 @@ import re
 import pytest
 import torch
 from conftest import random_ids
-from kvbench.tasks.base import Sample, Turn
 from reference import kept_masks, reference_chunks
 
 from kvbench.core.errors import KVBenchError
@@ -23,6 +22,7 @@ from kvbench.methods.keydiff import keydiff_scores
 from kvbench.methods.pyramidkv import pyramid_budgets
 from kvbench.methods.tova import last_query_attention
 from kvbench.run.caches import prefill_snapshots
+from kvbench.tasks.base import Sample, Turn
 
 PROMPT = 300
 SMALL = {"window": 8}  # SnapKV-family windows that fit a 48-token budget

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+
 from kvbench.tasks import longbench as lb
 from kvbench.tasks import longbench_metrics as lm
 from kvbench.tasks.base import DatasetMissingError, Sample, whitespace_meter

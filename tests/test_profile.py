@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvbench.tasks.synthetic import Synthetic
 from omegaconf import OmegaConf
 
 from kvbench.engine.config import EngineConfig
@@ -21,6 +20,7 @@ from kvbench.methods import build_method
 from kvbench.profiling.profiler import PhaseProfiler, combine_repeats, is_out_of_memory
 from kvbench.profiling.roofline import phase_costs
 from kvbench.run.policy import run_or_oom
+from kvbench.tasks.synthetic import Synthetic
 
 PROFILE_CFG = OmegaConf.create({"profile": True, "profiler": {"warmup_steps": 2, "repeats": 2}})
 

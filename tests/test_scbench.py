@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
 from kvbench.tasks import scbench as sc
 from kvbench.tasks import scbench_metrics as sm
 from kvbench.tasks.base import DatasetMissingError, whitespace_meter
 from kvbench.tasks.scoring import SCORERS
-from omegaconf import OmegaConf
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "task"
 

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvbench.kernels.decode_attention import decode_attention_reference, static_decode_attention
 
 import kvbench.engine.compiled as compiled
 from kvbench.cache.static import CAPACITY_BUCKET
@@ -20,6 +19,7 @@ from kvbench.core.errors import KVBenchError
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
+from kvbench.kernels.decode_attention import decode_attention_reference, static_decode_attention
 from kvbench.methods import build_method
 from kvbench.methods.common.pages import top_page_tokens
 from kvbench.methods.keydiff import ANCHORS, keydiff_scores

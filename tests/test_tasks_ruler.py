@@ -11,13 +11,14 @@ from pathlib import Path
 import hydra.utils
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from kvbench.tasks import haystack as hs
 from kvbench.tasks.base import DatasetMissingError, Sample, whitespace_meter
 from kvbench.tasks.niah import Niah
 from kvbench.tasks.ruler import DEPTHS, RULER_TASKS, Ruler, RulerSuite
 from kvbench.tasks.scoring import score
-from omegaconf import OmegaConf
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 CONF = Path(__file__).resolve().parents[1] / "conf" / "task"
 SYNTHETIC = [t for t in RULER_TASKS if not t.startswith("qa")]
