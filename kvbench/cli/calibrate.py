@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvbench.config.command import check_keys
 from kvbench.config.paths import compose_command_config
 from kvbench.config.validate import check_group_overrides
 from kvbench.core.errors import KVBenchError
@@ -40,6 +41,7 @@ def main(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
         check_group_overrides(args.overrides)
+        check_keys(args.overrides, "calibrate", sections=("model",))
         out = run_duoattention(compose(args.overrides))
     except KVBenchError as err:
         print(f"kvbench: error: {err}", file=sys.stderr, flush=True)

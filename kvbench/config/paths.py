@@ -65,6 +65,12 @@ def choice_name(group: str, name: str) -> str:
     return choice_name(group, parent) if parent else name
 
 
+def config_groups(name: str = "config") -> list[str]:
+    """The groups config `name` (`config`, `analyze`, `calibrate`) is composed from: its `defaults:` list."""
+    entries = OmegaConf.load(Path(CONF_DIR) / f"{name}.yaml").defaults
+    return [group for entry in entries if isinstance(entry, DictConfig) for group in entry if "/" not in group]
+
+
 def default_choice(group: str) -> str:
     """The choice of `group` that config.yaml composes by default."""
     for entry in OmegaConf.load(Path(CONF_DIR) / "config.yaml").defaults:
