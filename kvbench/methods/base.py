@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvbench.core.checks import is_int
+from kvbench.core.checks import check_field_kinds, is_int
 from kvbench.core.contract import HeadView, Plan, Schedule, Selection, Step
 
 if TYPE_CHECKING:
@@ -81,9 +81,11 @@ class Method:
     dense_layers: int | list[int] | None = None
 
     def __post_init__(self) -> None:
+        # every field holds the kind its annotation says (an int field a whole number, ...): no method writes
+        # that check; each checks its fields' ranges after this
+        check_field_kinds(self)
         dense = self.dense_layers
-        if not (dense is None or (is_int(dense) and dense >= 0)
-                or (isinstance(dense, (list, tuple)) and all(is_int(x) and x >= 0 for x in dense))):
+        if any(x < 0 for x in ([] if dense is None else [dense] if is_int(dense) else dense)):
             raise ValueError("dense_layers must be null, a number of first layers >= 0 or a list of layer indices, "
                              f"got {dense!r}")
         if isinstance(dense, tuple):
@@ -202,9 +204,9 @@ class EvictionMethod(Method):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.block_size is not None and (not is_int(self.block_size) or self.block_size < 1):
+        if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be a positive number of tokens or null, got {self.block_size!r}")
-        if self.decode_every is not None and (not is_int(self.decode_every) or self.decode_every < 0):
+        if self.decode_every is not None and self.decode_every < 0:
             raise ValueError(f"decode_every must be a number of decode steps >= 0 or null, got {self.decode_every!r}")
 
     def schedule(self) -> Schedule:

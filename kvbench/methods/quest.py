@@ -41,8 +41,7 @@ class Quest(Method):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.page_size is not None and (isinstance(self.page_size, bool) or not isinstance(self.page_size, int)
-                                           or self.page_size < 1):
+        if self.page_size is not None and self.page_size < 1:
             raise ValueError(f"page_size must be a positive number of tokens or null, got {self.page_size!r}")
         if self.budget_unit not in (None, "traffic", "attended"):
             raise ValueError(f"budget_unit must be traffic, attended or null, not {self.budget_unit!r}")
