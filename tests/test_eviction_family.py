@@ -45,6 +45,7 @@ SCORED = [
     ("keydiff", {"anchor": "median", "window_ratio": 0.2}),
     ("keydiff", {"metric": "euclidean"}),
     ("keyl2norm", {}),
+    ("random", {}),
 ]
 IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in params.items())}" for name, params in SCORED]
 ONE_SHOT = {"block_size": None, "decode_every": 0}
@@ -481,3 +482,4 @@ def test_a_new_methods_fields_are_checked_by_kind_without_a_check_of_its_own():
                                ("limit", "many", "an integer or null"), ("block_size", 1.5, "an integer or null")]:
         with pytest.raises(ValueError, match=re.escape(f"{field} must be {kind}, got {wrong!r}")):
             Fresh(**{field: wrong})
+

@@ -27,6 +27,10 @@ prompt runs there as it is. A method with decode-time eviction runs there throug
 `view.width` only, mask by `view.valid`, read lengths from `view.lengths`). `static_decode_blocker` says why a
 method stays on the eager path (host work every step: a CPU index, an LRU, host memory), and the record says so.
 
+A method that draws at random draws from `step.generator` only: the sample's CPU generator, seeded from the
+run's seed and the sample's id, so its choices are the same in a grouped run as alone, and on a rerun, and
+differ between two samples of the same length (docs/adding-a-method.md, section 6; `methods/random.py`).
+
 Every method has `dense_layers` (null: none; N: the first N layers; a list: those layer indices): a dense layer
 keeps its whole cache and attends densely, whatever the method (RocketKV App. A.1 skips layers 0-1 for every
 method on LongChat; Quest's release keeps its first two layers dense). The dispatcher and the eviction hook ask
