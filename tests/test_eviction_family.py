@@ -483,3 +483,12 @@ def test_a_new_methods_fields_are_checked_by_kind_without_a_check_of_its_own():
         with pytest.raises(ValueError, match=re.escape(f"{field} must be {kind}, got {wrong!r}")):
             Fresh(**{field: wrong})
 
+
+def test_a_scored_method_refuses_a_ragged_layer_rather_than_keep_its_padding(tiny_llama):
+    """keep_top ranks columns of a uniform layer; Ada-KV's heads hold different numbers of tokens."""
+    session = Session(tiny_llama, build_method("adakv", window=8), 40)
+    session.prefill(random_ids(90, seed=24), compress=True)
+    layer = session.cache.layers[0]
+    assert layer.is_ragged
+    with pytest.raises(ValueError, match=r"keyl2norm keeps the top scores of a uniform layer.*writes keep per head"):
+        build_method("keyl2norm").keep(layer, 20, session.step_context())

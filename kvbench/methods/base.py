@@ -236,6 +236,10 @@ class ScoredEviction(EvictionMethod):
     def keep(self, layer: "KVLayer", budget: int, step: Step) -> list[torch.Tensor] | None:
         if budget >= layer.physical_length():
             return None
+        if layer.is_ragged:  # keep_top would rank a shorter head's padding and keep it as tokens
+            raise ValueError(f"{self.name} keeps the top scores of a uniform layer, and layer {layer.layer_idx}'s heads "
+                             f"hold {layer.lengths()} tokens: a method whose heads differ writes keep per head "
+                             "(methods/adakv.py)")
         return keep_top(self.score(layer, step), budget, recent=self.recent_tokens(budget))
 
     def decode_eviction_scores(self, layer: "KVLayer", budget: int, step: Step) -> tuple[torch.Tensor, int]:
@@ -252,8 +256,10 @@ class ScoredEviction(EvictionMethod):
 def keep_top(scores: torch.Tensor, budget: int, recent: int = 0) -> list[torch.Tensor]:
     """Per head, the sorted indices of the `budget` highest scores, the last `recent` entries always kept.
 
-    scores: `[H, L]` over a uniform layer (fp32). Used by the methods that rank every stored token by one
-    score (H2O, TOVA, KeyDiff, KeyL2Norm): older tokens compete for `budget - recent` slots.
+    scores: `[H, L]` (fp32) over a uniform layer: every head holds L tokens, column j is token j of each. Used by
+    the methods that rank every stored token by one score (H2O, TOVA, KeyDiff, KeyL2Norm, random): older tokens
+    compete for `budget - recent` slots. A ragged layer's scores (`head_view()` pads its shorter heads) would have
+    it rank padding as tokens and keep padding as the recent ones: `ScoredEviction.keep` refuses such a layer.
     """
     length = scores.shape[1]
     recent = min(recent, budget)
