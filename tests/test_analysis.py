@@ -156,7 +156,7 @@ def test_a_mistyped_key_names_the_setting_meant_as_a_run_does(tmp_path, capsys, 
     assert not results.exists()
 
 
-CLAIMS_PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "experiment").glob("claims_*.yaml"))
+CLAIMS_PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "kvbench" / "conf" / "experiment").glob("claims_*.yaml"))
 
 
 def test_every_paper_has_a_claims_preset_and_its_cpu_twin():

@@ -313,11 +313,22 @@ def test_a_sweeps_closing_table_lists_its_own_points_only(tmp_path):
 
 
 def test_runs_from_the_folder_that_contains_the_checkout(tmp_path):
-    """There `kvbench` on the import path is the checkout folder, and its results/ would be kvbench.results."""
+    """There `kvbench` on the import path is first the checkout folder, whose results/ would be kvbench.results."""
     (tmp_path / "kvbench").symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
     result = kvbench("model=tiny_llama", "budget=1.0", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "kvbench: error: budget=1.0 is ambiguous" in result.stderr
+
+
+def test_python_in_the_folder_that_holds_the_checkout_imports_the_installed_package(tmp_path):
+    """The working directory leads the import path, and its clone named kvbench has no __init__.py: Python takes
+    the regular package of a later path entry (an editable install's: the checkout) over such a folder."""
+    show = "import kvbench, kvbench.results, kvbench.conf; print(kvbench.__file__, kvbench.results.__file__)"
+    elsewhere = subprocess.run([sys.executable, "-c", show], cwd=tmp_path, capture_output=True, text=True)
+    (tmp_path / "kvbench").symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
+    beside = subprocess.run([sys.executable, "-c", show], cwd=tmp_path, capture_output=True, text=True)
+    assert elsewhere.returncode == 0 and "None" not in elsewhere.stdout, elsewhere.stderr[-2000:]
+    assert beside.returncode == 0 and beside.stdout == elsewhere.stdout, beside.stderr[-2000:]
 
 
 def test_a_point_whose_samples_are_now_generated_differently_is_refused_not_mixed(tmp_path):

@@ -27,7 +27,7 @@ from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.models import load_model
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf"
 
 
 def assert_same_records(alone: dict, grouped: dict) -> None:

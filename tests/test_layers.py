@@ -28,44 +28,24 @@ def test_no_module_in_kvbench_is_over_450_lines():
     assert not long, f"modules over {MAX_LINES} lines: {long}"
 
 
-def installed_folders() -> dict[str, Path]:
-    """Each package pyproject.toml installs, and the folder it is installed from (`package-dir`)."""
-    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    mapped = setuptools.get("package-dir", {})
-
-    def folder(package: str) -> Path:
-        prefix = max((p for p in mapped if package == p or package.startswith(p + ".")), key=len, default=None)
-        if prefix is None:
-            return ROOT.joinpath(*package.split("."))
-        return ROOT.joinpath(mapped[prefix], *package[len(prefix):].split(".")[1:])
-
-    return {package: folder(package) for package in setuptools["packages"]}
-
-
-def test_every_folder_with_files_to_install_is_a_declared_package():
-    """setuptools warns about a folder of package files that is not a package (`Package would be ignored`) and
-    a wheel leaves it out: every folder holding files under kvbench/, conf/ and the launcher is declared."""
-    declared = set(installed_folders().values())
-    holders = {p.parent for top in ("kvbench", "conf", "hydra_plugins/kvbench_launcher")
-               for p in (ROOT / top).rglob("*") if p.is_file() and "__pycache__" not in p.parts}
-    assert sorted(map(str, holders - declared)) == [], "folders of files no package declares (pyproject.toml)"
-    assert sorted(map(str, declared - holders)) == [], "declared packages without a folder of files"
-
-
-def test_the_graph_lint_imports_checks_holds_every_module_installed():
-    """A module missing from the graph (in a folder without __init__.py, or mapped from outside kvbench/) is
-    under no contract: lint-imports would keep a contract it never checked."""
+def test_the_graph_lint_imports_checks_holds_every_module_on_disk():
+    """A module missing from the graph (in a folder without __init__.py, or outside kvbench/) is under no
+    contract: lint-imports would keep a contract it never checked."""
     grimp = pytest.importorskip("grimp")
     # what lint-imports builds from `root_package = "kvbench"`, scanned afresh (grimp's cache can keep modules
     # a folder no longer provides)
     graph = grimp.build_graph("kvbench", cache_dir=None)
-    installed = set()
-    for package, folder in installed_folders().items():
-        if package.startswith("kvbench"):
-            installed |= {package if p.stem == "__init__" else f"{package}.{p.stem}" for p in folder.glob("*.py")}
-    # the config tree, installed from conf/, is YAML and an empty __init__.py: nothing there imports anything
-    assert (ROOT / "conf" / "__init__.py").read_text().strip() == ""
-    assert sorted(installed - graph.modules - {"kvbench.conf"}) == []
+    on_disk = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+               for p in (ROOT / "kvbench").rglob("*.py")}
+    assert sorted(on_disk - graph.modules) == []
+
+
+def test_everything_installed_lives_in_kvbench():
+    """One folder is the package (code and configs): an editable install is then the checkout on sys.path, and
+    the graph above is all of it."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert setuptools["package-dir"] == {"": "."}
+    assert setuptools["packages"]["find"]["include"] == ["kvbench*", "hydra_plugins*"]
 
 
 def test_a_method_helper_that_imports_the_engine_breaks_the_contract(tmp_path):
@@ -90,8 +70,7 @@ def test_no_import_cycle_among_kvbench_modules():
 
     def visit(module: str, path: list[str]) -> None:
         state[module] = 1
-        # a self-edge is grimp's reading of `import kvbench.conf` (a folder outside kvbench/), not a cycle
-        for target in sorted(graph.find_modules_directly_imported_by(module) - {module}):
+        for target in sorted(graph.find_modules_directly_imported_by(module)):
             if state.get(target) == 1:
                 cycles.append(" -> ".join(path[path.index(target):] + [target]))
             elif target not in state:

@@ -15,7 +15,7 @@ from kvbench.tasks import math_metrics as mm
 from kvbench.tasks.base import DatasetMissingError, whitespace_meter
 from kvbench.tasks.scoring import SCORERS
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "task" / "math500.yaml"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "task" / "math500.yaml"
 
 PROBLEMS = [
     {"problem": "What is $1+1$?", "solution": "$1+1=\\boxed{2}$.", "answer": "2",

@@ -86,7 +86,7 @@ from kvbench.models import load_model
 from kvbench.run.policy import run_or_oom
 from tests.test_profile import PROFILE_CFG, synthetic
 
-cfg = OmegaConf.load("conf/model/smollm2_135m.yaml")
+cfg = OmegaConf.load("kvbench/conf/model/smollm2_135m.yaml")
 cfg.device, cfg.dtype = "cpu", "float32"
 lm = load_model(cfg)
 short, long = synthetic(lm, [512, 8000], new=4)

@@ -16,7 +16,7 @@ from kvbench.tasks.base import whitespace_meter
 from kvbench.tasks.niah import Niah
 from kvbench.tasks.scoring import score
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "task"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "task"
 INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
                "I will quiz you about the important information there.\n")
 

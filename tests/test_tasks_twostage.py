@@ -15,7 +15,7 @@ from kvbench.tasks.metrics import COLOURS
 from kvbench.tasks.scoring import score
 from kvbench.tasks.twostage_retr import TwoStageRetr
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "task"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "task"
 INSTRUCTION = ("Let's play a game. You have a dict and a mathematical addition equation. The keys of a dictionary "
                "can be any number. You need to find the corresponding key value in the dictionary after performing "
                "the addition and output the value corresponding to that key.")

@@ -14,7 +14,7 @@ t = 256 it is about 750 tokens, with 128 tokens attended, where Quest's release 
 
 `budget_unit=attended` is Quest's own accounting, which CTKVR's baselines use (CTKVR §4.1.2: "a sparsity
 budget of 1,024 tokens", Quest with its page of 16): the group attends to `budget` tokens and the page bounds
-are read on top (the records' read tokens say how many). `conf/method/quest_page16.yaml` is Quest as its
+are read on top (the records' read tokens say how many). `kvbench/conf/method/quest_page16.yaml` is Quest as its
 release runs it: page 16, `budget_unit=attended`, the first two layers dense (mit-han-lab/Quest,
 `evaluation/quest_attention.py`: `if q_len > 1 or self.layer_id < 2: return self.flash_forward(...)`).
 """

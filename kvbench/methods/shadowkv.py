@@ -27,7 +27,7 @@ Defaults are the repo's: chunk 8, rank 160 for Llama-3-8B's 8 x 128 = 1024-wide 
 uses 24 per 1024 of sparse budget), 4 local chunks. The budget is the sparse budget in tokens per KV head (2048
 in the paper, 1024 as CTKVR runs it); resident rows are attended on top of it, as in the repo.
 
-`low_rank: false` (conf/method/shadowkv_landmark.yaml, with no outliers) is the landmark part alone, as CTKVR
+`low_rank: false` (kvbench/conf/method/shadowkv_landmark.yaml, with no outliers) is the landmark part alone, as CTKVR
 §4 describes ShadowKV: keys and values stay exact and resident, each step attends to the resident rows and the
 top chunks by q . landmark. Nothing moves, nothing is freed.
 
