@@ -38,7 +38,7 @@ lint-imports: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff
-	$(BIN)/ruff check kvbench tasks kernels tests
+	$(BIN)/ruff check kvbench tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -99,14 +99,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def resolved_precision(cfg: Any) -> dict[str, str]:
-    """The dtype and device kind a `conf/model/*.yaml` node's `dtype` / `device` resolve to here (`auto`
+    """The dtype and device kind a `kvbench/conf/model/*.yaml` node's `dtype` / `device` resolve to here (`auto`
     included): the kernels, and so the numbers, differ between them (`run.identity` hashes them)."""
     device = resolve_device(str(cfg.device))
     return {"dtype": str(resolve_dtype(str(cfg.dtype), device)).replace("torch.", ""), "device": device.type}
 
 
 def load_model(cfg: Any) -> LoadedModel:
-    """Build the model described by a `conf/model/*.yaml` node.
+    """Build the model described by a `kvbench/conf/model/*.yaml` node.
 
     `cfg.source` picks the loader: `hf` (hub id or local directory in `cfg.path`), `gguf` (a `.gguf` file in
     `cfg.path`), `package_gguf` (a GGUF shipped inside a PyPI package, `cfg.package`), `tiny` (a random

@@ -1,6 +1,5 @@
 """`python -m kvbench.report ...` (= `kvbench report ...`), and the sweep callback's old config path."""
 
-import kvbench._unshadow  # noqa: F401, I001 - first: a folder named kvbench in the working directory
 import sys
 
 from kvbench.cli.report import main

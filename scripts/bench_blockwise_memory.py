@@ -27,7 +27,7 @@ from kvbench.methods import build_method
 from kvbench.models import load_model
 from kvbench.run.caches import release_host_memory
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "model"
 
 
 def _status_kib(field: str) -> int:
@@ -68,7 +68,7 @@ def measure(lm, method_name: str, params: dict, budget: int | None, ids: list[in
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2_135m", help="a conf/model name")
+    parser.add_argument("--model", default="smollm2_135m", help="a kvbench/conf/model name")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--length", type=int, default=8192 - 64, help="prompt tokens")
     parser.add_argument("--budget", type=int, default=512)

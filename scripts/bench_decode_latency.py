@@ -63,7 +63,7 @@ from kvbench.methods import build_method
 from kvbench.models import load_model, weight_products
 from kvbench.profiling.roofline import best_seconds, phase_costs
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "model"
 DEFAULT_METHODS = "full,exact_topk,quest,sparq,hsa,rocketkv,snapkv,streamingllm"
 
 
@@ -107,7 +107,7 @@ def gemv_bandwidth(model: torch.nn.Module) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2_135m", help="a conf/model name")
+    parser.add_argument("--model", default="smollm2_135m", help="a kvbench/conf/model name")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto", help="auto, bfloat16 or float32")
     parser.add_argument("--length", type=int, default=8192 - 160, help="prompt tokens")

@@ -21,7 +21,7 @@ from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.models import fast_cpu_bfloat16, load_model
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "model"
 
 
 def measure(dtype: str, args: argparse.Namespace) -> tuple[float, float]:

@@ -28,7 +28,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from kvbench.models import load_model, model_head_dim
 from kvbench.profiling.roofline import phase_costs
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "model"
 
 
 def eager_step(lm, keys: list[torch.Tensor], values: list[torch.Tensor], rows: int, token: int) -> torch.Tensor:
@@ -85,7 +85,7 @@ def time_eager_steps(lm, rows: int, steps: int, rounds: int = 1, rate_of=None) -
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2_135m", help="a conf/model name")
+    parser.add_argument("--model", default="smollm2_135m", help="a kvbench/conf/model name")
     parser.add_argument("--dtype", default="auto", help="auto, bfloat16 or float32")
     parser.add_argument("--rows", type=int, default=256, help="cached rows per KV head")
     parser.add_argument("--steps", type=int, default=32)

@@ -26,7 +26,7 @@ from kvbench.engine.sample import run_sample
 from kvbench.methods import build_method
 from kvbench.models import cache_kwargs, load_model
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf"
 
 
 @torch.inference_mode()

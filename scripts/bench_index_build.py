@@ -5,7 +5,7 @@ query-centric index, over the keys of one layer.
         [--data model|gaussian] [--layer 2] [--k N] [--test-queries 32] [--threads 1]
         [--out docs/efficiency/index_build]
 
-Data: `model` (default) runs the embedded SmolLM2 (`kvbench.models`, conf/model/smollm2_135m.yaml) over Paul
+Data: `model` (default) runs the embedded SmolLM2 (`kvbench.models`, kvbench/conf/model/smollm2_135m.yaml) over Paul
 Graham essays (kvbench.tasks.haystack) once, at the longest length plus the test queries, and takes layer
 `--layer`'s post-RoPE keys and queries (the forward stops at that layer; its queries and keys are its own
 projections and rotary embedding); a length N uses the first N keys as the index, the last C prompt queries
@@ -89,7 +89,7 @@ def model_data(n: int, layer: int, test_queries: int) -> Data:
     from kvbench.engine.session import Session
     from kvbench.models import load_model
 
-    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "model" / "smollm2_135m.yaml")
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "model" / "smollm2_135m.yaml")
     cfg.device, cfg.dtype = "cpu", "float32"
     lm = load_model(cfg)
     ids = lm.tokenizer(essay_text(), add_special_tokens=False)["input_ids"]

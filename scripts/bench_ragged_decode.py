@@ -34,7 +34,7 @@ from kvbench.models import load_model
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode_latency import time_decode  # noqa: E402
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "model"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "model"
 
 
 def _layer(lens: list[int], dim: int, slack: int):

@@ -102,10 +102,10 @@ def kvpress_python(args: argparse.Namespace) -> str | None:
 
 
 def run_kvpress(python: str, args: argparse.Namespace, work: Path) -> dict:
-    model_cfg = OmegaConf.load(ROOT / "conf" / "model" / "smollm2_135m.yaml")
+    model_cfg = OmegaConf.load(ROOT / "kvbench" / "conf" / "model" / "smollm2_135m.yaml")
     model_cfg.dtype = args.dtype
     lm = load_model(model_cfg)
-    task_cfg = OmegaConf.load(ROOT / "conf" / "task" / "ruler_niah_single_2.yaml")
+    task_cfg = OmegaConf.load(ROOT / "kvbench" / "conf" / "task" / "ruler_niah_single_2.yaml")
     task_cfg.seq_len, task_cfg.num_samples = args.seq_len, args.samples
     task = instantiate(task_cfg, _convert_="all")
     task.max_positions = lm.max_positions

@@ -37,7 +37,7 @@ from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.models import load_model
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf"
 
 # (label, method, settings, budget): the list of static methods, then the methods that stay eager
 STATIC = [

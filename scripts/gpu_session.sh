@@ -12,7 +12,7 @@
 # kvbench must be importable: an editable install (`pip install -e .`), or wheels in WHEELS (default: the
 # checkout's .whl/, if present: kvbench's own wheel plus transformers 5.23, hydra-core, omegaconf, antlr4 4.9.3)
 # pip-installed into /tmp/site and put on PYTHONPATH. Commands run from a scratch directory, so the checkout's
-# kvbench/ folder does not shadow the installed package (its kernels/, tasks/, conf/ are mapped at install).
+# kvbench/ folder does not shadow the installed package.
 # Each step has its own time limit; logs, records and a tarball of the profile results go to OUT_DIR.
 # Override the profile grid with LENGTHS, METHODS, BUDGETS, REPEATS (see below).
 set -uo pipefail

@@ -19,7 +19,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from kvbench.models import LoadedModel, load_model  # noqa: E402
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf"
 
 
 def model_cfg(name: str, **overrides):

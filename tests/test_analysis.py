@@ -141,7 +141,22 @@ def test_bad_input_is_one_error_line(tmp_path, capsys, args, message):
     assert err.startswith("kvbench: error:") and message in err
 
 
-CLAIMS_PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "conf" / "experiment").glob("claims_*.yaml"))
+@pytest.mark.parametrize("args,message", [
+    (["num_sample=3"], "unknown setting 'num_sample' (did you mean num_samples?)"),
+    (["+num_sample=3"], "unknown setting 'num_sample' (did you mean num_samples?)"),
+    (["engine.chat_templat=false"], "unknown setting 'engine.chat_templat' (did you mean engine.chat_template?)"),
+    (["task.seq_lenn=512"], "unknown setting 'task.seq_lenn' (did you mean task.seq_len?)"),
+])
+def test_a_mistyped_key_names_the_setting_meant_as_a_run_does(tmp_path, capsys, args, message):
+    """The same key check as `python -m kvbench` (kvbench.config.command.check_keys): one line, nothing created."""
+    results = tmp_path / "results"
+    assert analyze(["claim=keydiff_geometry", *TINY, f"results_dir={results}", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvbench: error: ") and message in err and len(err.strip().splitlines()) == 1
+    assert not results.exists()
+
+
+CLAIMS_PRESETS = sorted(p.stem for p in (Path(__file__).parents[1] / "kvbench" / "conf" / "experiment").glob("claims_*.yaml"))
 
 
 def test_every_paper_has_a_claims_preset_and_its_cpu_twin():

@@ -8,13 +8,13 @@ import math
 
 import pytest
 from conftest import model_cfg
-from kvbench.tasks.base import Sample, Turn
 from test_presets import composed
 
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import run_sample
 from kvbench.methods import build_method, method_parameters
 from kvbench.models import load_model
+from kvbench.tasks.base import Sample, Turn
 
 PROMPT = 400
 NEW = 8

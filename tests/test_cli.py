@@ -56,7 +56,8 @@ def records(root: Path) -> dict[str, list[dict]]:
         (["model=tiny_llama", "method=snapkv", "method.window=-3"], "method snapkv: window must be a positive number"),
         (["model=tiny_llama", "method=snapkv", "method.window=0"], "method snapkv: window must be a positive number"),
         (["model=tiny_llama", "method=streamingllm", "method.n_sink=-1"], "method streamingllm: n_sink must be a number"),
-        (["model=tiny_llama", "method=snapkv", "method.windw=3"], "method.windw is not a setting of method snapkv"),
+        (["model=tiny_llama", "method=snapkv", "method.windw=3"],
+         "method.windw is not a setting of method snapkv (did you mean method.window?"),
         (["-m", "model=tiny_llama", "method=snapkv,streamingllm", "method.pooling=avg"],
          "method.pooling is not a setting of method streamingllm"),
         (["model=tiny_llama", "method=adakv", "budget=1024", "task=ruler_16k"],
@@ -66,6 +67,11 @@ def records(root: Path) -> dict[str, list[dict]]:
         (["model=tiny_llama", "budgt=64"], "unknown setting 'budgt' (did you mean budget?)"),
         (["model=tiny_llama", "+budgt=64"], "unknown setting 'budgt' (did you mean budget?)"),
         (["-m", "model=tiny_llama", "++budgt=64,128"], "unknown setting 'budgt' (did you mean budget?)"),
+        # issue 39: under engine. and profiler. too, the same line
+        (["model=tiny_llama", "engine.batchrows=2"], "unknown setting 'engine.batchrows' (did you mean engine.batch_rows?)"),
+        (["model=tiny_llama", "+engine.batchrows=2"], "unknown setting 'engine.batchrows' (did you mean engine.batch_rows?)"),
+        (["-m", "model=tiny_llama", "engine.batchrows=1,2"], "unknown setting 'engine.batchrows' (did you mean engine.batch_rows?)"),
+        (["model=tiny_llama", "profiler.repeat=2"], "unknown setting 'profiler.repeat' (did you mean profiler.repeats?)"),
         (["model=tiny_llama", "budget=abc"], "budget must be a positive number"),
         (["model=tiny_llama", "budget=1.5"], "budget 1.5 is neither a token count nor a ratio"),
         (["model=tiny_llama", "budget=1.0"], "budget=1.0 is ambiguous"),
@@ -307,11 +313,22 @@ def test_a_sweeps_closing_table_lists_its_own_points_only(tmp_path):
 
 
 def test_runs_from_the_folder_that_contains_the_checkout(tmp_path):
-    """There `kvbench` on the import path is the checkout folder, and its results/ would be kvbench.results."""
+    """There `kvbench` on the import path is first the checkout folder, whose results/ would be kvbench.results."""
     (tmp_path / "kvbench").symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
     result = kvbench("model=tiny_llama", "budget=1.0", cwd=tmp_path)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert "kvbench: error: budget=1.0 is ambiguous" in result.stderr
+
+
+def test_python_in_the_folder_that_holds_the_checkout_imports_the_installed_package(tmp_path):
+    """The working directory leads the import path, and its clone named kvbench has no __init__.py: Python takes
+    the regular package of a later path entry (an editable install's: the checkout) over such a folder."""
+    show = "import kvbench, kvbench.results, kvbench.conf; print(kvbench.__file__, kvbench.results.__file__)"
+    elsewhere = subprocess.run([sys.executable, "-c", show], cwd=tmp_path, capture_output=True, text=True)
+    (tmp_path / "kvbench").symlink_to(Path(__file__).resolve().parents[1], target_is_directory=True)
+    beside = subprocess.run([sys.executable, "-c", show], cwd=tmp_path, capture_output=True, text=True)
+    assert elsewhere.returncode == 0 and "None" not in elsewhere.stdout, elsewhere.stderr[-2000:]
+    assert beside.returncode == 0 and beside.stdout == elsewhere.stdout, beside.stderr[-2000:]
 
 
 def test_a_point_whose_samples_are_now_generated_differently_is_refused_not_mixed(tmp_path):

@@ -9,12 +9,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from kvbench.tasks import generic_metrics
-from kvbench.tasks.base import Sample, Turn, whitespace_meter
-from kvbench.tasks.custom import Custom, write_samples
-from kvbench.tasks.ruler import Ruler
-from kvbench.tasks.scoring import SCORERS, score
-from kvbench.tasks.twostage_retr import TwoStageRetr
 
 from kvbench.cli import export
 from kvbench.core.errors import KVBenchError
@@ -23,6 +17,12 @@ from kvbench.engine.prompt import PromptBuilder
 from kvbench.engine.sample import run_sample
 from kvbench.methods import build_method
 from kvbench.results.store import to_jsonable
+from kvbench.tasks import generic_metrics
+from kvbench.tasks.base import Sample, Turn, whitespace_meter
+from kvbench.tasks.custom import Custom, write_samples
+from kvbench.tasks.ruler import Ruler
+from kvbench.tasks.scoring import SCORERS, score
+from kvbench.tasks.twostage_retr import TwoStageRetr
 
 
 def comparable(record: dict) -> dict:

@@ -3,21 +3,21 @@ float32, and the model-level fast path against the reference path; blocked bfloa
 
 from __future__ import annotations
 
-import kvbench.kernels.decode_attention as decode_attention_module
 import pytest
 import torch
 import torch.nn.functional as F
+
+import kvbench.attention.dispatch as dispatch
+import kvbench.kernels.decode_attention as decode_attention_module
+import kvbench.models as models
+from kvbench.core.errors import KVBenchError
+from kvbench.engine.session import Session
 from kvbench.kernels.decode_attention import (
     WIDTH_STEP,
     decode_attention,
     decode_attention_matmul,
     decode_attention_reference,
 )
-
-import kvbench.attention.dispatch as dispatch
-import kvbench.models as models
-from kvbench.core.errors import KVBenchError
-from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.methods.common import pages as pages_module
 from kvbench.methods.common.pages import page_tokens, top_page_tokens, top_tokens

@@ -14,9 +14,16 @@ from test_eviction_family import run_and_record
 from kvbench.engine.session import Session
 from kvbench.methods import METHODS, build_method
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "adding-a-method.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "adding-a-method.md"
 PRELUDE = ("from dataclasses import dataclass\nimport torch\n"
            "from kvbench.methods.base import EvictionMethod, Method, keep_top, register_method\n")
+
+
+def shipped(block: str) -> Path | None:
+    """The file a block shows whole (its first line names it), if the package has it: it is compared, not run."""
+    path = ROOT / block.splitlines()[0].removeprefix("# ")
+    return path if block.startswith("# kvbench/") and path.is_file() else None
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +33,8 @@ def doc_methods():
     exec(PRELUDE, namespace)
     before = set(METHODS)
     for block in blocks:
+        if shipped(block):
+            continue
         if block.startswith("    def "):  # a method body shown alone: wrap it in a class
             block = "class Snippet:\n" + block
         exec(block, namespace)
@@ -61,3 +70,10 @@ def test_selection_and_layer_budget_examples(tiny_llama, doc_methods):
     for layer.layer_idx in range(6):
         budgets.append(namespace["Snippet"]().layer_budget(layer, 100, step))
     assert sum(budgets) == 600
+
+
+def test_a_shipped_method_the_page_shows_is_the_file_as_it_is():
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S) if shipped(b)]
+    assert [shipped(b).name for b in blocks] == ["random.py"]
+    for block in blocks:
+        assert block.split("\n", 1)[1] == shipped(block).read_text()

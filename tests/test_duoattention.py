@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import CONF, random_ids
-from kvbench.tasks.base import Sample, Turn
-from kvbench.tasks.haystack import essay_text
 
 from kvbench.calibration.duoattention import (
     _ACTIVE,
@@ -38,6 +36,8 @@ from kvbench.methods.duoattention import (
     shipped_patterns,
     write_pattern,
 )
+from kvbench.tasks.base import Sample, Turn
+from kvbench.tasks.haystack import essay_text
 
 GATES = [[0.9, 0.1], [0.2, 0.8]]  # a 2-layer x 2-KV-head pattern: (0, 0) and (1, 1) retrieve first
 

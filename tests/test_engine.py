@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvbench.tasks.base import Sample, Turn
 from reference import kept_masks, reference_logits
 
 from kvbench.core.budget import resolve_budget
@@ -14,6 +13,7 @@ from kvbench.engine.prompt import PromptBuilder
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
 from kvbench.methods import build_method
+from kvbench.tasks.base import Sample, Turn
 
 
 def kv_sample(turns: int = 2, mode: str = "multi_turn") -> Sample:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import math
 import random
 import re
+from typing import Literal
 
 import pytest
 import torch
 from conftest import random_ids
-from kvbench.tasks.base import Sample, Turn
 from reference import kept_masks, reference_chunks
 
 from kvbench.core.errors import KVBenchError
@@ -23,6 +23,7 @@ from kvbench.methods.keydiff import keydiff_scores
 from kvbench.methods.pyramidkv import pyramid_budgets
 from kvbench.methods.tova import last_query_attention
 from kvbench.run.caches import prefill_snapshots
+from kvbench.tasks.base import Sample, Turn
 
 PROMPT = 300
 SMALL = {"window": 8}  # SnapKV-family windows that fit a 48-token budget
@@ -44,6 +45,7 @@ SCORED = [
     ("keydiff", {"anchor": "median", "window_ratio": 0.2}),
     ("keydiff", {"metric": "euclidean"}),
     ("keyl2norm", {}),
+    ("random", {}),
 ]
 IDS = [f"{name}-{'-'.join(f'{k}={v}' for k, v in params.items())}" for name, params in SCORED]
 ONE_SHOT = {"block_size": None, "decode_every": 0}
@@ -432,19 +434,61 @@ def test_method_parameters_out_of_range_are_one_clear_error(name, params, messag
 
 
 def test_every_method_parameter_refuses_a_value_of_the_wrong_kind():
-    """Each parameter of each method, given something it cannot mean, is one clear error naming it."""
+    """Each parameter of each method, given something it cannot mean, is one clear error naming it: a value of
+    another kind than its annotation says (checked for every method by `Method.__post_init__`), and for a
+    count or a fraction a negative number (each method's own range check). A failure lists every method, field
+    and value accepted."""
     import dataclasses
 
     from kvbench.methods import METHODS
 
     wrong_by_type = {"int": ["nonsense", 2.5, True, -1], "float": ["nonsense", True, -0.5], "str": [12345, "nonsense"],
                      "bool": ["maybe", 12345]}
-    checked = 0
+    checked, accepted = 0, []
     for name, cls in sorted(METHODS.items()):
         for field in dataclasses.fields(cls):
             kind = next(k for k in ("bool", "int", "float", "str") if k in str(field.type))
             for wrong in wrong_by_type[kind]:
-                with pytest.raises(KVBenchError, match=re.escape(f"method {name}: ") + f".*{field.name}"):
-                    build_method(name, **{field.name: wrong})
                 checked += 1
+                try:
+                    build_method(name, **{field.name: wrong})
+                except KVBenchError as exc:
+                    if not str(exc).startswith(f"method {name}: ") or field.name not in str(exc):
+                        accepted.append(f"method {name}: {field.name}={wrong!r} refused without naming it: {exc}")
+                else:
+                    accepted.append(f"method {name}: {field.name}={wrong!r} accepted")
+    assert not accepted, "\n".join(accepted)
     assert checked > 100
+
+
+def test_a_new_methods_fields_are_checked_by_kind_without_a_check_of_its_own():
+    """What a contributor's method gets for free: its annotations say what each field holds."""
+    import dataclasses
+
+    from kvbench.methods.base import EvictionMethod
+
+    @dataclasses.dataclass
+    class Fresh(EvictionMethod):
+        name = "fresh_example"
+        count: int = 4
+        share: float = 0.5
+        mode: Literal["first", "last"] = "first"
+        shuffled: bool = False
+        limit: int | None = None
+
+    Fresh(count=0, share=1, mode="last", shuffled=True, limit=3)  # an int is a number too
+    for field, wrong, kind in [("count", 2.5, "an integer"), ("count", True, "an integer"), ("share", "half", "a number"),
+                               ("mode", "middle", "one of first, last"), ("shuffled", 1, "true or false"),
+                               ("limit", "many", "an integer or null"), ("block_size", 1.5, "an integer or null")]:
+        with pytest.raises(ValueError, match=re.escape(f"{field} must be {kind}, got {wrong!r}")):
+            Fresh(**{field: wrong})
+
+
+def test_a_scored_method_refuses_a_ragged_layer_rather_than_keep_its_padding(tiny_llama):
+    """keep_top ranks columns of a uniform layer; Ada-KV's heads hold different numbers of tokens."""
+    session = Session(tiny_llama, build_method("adakv", window=8), 40)
+    session.prefill(random_ids(90, seed=24), compress=True)
+    layer = session.cache.layers[0]
+    assert layer.is_ragged
+    with pytest.raises(ValueError, match=r"keyl2norm keeps the top scores of a uniform layer.*writes keep per head"):
+        build_method("keyl2norm").keep(layer, 20, session.step_context())

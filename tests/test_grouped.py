@@ -27,7 +27,7 @@ from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.models import load_model
 
-CONF = Path(__file__).resolve().parents[1] / "conf"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf"
 
 
 def assert_same_records(alone: dict, grouped: dict) -> None:
@@ -90,7 +90,9 @@ GRID = [("full", {}, 64), ("adakv", {}, 48), ("exact_topk", {}, 32), ("snapkv", 
         # the seeds' baselines: per-head streaming, LSH sampling, low-rank keys, block memory, ANN retrieval
         ("duoattention", {"pattern": "tiny_llama"}, 24), ("magicpig", {"n_local": 8, "dense_layers": None}, 16),
         ("shadowkv", {"local_chunks": 1, "outlier_chunks": 2}, 16), ("infllm", {"memory_block_size": 8}, 48),
-        ("retrieval_attention", {"n_init": 4, "n_local": 8}, 8)]
+        ("retrieval_attention", {"n_init": 4, "n_local": 8}, 8),
+        # a stochastic method: the sample's generator, drawn at the prompt's end and at every decode step
+        ("random", {"decode_every": 1}, 32)]
 
 
 def _grouped_vs_alone(lm, compress_question: bool, batch_rows: int = 1) -> list[tuple[dict, dict]]:

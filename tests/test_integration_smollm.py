@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-from kvbench.tasks.ruler import Ruler
 from omegaconf import OmegaConf
 from reference import kept_masks, reference_logits
 
@@ -17,6 +16,7 @@ from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
 from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.methods import build_method
+from kvbench.tasks.ruler import Ruler
 
 pytestmark = pytest.mark.integration
 

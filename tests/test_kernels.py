@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from kvbench.cache.kvcache import KVBenchCache
 from kvbench.kernels import _triton_kernels, ragged_attention, sparse_attention
 from kvbench.kernels._dispatch import ENV_VAR, use_triton
 from kvbench.kernels.decode_attention import decode_attention
@@ -42,8 +43,6 @@ from kvbench.kernels.sparse_attention import (
     topk_attention,
     topk_attention_reference,
 )
-
-from kvbench.cache.kvcache import KVBenchCache
 
 pytestmark = pytest.mark.kernels
 DEVICE = os.environ.get("KVBENCH_KERNEL_DEVICE", "cpu")  # cpu: interpreted; cuda: compiled

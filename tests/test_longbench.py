@@ -8,12 +8,13 @@ import math
 from pathlib import Path
 
 import pytest
+
 from kvbench.tasks import longbench as lb
 from kvbench.tasks import longbench_metrics as lm
 from kvbench.tasks.base import DatasetMissingError, Sample, whitespace_meter
 from kvbench.tasks.scoring import SCORERS
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf"
+CONF_DIR = Path(__file__).resolve().parents[1] / "kvbench" / "conf"
 
 # Spec §2.2 table (an independent transcription) for max_new_tokens.
 SPEC_MAX_NEW_TOKENS = {

@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 from conftest import random_ids
-from kvbench.tasks.base import Sample, Turn
 
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.methods.magicpig import LSHSegment, collision_counts, sampling_probability, simhash, simhash_planes
+from kvbench.tasks.base import Sample, Turn
 
 PROMPT = 400
 SMALL = {"n_sink": 4, "n_local": 32, "dense_layers": None}

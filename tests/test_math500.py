@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
 from kvbench.tasks import math500 as m5
 from kvbench.tasks import math_metrics as mm
 from kvbench.tasks.base import DatasetMissingError, whitespace_meter
 from kvbench.tasks.scoring import SCORERS
-from omegaconf import OmegaConf
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "task" / "math500.yaml"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "task" / "math500.yaml"
 
 PROBLEMS = [
     {"problem": "What is $1+1$?", "solution": "$1+1=\\boxed{2}$.", "answer": "2",

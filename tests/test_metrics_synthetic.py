@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvbench.tasks.metrics import ruler_postprocess
 from kvbench.tasks.scoring import get_scorer, score
 

@@ -1,4 +1,4 @@
-"""Experiment presets (conf/experiment/*.yaml), checked without running a model: each composes through Hydra's
+"""Experiment presets (kvbench/conf/experiment/*.yaml), checked without running a model: each composes through Hydra's
 compose API, every swept method / task / model config exists and builds with the preset's fixed settings (so a
 setting one swept method lacks is caught here, not hours into a sweep), the paper methods listed as missing
 from kvbench really are, the `report:` block keeps to the schema the report code reads, and every paper preset
@@ -16,7 +16,7 @@ import pytest
 from omegaconf import DictConfig, OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
-CONF = REPO / "conf"
+CONF = REPO / "kvbench" / "conf"
 if str(REPO) not in sys.path:  # the grouped launcher's plugin (hydra_plugins/) must be importable for composing
     sys.path.insert(0, str(REPO))
 
@@ -93,7 +93,7 @@ def test_swept_configs_exist_and_build_with_the_presets_settings(name):
     cfg = composed(name)
     for group in ("model", "method", "task"):
         for value in choices(cfg, group):
-            assert (CONF / group / f"{value}.yaml").is_file(), f"{name} sweeps {group}={value}, not in conf/{group}"
+            assert (CONF / group / f"{value}.yaml").is_file(), f"{name} sweeps {group}={value}, not in kvbench/conf/{group}"
     for value in choices(cfg, "method"):
         job = composed(name, job_overrides(cfg, "method", value))
         params = {k: v for k, v in OmegaConf.to_container(job.method, resolve=True).items() if k != "name"}

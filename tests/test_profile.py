@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvbench.tasks.synthetic import Synthetic
 from omegaconf import OmegaConf
 
 from kvbench.engine.config import EngineConfig
@@ -22,6 +21,7 @@ from kvbench.methods import build_method
 from kvbench.profiling.profiler import PhaseProfiler, combine_repeats, is_out_of_memory, live_tensor_bytes
 from kvbench.profiling.roofline import phase_costs
 from kvbench.run.policy import run_or_oom
+from kvbench.tasks.synthetic import Synthetic
 
 PROFILE_CFG = OmegaConf.create({"profile": True, "profiler": {"warmup_steps": 2, "repeats": 2}})
 
@@ -87,7 +87,7 @@ from kvbench.models import load_model
 from kvbench.run.policy import run_or_oom
 from tests.test_profile import PROFILE_CFG, synthetic
 
-cfg = OmegaConf.load("conf/model/smollm2_135m.yaml")
+cfg = OmegaConf.load("kvbench/conf/model/smollm2_135m.yaml")
 cfg.device, cfg.dtype = "cpu", "float32"
 lm = load_model(cfg)
 short, long = synthetic(lm, [512, 8000], new=4)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from kvbench.tasks.base import Sample, Turn
-
 from kvbench.run.progress import SampleProgress, SweepEstimate, duration, sample_count
+from kvbench.tasks.base import Sample, Turn
 
 
 def samples(subtasks: int, per: int) -> list[Sample]:

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_ids
-from kvbench.tasks.base import Sample, Turn
 from reference import reference_chunks
 
 from kvbench.engine.config import EngineConfig
@@ -19,6 +18,7 @@ from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.methods.retrieval_attention import build_graph
+from kvbench.tasks.base import Sample, Turn
 
 PROMPT = 400
 SMALL = {"n_init": 8, "n_local": 48, "index_queries": 64}

@@ -8,17 +8,17 @@ import weakref
 import pytest
 import torch
 from conftest import model_cfg, random_ids
-from kvbench.kernels.sparse_attention import merge_attention, topk_attention
-from kvbench.tasks.base import Sample, Turn
 from reference import reference_chunks
 
 from kvbench.attention.hooks import evict_layer
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
+from kvbench.kernels.sparse_attention import merge_attention, topk_attention
 from kvbench.methods import build_method
 from kvbench.methods.ctkvr import build_index
 from kvbench.models import load_model
+from kvbench.tasks.base import Sample, Turn
 
 PROMPT = 400
 SMALL_CTKVR = {"n_init": 8, "n_local": 48, "max_centroids": 64}

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
 from kvbench.tasks import scbench as sc
 from kvbench.tasks import scbench_metrics as sm
 from kvbench.tasks.base import DatasetMissingError, whitespace_meter
 from kvbench.tasks.scoring import SCORERS
-from omegaconf import OmegaConf
 
-CONF_DIR = Path(__file__).resolve().parents[1] / "conf" / "task"
+CONF_DIR = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "task"
 
 # Spec §5.2 (an independent transcription): max new tokens per turn sub-task and metric family.
 SPEC_MAX_NEW_TOKENS = {

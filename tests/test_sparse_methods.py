@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import random_ids
-from kvbench.kernels.sparse_attention import topk_attention
-from kvbench.tasks.base import Sample, Turn
 from reference import kept_masks, reference_chunks
 
 from kvbench.core.contract import Plan, Selection, Step
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
+from kvbench.kernels.sparse_attention import topk_attention
 from kvbench.methods import build_method
 from kvbench.methods.common.pages import PageSummary
 from kvbench.methods.hsa import hsa_select
 from kvbench.methods.rocketkv import rocket_plan
+from kvbench.tasks.base import Sample, Turn
 
 SPARSE = ["quest", "sparq", "hsa", "rocketkv", "rocketkv_mt", "exact_topk"]
 PROMPT = 300

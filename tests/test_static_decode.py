@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from kvbench.kernels.decode_attention import decode_attention_reference, static_decode_attention
 
 import kvbench.engine.compiled as compiled
 from kvbench.cache.static import CAPACITY_BUCKET
@@ -20,6 +19,7 @@ from kvbench.core.errors import KVBenchError
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
+from kvbench.kernels.decode_attention import decode_attention_reference, static_decode_attention
 from kvbench.methods import build_method
 from kvbench.methods.common.pages import top_page_tokens
 from kvbench.methods.keydiff import ANCHORS, keydiff_scores
@@ -156,6 +156,11 @@ def test_records_say_which_path_ran_and_why(tiny_llama, eager_backend):
     assert [t["prediction"] for t in on["turns"]] == [t["prediction"] for t in auto["turns"]]
     host = run_sample(tiny_llama, build_method("infllm"), 64, sample, EngineConfig(compile=True))
     assert host["decode_path"] == "eager" and "host" in host["decode_path_reason"]
+    # random eviction draws from the sample's host generator: at the prompt's end only, its decoding compiles
+    drawn = run_sample(tiny_llama, build_method("random"), 64, sample, EngineConfig(compile=True))
+    assert drawn["decode_path"] == "compiled"
+    stepwise = run_sample(tiny_llama, build_method("random", decode_every=1), 64, sample, EngineConfig(compile=True))
+    assert stepwise["decode_path"] == "eager" and "generator" in stepwise["decode_path_reason"]
 
 
 def test_a_step_that_fails_to_compile_falls_back_to_eager_with_one_warning(tiny_llama, monkeypatch, caplog):

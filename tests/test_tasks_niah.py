@@ -8,14 +8,15 @@ from pathlib import Path
 
 import hydra.utils
 import pytest
+from omegaconf import OmegaConf
+from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
 from kvbench.tasks import haystack as hs
 from kvbench.tasks.base import whitespace_meter
 from kvbench.tasks.niah import Niah
 from kvbench.tasks.scoring import score
-from omegaconf import OmegaConf
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "task"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "task"
 INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
                "I will quiz you about the important information there.\n")
 

@@ -11,15 +11,16 @@ from pathlib import Path
 import hydra.utils
 import numpy as np
 import pytest
+from omegaconf import OmegaConf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
 from kvbench.tasks import haystack as hs
 from kvbench.tasks.base import DatasetMissingError, Sample, whitespace_meter
 from kvbench.tasks.niah import Niah
 from kvbench.tasks.ruler import DEPTHS, RULER_TASKS, Ruler, RulerSuite
 from kvbench.tasks.scoring import score
-from omegaconf import OmegaConf
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "task"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "task"
 SYNTHETIC = [t for t in RULER_TASKS if not t.startswith("qa")]
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 UUID4 = re.compile(r"^[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import hydra.utils
 import pytest
+from omegaconf import OmegaConf
+
 from kvbench.tasks.base import whitespace_meter
 from kvbench.tasks.metrics import COLOURS
 from kvbench.tasks.scoring import score
 from kvbench.tasks.twostage_retr import TwoStageRetr
-from omegaconf import OmegaConf
 
-CONF = Path(__file__).resolve().parents[1] / "conf" / "task"
+CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "task"
 INSTRUCTION = ("Let's play a game. You have a dict and a mathematical addition equation. The keys of a dictionary "
                "can be any number. You need to find the corresponding key value in the dictionary after performing "
                "the addition and output the value corresponding to that key.")

@@ -22,7 +22,7 @@ drawn from 50 evenly spaced lengths in [min_seq_len, seq_len]. Everything is dra
 
 Scale-down and departures (CPU, minutes rather than 2000 steps on 8 GPUs):
 - The released patterns train on 1000-32000-token samples for 2000 steps with sink 128 / recent 256 and 10
-  passkeys of 32 words. kvbench's defaults (conf/calibrate.yaml) are 24 steps on 512-1024 tokens, sink 32 /
+  passkeys of 32 words. kvbench's defaults (kvbench/conf/calibrate.yaml) are 24 steps on 512-1024 tokens, sink 32 /
   recent 128 (the window keeps the release's ratio of window to sample length more than its absolute size, so
   that most needles lie outside it), 4 passkeys of 8 words: about 10 CPU-minutes for SmolLM2-135M (the shipped
   smollm2_135m pattern is that command's output). In 24 steps at lr 0.02 a gate can fall by about 0.4, so the

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from kvbench.analysis.runner import claims, run_claim
+from kvbench.config.command import check_keys
 from kvbench.config.paths import compose_command_config
 from kvbench.config.validate import check_group_overrides
 from kvbench.core.errors import KVBenchError
@@ -50,6 +51,7 @@ def main(argv: Sequence[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
         check_group_overrides(args.overrides)
+        check_keys(args.overrides, "analyze", sections=("engine", "model", "task"))
         # a claim's parameters are free-form (each claim checks its own): params.NAME.KEY=VALUE adds or sets
         cfg = compose([f"++{arg}" if arg.startswith("params.") else arg for arg in args.overrides])
         names = list(cfg.claims) if cfg.claims else [cfg.claim] if cfg.claim else []

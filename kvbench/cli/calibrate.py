@@ -1,5 +1,5 @@
 """`python -m kvbench calibrate <method>`: the offline calibration a method needs (kvbench/calibration/), composed by
-Hydra from conf/calibrate.yaml as `kvbench analyze` composes conf/analyze.yaml."""
+Hydra from kvbench/conf/calibrate.yaml as `kvbench analyze` composes kvbench/conf/analyze.yaml."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from kvbench.config.command import check_keys
 from kvbench.config.paths import compose_command_config
 from kvbench.config.validate import check_group_overrides
 from kvbench.core.errors import KVBenchError
@@ -35,11 +36,12 @@ def main(argv: Sequence[str]) -> int:
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("method", choices=METHODS, help="the method to calibrate")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                        help="Hydra overrides of conf/calibrate.yaml (model=, steps=, seq_len=, sink=, recent=, out=)")
+                        help="Hydra overrides of kvbench/conf/calibrate.yaml (model=, steps=, seq_len=, sink=, recent=, out=)")
     args = parser.parse_args(list(argv))
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
         check_group_overrides(args.overrides)
+        check_keys(args.overrides, "calibrate", sections=("model",))
         out = run_duoattention(compose(args.overrides))
     except KVBenchError as err:
         print(f"kvbench: error: {err}", file=sys.stderr, flush=True)

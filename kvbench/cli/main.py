@@ -21,22 +21,6 @@ from kvbench.run.point import run_point
 log = logging.getLogger("kvbench")
 
 
-def _expose_launcher_plugin() -> None:
-    """Make `hydra/launcher=grouped` discoverable from an editable checkout too.
-
-    Hydra lists the modules of the `hydra_plugins` namespace package; setuptools' editable finder maps
-    `hydra_plugins.kvbench_launcher` for imports but leaves the namespace's listing empty, so the checkout's
-    folder is added to it (an installed wheel already puts the plugin there)."""
-    import hydra_plugins
-
-    folder = Path(__file__).resolve().parents[2] / "hydra_plugins"
-    if (folder / "kvbench_launcher").is_dir() and str(folder) not in list(hydra_plugins.__path__):
-        hydra_plugins.__path__.append(str(folder))
-
-
-_expose_launcher_plugin()
-
-
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_entry(cfg: DictConfig) -> None:
     try:

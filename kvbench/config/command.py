@@ -13,7 +13,7 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from kvbench.config.paths import GROUPS, compose_config
+from kvbench.config.paths import GROUPS, compose_config, config_groups
 from kvbench.config.validate import check_group_overrides, check_settings, validate
 from kvbench.core.errors import KVBenchError
 
@@ -43,7 +43,7 @@ def check_command(argv: Sequence[str]) -> list[str]:
     if launcher in _SLURM_LAUNCHERS and not multirun:
         raise KVBenchError(f"hydra/launcher={launcher} submits sweeps: add -m (a single point runs here, "
                            f"without a launcher)")
-    _check_unknown_keys(overrides)
+    check_keys(overrides)
     base = _compose(overrides, multirun)
     _check_launcher(base)
     jobs = _jobs(overrides, base) if multirun else [overrides]
@@ -103,8 +103,9 @@ def _key(arg: str) -> str:
     return arg.split("=", 1)[0].lstrip("+~")
 
 
-def _compose(overrides: Sequence[str], multirun: bool) -> DictConfig:
-    """The config Hydra would compose; a multirun's base without its swept values (as Hydra composes it)."""
+def _compose(overrides: Sequence[str], multirun: bool, name: str = "config") -> DictConfig:
+    """The config Hydra would compose (`name`: `analyze`, `calibrate` for those commands); a multirun's base
+    without its swept values (as Hydra composes it)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
@@ -115,25 +116,37 @@ def _compose(overrides: Sequence[str], multirun: bool) -> DictConfig:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
         overrides = [o.input_line for o in parsed if not o.is_sweep_override()]
     try:
-        return compose_config(overrides, return_hydra_config=True)
+        return compose_config(overrides, return_hydra_config=name == "config", name=name)
     except (HydraException, OmegaConfBaseException) as exc:
         first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise KVBenchError(first) from None
 
 
-def _check_unknown_keys(overrides: Sequence[str]) -> None:
-    """A key the config does not have, `+` or not: `+budgt=64` would otherwise run with the default budget.
-    The keys known are those of the config the command's groups compose (a preset may add some, e.g. report)."""
-    groups = [o for o in overrides if _key(o) in GROUPS and "," not in o]
-    known = sorted({k for k in _compose(groups, multirun=False) if k != "hydra"} | set(GROUPS))
+def check_keys(overrides: Sequence[str], name: str = "config", sections: Sequence[str] = ("engine", "profiler")) -> None:
+    """Every key of the command is a setting, `+` or not, or one line names the setting meant: `+budgt=64` would
+    otherwise run with the default budget, `engine.batchrows=2` stop at Hydra's bare "Could not override". The
+    keys known are those of config `name` (`config`, `analyze`, `calibrate`) as the command's groups compose it
+    (a preset may add some, e.g. report); under `sections`, whose settings are fixed, their keys too (a group's
+    settings are checked against the chosen config, a preset's report block against its schema)."""
+    base = _compose([o for o in overrides if _key(o) in GROUPS and "," not in o], multirun=False, name=name)
+    known = sorted({k for k in base if k != "hydra"} | set(config_groups(name)))
     for arg in overrides:
         key = _key(arg)
-        top = key.split(".")[0]
-        if "=" not in arg or top == "hydra" or key.startswith("hydra/") or top in known:
+        top, _, rest = key.partition(".")
+        if "=" not in arg or top == "hydra" or key.startswith("hydra/"):
             continue
-        close = difflib.get_close_matches(top, known, n=1)
-        hint = f" (did you mean {close[0]}?)" if close else ""
-        raise KVBenchError(f"unknown setting {top!r}{hint}; top-level settings: {', '.join(sorted(known))}")
+        if top not in known:
+            raise KVBenchError(_unknown(top, known, "top-level settings"))
+        setting = rest.split(".")[0]
+        if top in sections and setting and isinstance(base.get(top), DictConfig) and setting not in base[top]:
+            raise KVBenchError(_unknown(f"{top}.{setting}", [f"{top}.{k}" for k in base[top]], f"{top} settings"))
+
+
+def _unknown(key: str, known: Sequence[str], what: str) -> str:
+    """`unknown setting 'budgt' (did you mean budget?); top-level settings: ...`"""
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]}?)" if close else ""
+    return f"unknown setting {key!r}{hint}; {what}: {', '.join(sorted(k.rpartition('.')[2] for k in known))}"
 
 
 def _check_launcher(base: DictConfig) -> None:

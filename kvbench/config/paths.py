@@ -1,6 +1,6 @@
 """Where the Hydra config tree lives and what it offers: config groups and their choices, presets, composition.
 
-The one place that lists conf/<group>/*.yaml, reads a choice's file (its settings, its `defaults:` parent) and
+The one place that lists kvbench/conf/<group>/*.yaml, reads a choice's file (its settings, its `defaults:` parent) and
 composes configs outside a Hydra job; everything else asks here.
 """
 
@@ -27,7 +27,7 @@ POINT_GROUPS = ("model", "method", "task")
 
 
 def choices(group: str) -> list[str]:
-    """The configs of `group` (conf/<group>/*.yaml), by name."""
+    """The configs of `group` (kvbench/conf/<group>/*.yaml), by name."""
     return sorted(p.stem for p in (Path(CONF_DIR) / group).glob("*.yaml"))
 
 
@@ -65,6 +65,12 @@ def choice_name(group: str, name: str) -> str:
     return choice_name(group, parent) if parent else name
 
 
+def config_groups(name: str = "config") -> list[str]:
+    """The groups config `name` (`config`, `analyze`, `calibrate`) is composed from: its `defaults:` list."""
+    entries = OmegaConf.load(Path(CONF_DIR) / f"{name}.yaml").defaults
+    return [group for entry in entries if isinstance(entry, DictConfig) for group in entry if "/" not in group]
+
+
 def default_choice(group: str) -> str:
     """The choice of `group` that config.yaml composes by default."""
     for entry in OmegaConf.load(Path(CONF_DIR) / "config.yaml").defaults:
@@ -74,7 +80,7 @@ def default_choice(group: str) -> str:
 
 
 def experiments() -> list[str]:
-    """The experiment presets (conf/experiment/*.yaml)."""
+    """The experiment presets (kvbench/conf/experiment/*.yaml)."""
     return choices("experiment")
 
 

@@ -3,6 +3,8 @@ their settings, and prompt lengths against the model, each refused with one line
 
 from __future__ import annotations
 
+import difflib
+
 from omegaconf import DictConfig
 
 from kvbench.config.paths import GROUPS, POINT_GROUPS, choice_name, choices, default_choice, settings
@@ -112,7 +114,9 @@ def check_settings(argv: list[str]) -> list[str]:
                     continue  # `full` ignores a setting a sweep shares (kvbench.methods.method_parameters)
                 known = settings(group, name)
                 if setting.split(".")[0] not in known:
-                    raise KVBenchError(f"{key} is not a setting of {group} {name} (its settings: "
+                    close = difflib.get_close_matches(setting.split(".")[0], known, n=1)
+                    hint = f"did you mean {group}.{close[0]}? " if close else ""
+                    raise KVBenchError(f"{key} is not a setting of {group} {name} ({hint}its settings: "
                                        f"{', '.join(known) or 'none'}); set it only where it exists")
         out.append("++" + arg if group == "method" and setting and "=" in arg and not arg.startswith(("+", "~"))
                    else arg)

@@ -105,6 +105,11 @@ class Step:
     # the model's rotary embedding: logical positions [N] -> (cos, sin) [N, D] fp32, for methods that work on
     # pre-RoPE keys (ShadowKV's low-rank keys); None for a model without RoPE
     rotary: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None
+    # the one source of randomness a method may draw from: a CPU generator of this sample, seeded from the run's
+    # seed and the sample's id (`engine.sample.sample_generator`), shared by the sample's forwards and hooks in
+    # order. So a stochastic method draws the same in a grouped run as alone, and on a rerun, and differently
+    # for two samples. None: a step built without a session (a test's stand-in)
+    generator: torch.Generator | None = None
 
     @property
     def num_layers(self) -> int:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 @dataclass
 class EngineConfig:
     compress_question: bool = True
+    seed: int = 0  # the run's seed (top-level `seed`): with each sample's id, the generator a method draws from
     reuse_prefill: bool = True
     snapshot_window: int = 128  # observation queries kept per layer in a reusable prefill snapshot
     snapshot_cache_mb: int = 2048

@@ -21,6 +21,7 @@ through exactly the same hook. Turn it off to measure memory peaks.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import time
 from typing import Any
@@ -144,6 +145,14 @@ def run_group(
     return records
 
 
+def sample_generator(seed: int, sample_id: str) -> torch.Generator:
+    """The generator a stochastic method draws from for one sample (`Step.generator`): a CPU generator seeded
+    from the run's seed and the sample's id, never from the sample's place in a batch or a sweep, so a point
+    draws the same alone as in a grouped run, and on a rerun; two samples of the same length draw differently."""
+    digest = hashlib.sha256(f"{seed}\0{sample_id}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
 def _choose_decode_path(lm: LoadedModel, session: Session, cfg: EngineConfig, batched: bool) -> None:
     """The compiled decode step where `engine.compile` asks for it and the method allows it; otherwise eager, and
     the session says why when compiling was asked for."""
@@ -184,7 +193,9 @@ def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | Compr
         segment, appended = (segment, appended[:-1]) if appended else (segment[:-1], [])
     else:
         held_back = []
-    session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, plan, segment, cfg, snapshots)
+    generator = sample_generator(cfg.seed, sample.id)
+    session, logits, prefill_s, compress_s, reused = _prefill_segment(lm, method, plan, segment, cfg, snapshots,
+                                                                      generator)
     evidence = builder.evidence_positions(sample) if ctx_ids is untruncated else None
     if evidence is not None:  # where the task knows its answer lies, for a method's own diagnostics (InfLLM)
         session.shared["evidence_positions"] = evidence
@@ -207,7 +218,8 @@ def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | Compr
 
 
 def _prefill_segment(
-    lm: LoadedModel, method: Method, plan: Plan, segment: list[int], cfg: EngineConfig, snapshots: PrefillSnapshots
+    lm: LoadedModel, method: Method, plan: Plan, segment: list[int], cfg: EngineConfig, snapshots: PrefillSnapshots,
+    generator: torch.Generator,
 ) -> tuple[Session, torch.Tensor, float, float, bool]:
     """Prefill and compress the segment, from a dense snapshot in `snapshots` (taken now on a miss) when the
     method's eviction only needs the end of one dense pass (not block-wise, no state accumulated over every
@@ -215,7 +227,7 @@ def _prefill_segment(
     schedule = method.schedule()
     one_dense_pass = schedule is None or schedule.block_size is None
     if not (cfg.reuse_prefill and one_dense_pass and not method.observes and method.obs_window <= cfg.snapshot_window):
-        session = Session(lm, method, plan)
+        session = Session(lm, method, plan, generator=generator)
         logits, seconds = session.prefill(segment, compress=True)
         return session, logits, seconds, 0.0, False
     key = (id(lm.model), lm.dtype, cfg.snapshot_window, tuple(segment))
@@ -228,7 +240,7 @@ def _prefill_segment(
         snapshots.put(key, dense.cache, logits, seconds)
         hit = (dense.cache, logits, seconds)
     dense_cache, logits, seconds = hit
-    session = Session(lm, method, plan, dense_cache.clone())
+    session = Session(lm, method, plan, dense_cache.clone(), generator=generator)
     start = time.perf_counter()
     session.evict_deferred()
     compress_s = time.perf_counter() - start

@@ -43,10 +43,13 @@ class Session:
         budget: int | Plan | None,
         cache: KVBenchCache | None = None,
         sequence_length: int | None = None,
+        generator: torch.Generator | None = None,
     ):
         """`budget`: the method's `Plan` for this sample, or a token budget to plan from (`sequence_length`
         is the prompt plus the tokens to generate, which selection methods derive their parameters from).
-        A given `cache` (a clone) comes with no method state tracked; the caller says what to track."""
+        A given `cache` (a clone) comes with no method state tracked; the caller says what to track.
+        `generator`: the sample's (`engine.sample.sample_generator`), which every `Step` hands the method; a
+        session of no sample draws from one seeded with 0."""
         self.lm = lm
         self.method = method
         self.schedule = method.schedule() if method is not None else None
@@ -58,6 +61,7 @@ class Session:
         self.observe = False  # the method observes every attention call (H2O)
         self.measure_recall = False  # selection methods: top-k attention-mass recall of every decode step
         self.shared: dict[str, Any] = {}  # method state shared by the cache's layers (OmniKV)
+        self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.rotary = rotary_of(lm)
         self.cache = cache if cache is not None else KVBenchCache(lm.model.config.num_hidden_layers)
         if cache is None:
@@ -79,7 +83,7 @@ class Session:
     def step_context(self, evict: bool = False) -> Step:
         return Step(self.cache, self.method, self.plan, evict=evict, observe=self.observe,
                     query_window=self.query_window, measure_recall=self.measure_recall, shared=self.shared,
-                    rotary=self.rotary)
+                    rotary=self.rotary, generator=self.generator)
 
     def track_method_state(self, live: bool) -> None:
         """Keep (and feed) the method's state only while an eviction event can still happen; free it after."""
@@ -196,6 +200,8 @@ class Session:
         fork.query_window, fork.observe, fork.measure_recall = self.query_window, self.observe, self.measure_recall
         fork.shared = dict(self.shared)
         fork.position, fork.decode_steps = self.position, self.decode_steps
+        # the fork draws from a copy: teacher forcing (engine.nll) leaves the draws of the decode it precedes alone
+        fork.generator = torch.Generator().set_state(self.generator.get_state())
         return fork
 
     def prefill(self, ids: list[int], compress: bool) -> tuple[torch.Tensor, float]:

@@ -107,7 +107,7 @@ class AdaKV(EvictionMethod):
         self.allocation = self.allocation or "authors"
         if self.allocation not in ("authors", "kvpress"):
             raise ValueError(f"allocation must be authors or kvpress, not {self.allocation!r}")
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, (int, float)) or not 0 <= self.alpha <= 1:
+        if not 0 <= self.alpha <= 1:
             raise ValueError(f"alpha (the per-head floor, a fraction of the uniform budget) must be in [0, 1], "
                              f"got {self.alpha!r}")
 

@@ -29,6 +29,10 @@ prompt runs there as it is. A method with decode-time eviction runs there throug
 `view.width` only, mask by `view.valid`, read lengths from `view.lengths`). `static_decode_blocker` says why a
 method stays on the eager path (host work every step: a CPU index, an LRU, host memory), and the record says so.
 
+A method that draws at random draws from `step.generator` only: the sample's CPU generator, seeded from the
+run's seed and the sample's id, so its choices are the same in a grouped run as alone, and on a rerun, and
+differ between two samples of the same length (docs/adding-a-method.md, section 6; `methods/random.py`).
+
 Every method has `dense_layers` (null: none; N: the first N layers; a list: those layer indices): a dense layer
 keeps its whole cache and attends densely, whatever the method (RocketKV App. A.1 skips layers 0-1 for every
 method on LongChat; Quest's release keeps its first two layers dense). The dispatcher and the eviction hook ask
@@ -46,7 +50,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from kvbench.core.checks import is_int
+from kvbench.core.checks import check_field_kinds, is_int
 from kvbench.core.contract import HeadView, Plan, Schedule, Selection, Step
 
 if TYPE_CHECKING:
@@ -83,9 +87,11 @@ class Method:
     dense_layers: int | list[int] | None = None
 
     def __post_init__(self) -> None:
+        # every field holds the kind its annotation says (an int field a whole number, ...): no method writes
+        # that check; each checks its fields' ranges after this
+        check_field_kinds(self)
         dense = self.dense_layers
-        if not (dense is None or (is_int(dense) and dense >= 0)
-                or (isinstance(dense, (list, tuple)) and all(is_int(x) and x >= 0 for x in dense))):
+        if any(x < 0 for x in ([] if dense is None else [dense] if is_int(dense) else dense)):
             raise ValueError("dense_layers must be null, a number of first layers >= 0 or a list of layer indices, "
                              f"got {dense!r}")
         if isinstance(dense, tuple):
@@ -212,9 +218,9 @@ class EvictionMethod(Method):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.block_size is not None and (not is_int(self.block_size) or self.block_size < 1):
+        if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"block_size must be a positive number of tokens or null, got {self.block_size!r}")
-        if self.decode_every is not None and (not is_int(self.decode_every) or self.decode_every < 0):
+        if self.decode_every is not None and self.decode_every < 0:
             raise ValueError(f"decode_every must be a number of decode steps >= 0 or null, got {self.decode_every!r}")
 
     def schedule(self) -> Schedule:
@@ -240,6 +246,10 @@ class ScoredEviction(EvictionMethod):
     def keep(self, layer: "KVLayer", budget: int, step: Step) -> list[torch.Tensor] | None:
         if budget >= layer.physical_length():
             return None
+        if layer.is_ragged:  # keep_top would rank a shorter head's padding and keep it as tokens
+            raise ValueError(f"{self.name} keeps the top scores of a uniform layer, and layer {layer.layer_idx}'s heads "
+                             f"hold {layer.lengths()} tokens: a method whose heads differ writes keep per head "
+                             "(methods/adakv.py)")
         return keep_top(self.score(layer, step), budget, recent=self.recent_tokens(budget))
 
     def decode_eviction_scores(self, layer: "KVLayer", budget: int, step: Step) -> tuple[torch.Tensor, int]:
@@ -256,8 +266,10 @@ class ScoredEviction(EvictionMethod):
 def keep_top(scores: torch.Tensor, budget: int, recent: int = 0) -> list[torch.Tensor]:
     """Per head, the sorted indices of the `budget` highest scores, the last `recent` entries always kept.
 
-    scores: `[H, L]` over a uniform layer (fp32). Used by the methods that rank every stored token by one
-    score (H2O, TOVA, KeyDiff, KeyL2Norm): older tokens compete for `budget - recent` slots.
+    scores: `[H, L]` (fp32) over a uniform layer: every head holds L tokens, column j is token j of each. Used by
+    the methods that rank every stored token by one score (H2O, TOVA, KeyDiff, KeyL2Norm, random): older tokens
+    compete for `budget - recent` slots. A ragged layer's scores (`head_view()` pads its shorter heads) would have
+    it rank padding as tokens and keep padding as the recent ones: `ScoredEviction.keep` refuses such a layer.
     """
     length = scores.shape[1]
     recent = min(recent, budget)

@@ -41,7 +41,6 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvbench.core.checks import is_int
 from kvbench.core.contract import Plan, Schedule, Selection
 from kvbench.methods.base import Method, register_method
 from kvbench.methods.common.placement import HostSegment, recall_of
@@ -136,14 +135,14 @@ class CTKVR(Method):
         super().__post_init__()
         for name in ("max_centroids", "retrieved_centroids", "build_chunk"):
             value = getattr(self, name)
-            if not is_int(value) or value < 1:
+            if value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         for name in ("n_init", "n_local"):
             value = getattr(self, name)
-            if (value is not None or name == "n_init") and (not is_int(value) or value < 0):
+            if value is not None and value < 0:
                 raise ValueError(f"{name} must be a number of tokens >= 0{' or null' if name == 'n_local' else ''}, "
                                  f"got {value!r}")
-        if isinstance(self.list_ratio, bool) or not isinstance(self.list_ratio, (int, float)) or self.list_ratio < 1:
+        if self.list_ratio < 1:
             raise ValueError(f"list_ratio (rho / rho') must be a number >= 1, got {self.list_ratio!r}")
         if self.turn_index not in ("dcu", "rebuild"):
             raise ValueError(f"turn_index must be dcu or rebuild, not {self.turn_index!r}")

@@ -6,7 +6,7 @@ RocketKV's `topk.py`, selection is per query head (`granularity=head`), so a GQA
 G*budget distinct tokens; `granularity=group` shares one selection per KV group, ranked by the sum of the
 group's softmax probabilities; `granularity=group_max` ranks by their max, which is CTKVR's FLAT baseline (an
 exact linear scan attending to the top-1024 keys, specs/ctkvr.md §4: "the same max-over-group aggregation" as
-CTKVR's rerank; `conf/method/exact_topk_flat.yaml`). Nothing is evicted; with budget >= cache length it is
+CTKVR's rerank; `kvbench/conf/method/exact_topk_flat.yaml`). Nothing is evicted; with budget >= cache length it is
 exactly full attention.
 """
 

@@ -21,11 +21,6 @@ class Full(Method):
     uses_budget = False
     repeat_kv: bool | None = None
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.repeat_kv not in (None, True, False):
-            raise ValueError(f"repeat_kv must be true, false or null, got {self.repeat_kv!r}")
-
     @property
     def repeats_kv(self) -> bool:
         return bool(self.repeat_kv)

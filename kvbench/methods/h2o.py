@@ -33,8 +33,7 @@ class H2O(ScoredEviction):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.recent_ratio, bool) or not isinstance(self.recent_ratio, (int, float)) \
-                or not 0 <= self.recent_ratio <= 1:
+        if not 0 <= self.recent_ratio <= 1:
             raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio!r}")
 
     def observe(self, layer, queries, step):

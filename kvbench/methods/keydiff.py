@@ -95,8 +95,7 @@ class KeyDiff(ScoredEviction):
             raise ValueError(f"metric must be one of {', '.join(METRICS)}, not {self.metric!r}")
         if self.anchor == "pairwise" and self.metric != "cosine":
             raise ValueError("the pairwise anchor (Eq. 7) is defined for the cosine metric only")
-        if isinstance(self.window_ratio, bool) or not isinstance(self.window_ratio, (int, float)) \
-                or not 0 <= self.window_ratio <= 1:
+        if not 0 <= self.window_ratio <= 1:
             raise ValueError(f"window_ratio must be in [0, 1], got {self.window_ratio!r}")
 
     def score(self, layer, step):

@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvbench.core.checks import is_int
 from kvbench.core.contract import Plan, Schedule, Selection
 from kvbench.methods.base import Method, register_method
 from kvbench.methods.common.placement import HostSegment, recall_of
@@ -75,29 +74,24 @@ class OmniKV(Method):
     def __post_init__(self) -> None:
         super().__post_init__()
         layers = self.filter_layers
-        if not isinstance(layers, (list, tuple)) or not layers or not all(is_int(x) and x >= 0 for x in layers) \
-                or list(layers) != sorted(set(layers)):
+        if not layers or any(x < 0 for x in layers) or list(layers) != sorted(set(layers)):
             raise ValueError(f"filter_layers must be increasing layer indices (0-based), got {layers!r}")
         if any(self.is_dense_layer(f) for f in layers):
             raise ValueError(f"dense_layers {self.dense_layers!r} include a filter layer of {list(layers)}: a filter "
                              "layer attends densely already, and the layers after it need its selection")
-        if not is_int(self.wait_layers) or self.wait_layers < 0:
+        if self.wait_layers < 0:
             raise ValueError(f"wait_layers must be a number of layers >= 0, got {self.wait_layers!r}")
         if self.score_space not in ("logits", "softmax"):
             raise ValueError(f"score_space must be logits or softmax, not {self.score_space!r}")
         if self.budget_unit not in (None, "tokens", "memory"):
             raise ValueError(f"budget_unit must be tokens, memory or null, not {self.budget_unit!r}")
-        if not isinstance(self.offload, bool):
-            raise ValueError(f"offload must be true or false, got {self.offload!r}")
         if self.selector not in (None, "last", "uniform", "exp"):
             raise ValueError(f"selector must be last, uniform, exp or null, not {self.selector!r}")
-        if self.window is not None and (not is_int(self.window) or self.window < 1):
+        if self.window is not None and self.window < 1:
             raise ValueError(f"window must be a positive number of queries or null, got {self.window!r}")
-        if self.prefill_chunk is not None and (not is_int(self.prefill_chunk) or self.prefill_chunk < 1):
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive number of tokens or null, got {self.prefill_chunk!r}")
-        if self.prefill_ratio is not None and (isinstance(self.prefill_ratio, bool)
-                                               or not isinstance(self.prefill_ratio, (int, float))
-                                               or self.prefill_ratio <= 0):
+        if self.prefill_ratio is not None and self.prefill_ratio <= 0:
             raise ValueError(f"prefill_ratio must be a positive number or null, got {self.prefill_ratio!r}")
 
     @property

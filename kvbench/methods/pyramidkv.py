@@ -52,8 +52,8 @@ def pyramid_budgets(num_layers: int, b: int, candidates: int, beta: int = 20, sc
     return budgets
 
 
-def check_beta(beta: object) -> None:
-    if isinstance(beta, bool) or not isinstance(beta, int) or beta < 1:
+def check_beta(beta: int) -> None:
+    if beta < 1:
         raise ValueError(f"beta (the shallowest/deepest budget ratio) must be a positive integer, got {beta!r}")
 
 

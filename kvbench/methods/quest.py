@@ -14,7 +14,7 @@ t = 256 it is about 750 tokens, with 128 tokens attended, where Quest's release 
 
 `budget_unit=attended` is Quest's own accounting, which CTKVR's baselines use (CTKVR §4.1.2: "a sparsity
 budget of 1,024 tokens", Quest with its page of 16): the group attends to `budget` tokens and the page bounds
-are read on top (the records' read tokens say how many). `conf/method/quest_page16.yaml` is Quest as its
+are read on top (the records' read tokens say how many). `kvbench/conf/method/quest_page16.yaml` is Quest as its
 release runs it: page 16, `budget_unit=attended`, the first two layers dense (mit-han-lab/Quest,
 `evaluation/quest_attention.py`: `if q_len > 1 or self.layer_id < 2: return self.flash_forward(...)`).
 """
@@ -41,8 +41,7 @@ class Quest(Method):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.page_size is not None and (isinstance(self.page_size, bool) or not isinstance(self.page_size, int)
-                                           or self.page_size < 1):
+        if self.page_size is not None and self.page_size < 1:
             raise ValueError(f"page_size must be a positive number of tokens or null, got {self.page_size!r}")
         if self.budget_unit not in (None, "traffic", "attended"):
             raise ValueError(f"budget_unit must be traffic, attended or null, not {self.budget_unit!r}")

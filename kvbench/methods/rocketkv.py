@@ -71,15 +71,12 @@ class RocketKV(EvictionMethod):
         self.eviction = SnapKV(window=self.window, kernel=self.kernel, pooling=self.pooling, gqa_agg=self.gqa_agg,
                                granularity=self.granularity)
         self.granularity = self.eviction.granularity
-        if self.split is not None and (isinstance(self.split, bool) or not isinstance(self.split, (int, float))
-                                       or not 0 < self.split < 1):
+        if self.split is not None and not 0 < self.split < 1:
             raise ValueError(f"split (the static r) must be in (0, 1) or null for the adaptive one, got {self.split!r}")
-        if isinstance(self.skip_layers, bool) or not isinstance(self.skip_layers, int) or self.skip_layers < 0:
+        if self.skip_layers < 0:
             raise ValueError(f"skip_layers must be a number of layers >= 0, got {self.skip_layers!r}")
         if self.granularity != "group":
             raise ValueError("rocketkv's stage 1 is GQA-aware: granularity must be group")
-        if not isinstance(self.last_prompt_token_via_decode, bool):
-            raise ValueError(f"last_prompt_token_via_decode must be true or false, got {self.last_prompt_token_via_decode!r}")
         self.selection = HSAStage()
 
     @property

@@ -31,7 +31,7 @@ keys the release's rank hardly compresses them: SmolLM2-135M's are 3 x 64 = 192 
 the keys (the factors are counted in the records' storage), and a tiny test model's 32 are kept at full rank. The budget is the sparse budget in tokens per KV head (2048
 in the paper, 1024 as CTKVR runs it); resident rows are attended on top of it, as in the repo.
 
-`low_rank: false` (conf/method/shadowkv_landmark.yaml, with no outliers) is the landmark part alone, as CTKVR
+`low_rank: false` (kvbench/conf/method/shadowkv_landmark.yaml, with no outliers) is the landmark part alone, as CTKVR
 §4 describes ShadowKV: keys and values stay exact and resident, each step attends to the resident rows and the
 top chunks by q . landmark. Nothing moves, nothing is freed.
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kvbench.core.checks import is_int
 from kvbench.methods.base import EvictionMethod, register_method
 
 
@@ -97,9 +96,9 @@ class SnapKV(EvictionMethod):
     def __post_init__(self) -> None:
         super().__post_init__()
         self.granularity = self.granularity or "group"
-        if not is_int(self.window) or self.window < 1:
+        if self.window < 1:
             raise ValueError(f"window must be a positive number of observation queries, got {self.window!r}")
-        if not is_int(self.kernel) or self.kernel < 1 or self.kernel % 2 == 0:
+        if self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"kernel must be a positive odd pooling width (1: no pooling), got {self.kernel!r}")
         if self.pooling not in ("max", "avg"):
             raise ValueError(f"pooling must be max or avg, not {self.pooling!r}")

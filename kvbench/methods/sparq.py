@@ -115,8 +115,6 @@ class SparQ(Method):
         super().__post_init__()
         if self.granularity not in ("group", "head"):
             raise ValueError(f"granularity must be group or head, not {self.granularity!r}")
-        if not isinstance(self.reallocation, bool):
-            raise ValueError(f"reallocation must be true or false, got {self.reallocation!r}")
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:

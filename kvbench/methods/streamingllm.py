@@ -24,7 +24,7 @@ class StreamingLLM(EvictionMethod):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if isinstance(self.n_sink, bool) or not isinstance(self.n_sink, int) or self.n_sink < 0:
+        if self.n_sink < 0:
             raise ValueError(f"n_sink must be a number of tokens >= 0, got {self.n_sink!r}")
 
     def decode_eviction_scores(self, layer, budget, step):

@@ -62,7 +62,7 @@ IDENTITY = ("model", "task", "compress_question", "seq_len", "dtype", "seed", "m
 
 @dataclasses.dataclass(frozen=True)
 class ReportSpec:
-    """How a preset's records are laid out: the ``report:`` block of conf/experiment/NAME.yaml."""
+    """How a preset's records are laid out: the ``report:`` block of kvbench/conf/experiment/NAME.yaml."""
 
     title: str
     kind: str = "accuracy"

@@ -77,7 +77,8 @@ def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
     method = build_method(cfg.method.name, **method_parameters(cfg.method))
     lm = cached_model(cfg.model)
     check_length(cfg, lm)
-    engine_cfg = EngineConfig(compress_question=cfg.compress_question, **OmegaConf.to_container(cfg.engine))
+    engine_cfg = EngineConfig(compress_question=cfg.compress_question, seed=cfg.seed,
+                              **OmegaConf.to_container(cfg.engine))
     if cfg.profile:  # every sample's own prefill (the peaks are real) and no fidelity measurement in the timings
         engine_cfg.reuse_prefill, engine_cfg.topk_recall = False, False
     samples = cached_samples(cfg, lm, PromptBuilder(lm.tokenizer, engine_cfg.chat_template, engine_cfg.system_prompt))

@@ -10,8 +10,8 @@ on a rollback, and dropped when an eviction changes the rows (the method rebuild
 from __future__ import annotations
 
 import torch
-from kvbench.kernels.page_summary import page_minmax
 
+from kvbench.kernels.page_summary import page_minmax
 from kvbench.methods.common.buffers import GrowingBuffers
 
 

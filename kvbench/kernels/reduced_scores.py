@@ -8,6 +8,7 @@ PyTorch reference, which documents the semantics.
 from __future__ import annotations
 
 import torch
+
 from kvbench.kernels._dispatch import use_triton
 
 

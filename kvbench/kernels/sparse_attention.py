@@ -9,6 +9,7 @@ both compute the same function, documented on the reference.
 from __future__ import annotations
 
 import torch
+
 from kvbench.kernels._dispatch import use_triton
 
 

@@ -39,8 +39,9 @@ from collections import Counter
 from functools import lru_cache
 from typing import Any, Callable
 
-from kvbench.tasks.scoring import register
 from rouge_score import rouge_scorer
+
+from kvbench.tasks.scoring import register
 
 # ---------------------------------------------------------------------------------------------------------------
 # String retrieval and dialogue QA

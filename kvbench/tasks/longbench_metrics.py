@@ -31,8 +31,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import jieba
 from fuzzywuzzy import fuzz
-from kvbench.tasks.scoring import register
 from rouge import Rouge
+
+from kvbench.tasks.scoring import register
 
 # jieba announces its dictionary loading on the root handler at INFO level; keep scoring quiet.
 jieba.setLogLevel(logging.WARNING)

@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
+
 from kvbench.kernels._dispatch import use_triton
 from kvbench.kernels.ragged_attention import ragged_decode_attention_reference, ragged_decode_attention_triton
 

@@ -13,6 +13,7 @@ semantics; both compute the same function.
 from __future__ import annotations
 
 import torch
+
 from kvbench.kernels._dispatch import use_triton
 
 

@@ -56,11 +56,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from kvbench.core.errors import KVBenchError
 from kvbench.tasks import generic_metrics
 from kvbench.tasks.base import PromptMeter, Sample, Task, Turn
 from kvbench.tasks.scoring import SCORERS, get_scorer
-
-from kvbench.core.errors import KVBenchError
 
 log = logging.getLogger(__name__)
 
