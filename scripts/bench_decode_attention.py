@@ -26,9 +26,9 @@ import time
 import torch
 import torch.nn.functional as F
 from bench_decode_latency import stream_bandwidth
-from kvbench.kernels.decode_attention import decode_attention
 
 from kvbench.core.devices import sync
+from kvbench.kernels.decode_attention import decode_attention
 from kvbench.models import resolve_device
 
 

@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 from bench_decode_latency import gemv_bandwidth
-from kvbench.kernels.decode_attention import decode_attention
 from omegaconf import OmegaConf
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from kvbench.kernels.decode_attention import decode_attention
 from kvbench.models import load_model, model_head_dim
 from kvbench.profiling.roofline import phase_costs
 

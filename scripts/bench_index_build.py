@@ -83,11 +83,11 @@ class _Captured(Exception):
 
 def model_data(n: int, layer: int, test_queries: int) -> Data:
     """Layer `layer`'s post-RoPE keys and queries of the embedded SmolLM2 over `n + test_queries` essay tokens."""
-    from kvbench.tasks.haystack import essay_text
     from omegaconf import OmegaConf
 
     from kvbench.engine.session import Session
     from kvbench.models import load_model
+    from kvbench.tasks.haystack import essay_text
 
     cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "model" / "smollm2_135m.yaml")
     cfg.device, cfg.dtype = "cpu", "float32"

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from kvbench.kernels.decode_attention import decode_attention
 from omegaconf import OmegaConf
 
 from kvbench.cache.kvcache import KVBenchCache
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import _prefill_segment
 from kvbench.engine.snapshots import PrefillSnapshots
+from kvbench.kernels.decode_attention import decode_attention
 from kvbench.methods import build_method
 from kvbench.models import load_model
 
