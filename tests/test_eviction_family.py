@@ -19,6 +19,7 @@ from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
 from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.methods import build_method
+from kvbench.methods.base import keep_top
 from kvbench.methods.keydiff import keydiff_scores
 from kvbench.methods.pyramidkv import pyramid_budgets
 from kvbench.methods.tova import last_query_attention
@@ -484,11 +485,20 @@ def test_a_new_methods_fields_are_checked_by_kind_without_a_check_of_its_own():
             Fresh(**{field: wrong})
 
 
-def test_a_scored_method_refuses_a_ragged_layer_rather_than_keep_its_padding(tiny_llama):
-    """keep_top ranks columns of a uniform layer; Ada-KV's heads hold different numbers of tokens."""
+def test_a_scored_method_on_a_ragged_layer_ranks_each_heads_own_tokens_never_its_padding(tiny_llama):
+    """keep_top's columns are tokens on a uniform layer; Ada-KV's heads hold different numbers of tokens (as any
+    per-head eviction's do after a rollback), and the padded view's extra columns are no tokens."""
     session = Session(tiny_llama, build_method("adakv", window=8), 40)
     session.prefill(random_ids(90, seed=24), compress=True)
     layer = session.cache.layers[0]
-    assert layer.is_ragged
-    with pytest.raises(ValueError, match=r"keyl2norm keeps the top scores of a uniform layer.*writes keep per head"):
-        build_method("keyl2norm").keep(layer, 20, session.step_context())
+    lengths = layer.lengths()
+    assert layer.is_ragged and min(lengths) < 40 < max(lengths)
+    method = build_method("keyl2norm")
+    kept = method.keep(layer, 40, session.step_context())
+    scores = method.score(layer, session.step_context())
+    for head, (idx, n) in enumerate(zip(kept, lengths)):
+        assert len(idx) == min(40, n) and int(idx.max()) < n  # its own tokens only, as many as the budget allows
+        if n > 40:  # the 40 best of its own tokens
+            assert torch.equal(idx, scores[head, :n].topk(40).indices.sort().values)
+    recent = keep_top(scores, 40, recent=4, lengths=lengths)
+    assert all(idx[-4:].tolist() == list(range(n - 4, n)) for idx, n in zip(recent, lengths) if n > 40)

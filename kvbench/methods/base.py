@@ -246,11 +246,10 @@ class ScoredEviction(EvictionMethod):
     def keep(self, layer: "KVLayer", budget: int, step: Step) -> list[torch.Tensor] | None:
         if budget >= layer.physical_length():
             return None
-        if layer.is_ragged:  # keep_top would rank a shorter head's padding and keep it as tokens
-            raise ValueError(f"{self.name} keeps the top scores of a uniform layer, and layer {layer.layer_idx}'s heads "
-                             f"hold {layer.lengths()} tokens: a method whose heads differ writes keep per head "
-                             "(methods/adakv.py)")
-        return keep_top(self.score(layer, step), budget, recent=self.recent_tokens(budget))
+        # a ragged layer (a rollback after per-head eviction drops more of one head's tokens than another's): each
+        # head ranks its own tokens, never the padding `head_view` gives its shorter heads
+        lengths = layer.lengths() if layer.is_ragged else None
+        return keep_top(self.score(layer, step), budget, recent=self.recent_tokens(budget), lengths=lengths)
 
     def decode_eviction_scores(self, layer: "KVLayer", budget: int, step: Step) -> tuple[torch.Tensor, int]:
         """`keep`'s rule one token at a time: the `recent_tokens(budget)` newest tokens (by position) are kept,
@@ -263,14 +262,18 @@ class ScoredEviction(EvictionMethod):
         return scores, budget
 
 
-def keep_top(scores: torch.Tensor, budget: int, recent: int = 0) -> list[torch.Tensor]:
+def keep_top(scores: torch.Tensor, budget: int, recent: int = 0, lengths: list[int] | None = None) -> list[torch.Tensor]:
     """Per head, the sorted indices of the `budget` highest scores, the last `recent` entries always kept.
 
-    scores: `[H, L]` (fp32) over a uniform layer: every head holds L tokens, column j is token j of each. Used by
-    the methods that rank every stored token by one score (H2O, TOVA, KeyDiff, KeyL2Norm, random): older tokens
-    compete for `budget - recent` slots. A ragged layer's scores (`head_view()` pads its shorter heads) would have
-    it rank padding as tokens and keep padding as the recent ones: `ScoredEviction.keep` refuses such a layer.
+    scores: `[H, L]` (fp32). Used by the methods that rank every stored token by one score (H2O, TOVA, KeyDiff,
+    KeyL2Norm, random): older tokens compete for `budget - recent` slots. On a uniform layer every head holds L
+    tokens (column j is token j of each). On a ragged one `lengths` says how many each head holds (its first
+    `lengths[h]` columns; the rest is `head_view`'s padding): each head keeps `min(budget, lengths[h])` of its own
+    tokens, its last `recent` among them, and never a padding column.
     """
+    if lengths is not None:
+        return [keep_top(row[None, :n], budget, recent)[0] if n > budget else torch.arange(n, device=row.device)
+                for row, n in zip(scores, lengths)]
     length = scores.shape[1]
     recent = min(recent, budget)
     tail = torch.arange(length - recent, length, device=scores.device)
