@@ -57,7 +57,7 @@ from omegaconf import OmegaConf
 from kvbench.core.devices import sync
 from kvbench.engine.compiled import decoder_for
 from kvbench.engine.config import EngineConfig
-from kvbench.engine.sample import _prefill_segment
+from kvbench.engine.sample import _prefill_segment, sample_generator
 from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.methods import build_method
 from kvbench.models import load_model, weight_products
@@ -152,7 +152,7 @@ def main() -> None:
             plan = method.plan(args.budget, sequence_length=args.length + new_tokens, new_tokens=new_tokens,
                                head_dim=head_dim)
             start = time.perf_counter()
-            session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine, shared)
+            session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine, shared, sample_generator(args.seed, "bench"))
             if path == "compiled":
                 session.decoder = decoder_for(lm)
                 session.begin_decode(new_tokens)  # one static layout for every round

@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 
 from kvbench.cache.kvcache import KVBenchCache
 from kvbench.engine.config import EngineConfig
-from kvbench.engine.sample import _prefill_segment
+from kvbench.engine.sample import _prefill_segment, sample_generator
 from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.kernels.decode_attention import decode_attention
 from kvbench.methods import build_method
@@ -94,7 +94,7 @@ def model_decode(args: argparse.Namespace) -> None:
     for name in ("snapkv", "adakv"):
         method = build_method(name)
         plan = method.plan(args.budget, sequence_length=args.length + args.steps, new_tokens=args.steps, head_dim=64)
-        session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine, shared)
+        session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine, shared, sample_generator(0, "bench"))
         ragged = sum(layer.is_ragged for layer in session.cache.layers)
         kept = sum(sum(layer.lengths()) for layer in session.cache.layers)
         results[name] = time_decode(lm, session, logits, args.warmup, args.steps)

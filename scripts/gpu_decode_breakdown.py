@@ -48,7 +48,7 @@ def main() -> int:
 
     from kvbench.core.devices import sync
     from kvbench.engine.config import EngineConfig
-    from kvbench.engine.sample import _prefill_segment
+    from kvbench.engine.sample import _prefill_segment, sample_generator
     from kvbench.engine.snapshots import PrefillSnapshots
     from kvbench.methods import build_method
     from kvbench.models import load_model
@@ -75,7 +75,7 @@ def main() -> int:
         method = build_method(method_name)
         plan = method.plan(args.budget, sequence_length=args.length + new_tokens, new_tokens=new_tokens,
                            head_dim=128)
-        session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine, shared)
+        session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine, shared, sample_generator(0, "bench"))
         token = int(logits.argmax())
         wall = []
         for step in range(args.warmup + args.steps):
