@@ -171,7 +171,27 @@ def _packable(module: Any) -> bool:
 
 
 def _blocked_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+    return blocked_linear(x, self.weight, self.bias)
+
+
+def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`x @ weight.T + bias` with a weight in oneDNN's blocked layout. Inside `torch.compile` (the compiled decode
+    step) through `kvbench::blocked_linear`, an opaque op that calls the same oneDNN product: inductor cannot lower
+    `mkldnn._linear_pointwise` on a weight blocked outside its own freezing pass, and its own bf16 products read
+    the weights slower than these (decode_floor.md)."""
+    if torch.compiler.is_compiling():
+        return _blocked_linear_op(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@torch.library.custom_op("kvbench::blocked_linear", mutates_args=())
+def _blocked_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@_blocked_linear_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 class PackedProduct(torch.nn.Module):
@@ -206,7 +226,7 @@ class PackedProduct(torch.nn.Module):
             member.forward = functools.partial(packed.member_output, index=index)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        return blocked_linear(x, self.weight, self.bias)
 
     def member_output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         if x is not self._input or index not in self._pending:

@@ -147,11 +147,15 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
     parser.add_argument("--backend", default="eager", help="torch.compile backend: eager, aot_eager or inductor")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--length", type=int, default=700, help="prompt tokens (DuoAttention's rule needs > 640)")
+    parser.add_argument("--dtype", default=None, help="the model's dtype (default: its config's; float32 for tiny ones)")
     args = parser.parse_args(argv)
     wanted = None if args.methods == "all" else set(args.methods.split(","))
     outcomes = []
     for model in args.models.split(","):
-        lm = load_model(OmegaConf.load(CONF / "model" / f"{model}.yaml"))
+        cfg = OmegaConf.load(CONF / "model" / f"{model}.yaml")
+        if args.dtype is not None:
+            cfg.dtype = args.dtype
+        lm = load_model(cfg)
         decoder = compiled_step.CompiledDecoder(lm, args.backend)
         print(f"\n{model} ({lm.dtype}, backend {args.backend}, {args.steps} steps)")
         print(f"{'method':22} {'path':10} {'graphs':>6} {'recompiles':>10} {'2nd':>4} {'tokens':>7} {'max dlogit':>10}")
