@@ -58,6 +58,18 @@ def test_inductor_compiles_the_two_stage_and_the_ragged_step_to_the_eager_tokens
     assert all(o.max_logit_diff < 1e-4 for o in outcomes), report
 
 
+def test_a_bfloat16_step_compiles_with_inductor_and_rounds_as_the_eager_step(capsys):
+    """bfloat16 is the CPU default where the CPU has bf16 instructions: its linear layers are then pre-blocked
+    oneDNN weights, which inductor must take through kvbench's opaque op (it used to fail and fall back to eager),
+    and its fused kernels must round between ops as eager does (SparQ's approximate scores otherwise tie
+    differently: a logit 0.9 away)."""
+    outcomes = check_static_decode.main(["--models", "tiny_llama", "--backend", "inductor", "--steps", "8",
+                                         "--dtype", "bfloat16", "--methods", "sparq"])
+    report = capsys.readouterr().out
+    assert [o.path for o in outcomes] == ["compiled"] and all(o.ok for o in outcomes), report
+    assert outcomes[0].max_logit_diff < 0.05, report  # a few bf16 steps of logits of magnitude ~4
+
+
 @pytest.mark.parametrize("lens,caps", [([40, 40, 40], [256, 256, 256]), ([7, 1, 200], [9, 70, 300])])
 def test_static_decode_attention_is_the_reference_on_uniform_and_ragged_layouts(lens, caps):
     gen = torch.Generator().manual_seed(sum(lens))

@@ -62,8 +62,13 @@ class CompiledDecoder:
             torch._dynamo.config.accumulated_recompile_limit, RECOMPILE_LIMIT)
         options: dict[str, Any] = {"fullgraph": True, "dynamic": False, "backend": backend}
         self.cuda_graphs = lm.device.type == "cuda" and backend == "inductor"
-        if self.cuda_graphs:
-            options["mode"] = "reduce-overhead"
+        if backend == "inductor":
+            # Eager rounds every bf16/fp16 op's result; inductor's fused kernels keep float32 between ops unless
+            # told to round as eager does. Without it a bf16 SparQ step picks other tokens than the eager step
+            # (its approximate scores tie differently); with it the tiny models' bf16 steps are bitwise eager's.
+            # On CUDA, `triton.cudagraphs` is what mode="reduce-overhead" sets (a mode and options exclude
+            # each other in torch.compile).
+            options["options"] = {"emulate_precision_casts": True, "triton.cudagraphs": self.cuda_graphs}
         self._cache_argument = next(iter(cache_kwargs(lm.model, None)))  # found once, outside the trace
         self._compiled = torch.compile(self._step, **options)
 

@@ -62,8 +62,12 @@ class TransposedKeys:
 
     def append_static(self, layer, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The decode token's key [H, D] written as column `next_slot` of every head, its value summed in."""
-        column = layer.static.next_slot[:, None, None].expand(-1, keys.shape[-1], 1)
-        self.columns.tensors[0].scatter_(2, column, keys[:, :, None])
+        heads, dim = keys.shape
+        # index_put_, not scatter_: inductor writes an index_put_ into the graph input in place, while a scatter_
+        # became a copy of the whole [H, D, capacity] copy and a copy back, every layer and step
+        at = (torch.arange(heads, device=keys.device)[:, None], torch.arange(dim, device=keys.device)[None, :],
+              layer.static.next_slot[:, None])
+        self.columns.tensors[0].index_put_(at, keys)
         self.value_sum.add_(values.float())
 
     def static_tensors(self) -> list[torch.Tensor]:

@@ -110,12 +110,14 @@ class PageSummary:
     def append_static(self, layer, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The decode token `keys` [H, D], written at each head's next slot: its page's bounds widened (a page's
         first token sets them). Fixed shapes, device indices: the same graph at every step."""
-        slot = layer.static.next_slot
-        page = (slot // self.page_size)[:, None, None].expand(-1, 1, keys.shape[-1])
-        first = (slot % self.page_size == 0)[:, None, None]
-        row = keys[:, None, :]
+        slot, (heads, dim) = layer.static.next_slot, keys.shape
+        # [H, D] entries (head, page of its slot, every dimension); index_put_ so that inductor writes the graph
+        # input in place (a scatter_ became a copy of the whole summary and a copy back)
+        at = (torch.arange(heads, device=keys.device)[:, None], (slot // self.page_size)[:, None],
+              torch.arange(dim, device=keys.device)[None, :])
+        first = (slot % self.page_size == 0)[:, None]
         for bound, pick in ((self.bounds.tensors[0], torch.minimum), (self.bounds.tensors[1], torch.maximum)):
-            bound.scatter_(1, page, torch.where(first, row, pick(bound.gather(1, page), row)))
+            bound.index_put_(at, torch.where(first, keys, pick(bound[at], keys)))
 
     def static_tensors(self) -> list[torch.Tensor]:
         return list(self.bounds.tensors)
