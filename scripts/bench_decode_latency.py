@@ -32,9 +32,11 @@ selection, and the model's per-operator overhead in eager mode.
 
 The last two columns split that (CPU): `eager` is the median step of `bench_eager_floor.eager_step`, the
 model's own modules written out by hand over a static cache of as many rows as the method reads per KV group
-and step (the same K/V bytes), with the same decode attention and nothing else; `vs eager` is the method's
-ms/token over it: what the harness and the method's own work (selection, eviction, accounting) add to the
-cheapest eager step that reads the same bytes. ratio (gemv) = eager's own ratio x vs eager.
+and step (the same K/V bytes), with the same decode attention and nothing else, timed in every round right
+after the method; `vs eager` is the median over the rounds of the method's ms/token over that round's eager
+step (this VM's speed drifts by tens of percent within minutes: a reference timed once, at another moment,
+moved the ratio more than the methods did): what the harness and the method's own work (selection, eviction,
+accounting) add to the cheapest eager step that reads the same bytes.
 
 `--compile`: every method also decodes through the compiled step on the static layout (`engine.compile=true`,
 `kvbench.engine.compiled`), from the same prefill, interleaved with its eager run; each gets its own row
@@ -105,7 +107,7 @@ def gemv_bandwidth(model: torch.nn.Module) -> float:
         return nbytes / best_seconds(all_products, model.device)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2_135m", help="a kvbench/conf/model name")
     parser.add_argument("--device", default="auto")
@@ -118,7 +120,7 @@ def main() -> None:
     parser.add_argument("--methods", default=DEFAULT_METHODS)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action="store_true", help="also the compiled decode step (engine.compile)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from bench_eager_floor import time_eager_steps  # it imports this module's gemv_bandwidth
 
     cfg = OmegaConf.load(CONF / f"{args.model}.yaml")
@@ -157,13 +159,17 @@ def main() -> None:
                 session.decoder = decoder_for(lm)
                 session.begin_decode(new_tokens)  # one static layout for every round
             runs[name, path] = {"session": session, "logits": logits, "prefill_s": time.perf_counter() - start,
-                                "times": [], "ratios": []}
+                                "times": [], "ratios": [], "eager": []}
     for _ in range(args.rounds):  # rounds interleave the methods, each timed right after its own gemv rate
-        for run in runs.values():
+        for (name, _), run in runs.items():  # each method's eager run before its compiled one
             rate = gemv_bandwidth(lm.model) if stream is not None else None
             times, run["logits"] = time_decode(lm, run["session"], run["logits"], args.warmup, args.steps)
             run["times"] += times
             run["ratios"].append((statistics.median(times), rate))
+            if stream is not None:  # the eager step over the rows it read so far, timed right after it
+                stats = runs[name, "eager"]["session"].cache.stats  # a compiled run counts on the device until its end
+                rows = round(stats.read_token_equivalents / stats.layer_steps)
+                run["eager"].append(statistics.median(time_eager_steps(lm, rows, args.steps)[0]))
     baseline, eager_rows = {}, {}
     for (name, path), run in runs.items():
         median, p90 = statistics.median(run["times"]), float(np.percentile(run["times"], 90))
@@ -182,9 +188,10 @@ def main() -> None:
         if stream is not None:
             floor_stream = 1e3 * (weights + kv_read) / stream
             gemv_ratio = statistics.median(ms * rate / (1e3 * (weights + kv_read)) for ms, rate in run["ratios"])
-            eager = statistics.median(time_eager_steps(lm, round(read), args.steps)[0])
+            eager = statistics.median(run["eager"])
+            vs_eager = statistics.median(ms / ms_eager for (ms, _), ms_eager in zip(run["ratios"], run["eager"]))
             floors = (f"{kv_read / 1e6:11.1f} {floor_stream:10.1f} ms {median / floor_stream:6.2f} "
-                      f"{median / gemv_ratio:8.1f} ms {gemv_ratio:6.2f} {eager:5.1f} ms {median / eager:8.2f}")
+                      f"{median / gemv_ratio:8.1f} ms {gemv_ratio:6.2f} {eager:5.1f} ms {vs_eager:8.2f}")
         compile_note = f", compile {session.compile_s:.0f} s" if session.compiles else ""
         print(f"{name:<14} {path:<8} {median:9.1f} {p90:7.1f} {median / baseline[path]:8.2f} "
               f"{eager_rows[name] / median:8.2f} {session.cache.kv_bytes() / 2**20:8.1f} {read:20.0f} {floors}   "

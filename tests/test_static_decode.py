@@ -27,6 +27,7 @@ from tests.conftest import random_ids
 from tests.test_engine import kv_sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+import bench_decode_latency  # noqa: E402
 import check_static_decode  # noqa: E402
 
 
@@ -201,3 +202,15 @@ def test_engine_compile_takes_auto_true_or_false():
     assert compiled.wants_compile(True, torch.device("cpu")) is True
     with pytest.raises(KVBenchError, match="engine.compile"):
         compiled.wants_compile("yes", torch.device("cpu"))
+
+
+def test_the_latency_benchmark_decodes_every_method_on_both_paths(eager_backend, capsys):
+    """A smoke run of scripts/bench_decode_latency.py --compile on the tiny model: it drives the engine's own
+    prefill and decode step, so a change of their signatures breaks it (timings are not checked)."""
+    bench_decode_latency.main(["--model", "tiny_llama", "--length", "300", "--budget", "32", "--methods",
+                               "full,quest", "--steps", "2", "--warmup", "1", "--rounds", "1", "--compile"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()]
+    # a timed row starts 'method path ms/token'; a compiled run that fell back prints 'method compiled ran eagerly'
+    ran = {(row[0], row[1]) for row in rows if len(row) > 2 and row[1] in ("eager", "compiled")
+           and row[2].replace(".", "").isdigit()}
+    assert ran == {(m, p) for m in ("full", "quest") for p in ("eager", "compiled")}, rows
