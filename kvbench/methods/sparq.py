@@ -64,7 +64,7 @@ class TransposedKeys:
         """The decode token's key [H, D] written as column `next_slot` of every head, its value summed in."""
         heads, dim = keys.shape
         # index_put_, not scatter_: inductor writes an index_put_ into the graph input in place, while a scatter_
-        # became a copy of the whole [H, D, capacity] copy and a copy back, every layer and step
+        # became a copy of the whole [H, D, capacity] buffer and a copy back, every layer and step
         at = (torch.arange(heads, device=keys.device)[:, None], torch.arange(dim, device=keys.device)[None, :],
               layer.static.next_slot[:, None])
         self.columns.tensors[0].index_put_(at, keys)
