@@ -34,6 +34,7 @@ from kvbench.kernels.page_summary import (
     page_minmax_reference,
     page_scores,
     page_scores_reference,
+    page_scores_traced,
 )
 from kvbench.kernels.ragged_attention import (
     ragged_decode_attention_reference,
@@ -42,6 +43,7 @@ from kvbench.kernels.reduced_scores import reduced_scores, reduced_scores_refere
 from kvbench.kernels.sparse_attention import (
     topk_attention,
     topk_attention_reference,
+    topk_attention_traced,
 )
 
 pytestmark = pytest.mark.kernels
@@ -630,3 +632,39 @@ def test_dispatchers_pick_pytorch_on_cpu(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "trition")
     with pytest.raises(ValueError, match=ENV_VAR):
         use_triton(q)
+
+
+# -- the compiled decode step's formulations (inductor) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group, shared, masked", [(4, True, False), (4, True, True), (4, False, True), (1, True, True)])
+def test_topk_attention_traced_is_the_reference(group, shared, masked, dtype):
+    """The compiled step's top-k attention (one product per KV head over the group, when the group shares its
+    selection) computes the reference's function, with its log-sum-exp, inside and outside torch.compile."""
+    gen = torch.Generator().manual_seed(group * 10 + shared + 2 * masked)
+    n_kv, length, dim, k = 2, 90, 16, 24
+    q = _randn(gen, n_kv, group, dim, dtype=dtype)
+    keys, values = _randn(gen, n_kv, length, dim, dtype=dtype), _randn(gen, n_kv, length, dim, dtype=dtype)
+    if shared:
+        idx = torch.stack([torch.randperm(length, generator=gen)[:k] for _ in range(n_kv)])[:, None].expand(n_kv, group, k)
+    else:
+        idx = torch.randint(0, length, (n_kv, group, k), generator=gen)
+    valid = torch.rand(n_kv, length, generator=gen) > 0.2 if masked else None
+    want, want_lse = topk_attention_reference(q, keys, values, idx, 0.3, valid, return_lse=True)
+    traced = functools.partial(topk_attention_traced, scaling=0.3, valid=valid, return_lse=True)
+    for fn in (traced, torch.compile(traced, backend="eager", fullgraph=True)):
+        out, lse = fn(q, keys, values, idx)
+        assert out.dtype == dtype and out.shape == want.shape
+        _close_to_fp32(out, want.float())
+        torch.testing.assert_close(lse, want_lse, **SCORE_TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group, k1, shared_sign", [(4, 5, True), (1, 32, False), (8, 1, True)])
+def test_page_scores_traced_is_the_reference(group, k1, shared_sign, dtype):
+    """Zeroing the query outside the chosen dimensions gives the gathered bounds' scores, up to float rounding."""
+    gen = torch.Generator().manual_seed(group + k1)
+    q, kmin, kmax, dims, positive = _page_score_inputs(gen, group, 67, 32, 3, k1, shared_sign, dtype)
+    torch.testing.assert_close(page_scores_traced(q, kmin, kmax, dims, positive),
+                               page_scores_reference(q, kmin, kmax, dims, positive), **SCORE_TOL)
