@@ -19,7 +19,6 @@ from kvbench.kernels.decode_attention import (
     decode_attention_reference,
 )
 from kvbench.methods import build_method
-from kvbench.methods.common import pages as pages_module
 from kvbench.methods.common.pages import page_tokens, top_page_tokens, top_tokens
 from kvbench.models import PackedProduct, fast_cpu_bfloat16, load_model, model_head_dim, pack_linear_weights
 from tests.conftest import model_cfg, random_ids
@@ -175,18 +174,25 @@ def test_page_level_top_k_is_the_token_level_top_k():
         assert torch.equal(top_page_tokens(scores, page, length, k), top_tokens(page_tokens(scores, page, length), k))
 
 
-def test_top_tokens_past_the_sorted_size_are_the_stable_sorts_first_k(monkeypatch):
-    monkeypatch.setattr(pages_module, "SORTED_TOKENS", 8)  # the threshold path on small, tie-heavy rows
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_tokens_are_the_stable_sorts_first_k(dtype):
+    """Ties (many at the k-th value), -0.0 against 0.0, negative scores, -inf and +inf: the same indices in the
+    same order as a stable descending sort, eagerly and traced."""
     gen = torch.Generator().manual_seed(1)
+    torch._dynamo.reset()  # the graphs of the other dtype's run
+    traced = torch.compile(top_tokens, backend="eager", fullgraph=True, dynamic=False)
     for trial in range(300):
-        heads, length = 1 + trial % 4, int(torch.randint(9, 400, (1,), generator=gen))
+        heads, length = 1 + trial % 4, int(torch.randint(1, 400, (1,), generator=gen))
         scores = torch.softmax(torch.randn(heads, length, generator=gen), dim=-1)
         if trial % 2:
-            scores = (scores * 40).round() / 40  # many ties at the k-th value
-        scores[:, ::7], scores[:, 1::11] = 0.0, -0.0
+            scores = (scores * 40).round() / 40 - (trial % 4 == 1) * 0.01  # many ties at the k-th value
+        scores[:, ::7], scores[:, 1::11], scores[:, 2::13], scores[:, 3::17] = 0.0, -0.0, float("-inf"), float("inf")
+        scores = scores.to(dtype)
         k = int(torch.randint(1, length + 3, (1,), generator=gen))
         want = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
         assert torch.equal(top_tokens(scores, k), want)
+        if trial < 6:  # each shape is a new graph (dynamo allows 8 per function)
+            assert torch.equal(traced(scores, k), want)
 
 
 def test_full_with_repeated_kv_is_full_at_group_times_the_traffic(tiny_llama):
