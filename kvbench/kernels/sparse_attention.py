@@ -93,20 +93,25 @@ def topk_attention_traced(
 
     Inductor lowers a batched product with one query row (`[B, 1, D] @ [B, D, k]`, the reference's per-query-head
     shape) on CPU to an inlined multiply-and-sum, into which it fuses the row gather and the query's rotary
-    embedding: on a bf16 RocketKV step at 8K that kernel took 220-330 us per layer for 128 rows. Here a
-    selection shared by the group runs one product per KV head with the group as its rows (`[H_kv, G, D] @
-    [H_kv, D, k]`), which stays a BLAS call over rows gathered once (40 us per layer for 3 KV heads x 3 query
-    heads x 128 rows on two cores). A per-query-head selection keeps the reference's products over its query
-    and rows computed once (`realized`), so that nothing is recomputed per row."""
+    embedding: on a bf16 RocketKV step at 8K that kernel took 220-330 us per layer for 128 rows. Here each KV
+    head runs one product with its G query heads as rows (`[H_kv, G, D] @ [H_kv, D, m]`), a BLAS call over
+    rows gathered once (40 us per layer for 3 KV heads x 3 query heads x 128 rows on two cores). A selection
+    shared by the group gathers its k rows (m = k); a per-query-head one gathers the G*k rows of the whole
+    group (m = G*k) and each query head's logits outside its own k are masked: G times the products of a tiny
+    matrix, still one BLAS call. With one query head per KV head the product has one row again, and the
+    query is computed once first (`realized`), so that nothing is recomputed per row."""
     n_kv, group, k = idx.shape
-    if group > 1 and idx.stride(1) != 0:
-        return topk_attention_reference(realized(q), keys, values, idx, scaling, valid, return_lse=return_lse)
-    q = realized(q) if group == 1 else q  # one query row per KV head: inductor inlines this product too
-    rows = idx[:, 0]
+    shared = group == 1 or idx.stride(1) == 0
+    rows = idx[:, 0] if shared else idx.reshape(n_kv, group * k)
     heads = torch.arange(n_kv, device=idx.device)[:, None]
-    logits = torch.bmm(q.float(), keys[heads, rows].float().transpose(1, 2)) * scaling  # [H_kv, G, k]
-    if valid is not None:
-        logits = logits.masked_fill(~valid.gather(1, rows)[:, None, :], float("-inf"))
+    q = realized(q) if group == 1 else q
+    logits = torch.bmm(q.float(), keys[heads, rows].float().transpose(1, 2)) * scaling  # [H_kv, G, m]
+    keep = None if valid is None else valid.gather(1, rows)[:, None, :]
+    if not shared:  # query head g reads columns g*k .. (g+1)*k - 1
+        own = torch.arange(group * k, device=idx.device)[None, :] // k == torch.arange(group, device=idx.device)[:, None]
+        keep = own[None] if keep is None else keep & own[None]
+    if keep is not None:
+        logits = logits.masked_fill(~keep, float("-inf"))
     out = torch.bmm(torch.softmax(logits, dim=-1), values[heads, rows].float()).to(q.dtype)
     return (out, torch.logsumexp(logits, dim=-1)) if return_lse else out
 
