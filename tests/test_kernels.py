@@ -29,6 +29,8 @@ from kvbench.cache.kvcache import KVBenchCache
 from kvbench.kernels import _triton_kernels, ragged_attention, sparse_attention
 from kvbench.kernels._dispatch import ENV_VAR, use_triton
 from kvbench.kernels.decode_attention import decode_attention
+from kvbench.kernels.distinct_rows import distinct_rows
+from kvbench.kernels.exact_scores import exact_logits
 from kvbench.kernels.page_summary import (
     page_minmax,
     page_minmax_reference,
@@ -658,6 +660,33 @@ def test_topk_attention_traced_is_the_reference(group, shared, masked, dtype):
         assert out.dtype == dtype and out.shape == want.shape
         _close_to_fp32(out, want.float())
         torch.testing.assert_close(lse, want_lse, **SCORE_TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_exact_logits_traced_is_the_reference(group, dtype):
+    """The compiled step's exact logits (one reduction per query head, keys read in their own dtype) are the
+    float32 product's, up to the order of the sums, and the rotary-free query it reads is the one passed."""
+    gen = torch.Generator().manual_seed(group)
+    q, keys = _randn(gen, 3, group, 32, dtype=dtype), _randn(gen, 3, 75, 32, dtype=dtype)
+    want = torch.einsum("hgd,hld->hgl", q.float(), keys.float())
+    assert torch.equal(exact_logits(q, keys), want)  # eager: the reference itself
+    traced = torch.compile(exact_logits, backend="eager", fullgraph=True, isolate_recompiles=True)(q, keys)
+    assert traced.dtype == torch.float32 and traced.shape == want.shape
+    torch.testing.assert_close(traced, want, **SCORE_TOL)
+
+
+@pytest.mark.parametrize("backend", ["eager", "inductor"])
+def test_distinct_rows_counts_each_row_once_inside_and_outside_compile(backend):
+    """Distinct values per row, summed: repeated indices (a per-query-head selection that shares tokens, a
+    selection padded with one slot) count once, eagerly and as the compiled step's opaque op."""
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 40, (3, 96), generator=gen)
+    idx[1] = 7  # one slot, 96 times
+    want = sum(len(set(row.tolist())) for row in idx)
+    assert int(distinct_rows(idx, 40)) == want
+    compiled = torch.compile(lambda i: distinct_rows(i, 40) * 2, backend=backend, fullgraph=True, isolate_recompiles=True)
+    assert int(compiled(idx)) == 2 * want
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -140,6 +140,30 @@ def test_decode_eviction_overwrites_slots_and_comes_back_in_position_order(tiny_
     assert eager.cache.evictions() == static.cache.evictions() and eager.cache.kv_bytes() == static.cache.kv_bytes()
 
 
+def test_each_decoder_compiles_and_runs_its_own_graphs(tiny_llama):
+    """A decoder never runs another decoder's graph. Dynamo keys compiled code by the function's code object,
+    which every `CompiledDecoder` shares, and a decoder drops the guards on its model's modules: without
+    `isolate_recompiles` a decoder of another model whose cache has the same shapes (another tiny Llama with
+    biases, say) would pass the remaining guards and run a graph without its biases. Two decoders of one model
+    and backend show it: each compiles its own graph."""
+    ids = random_ids(120, seed=6)
+
+    def steps(decoder):
+        session = Session(tiny_llama, build_method("quest"), 32)
+        logits, _ = session.prefill(ids, compress=True)
+        session.decoder = decoder
+        session.begin_decode(3)
+        token = int(logits.argmax())
+        for _ in range(3):
+            token = int(session.step(token).argmax())
+        session.end_decode()
+        return session.compiles, token
+
+    first, second = (steps(compiled.CompiledDecoder(tiny_llama, "eager")) for _ in range(2))
+    assert first[0] == 1 and second[0] == 1  # each compiled its graph once, on its first step
+    assert first[1] == second[1]
+
+
 def test_top_page_tokens_with_device_lengths_over_the_capacity_are_the_eager_tokens():
     gen = torch.Generator().manual_seed(0)
     for length, page, k in ((103, 8, 40), (96, 8, 40), (50, 16, 49)):
@@ -208,9 +232,9 @@ def test_the_latency_benchmark_decodes_every_method_on_both_paths(eager_backend,
     """A smoke run of scripts/bench_decode_latency.py --compile on the tiny model: it drives the engine's own
     prefill and decode step, so a change of their signatures breaks it (timings are not checked)."""
     bench_decode_latency.main(["--model", "tiny_llama", "--length", "300", "--budget", "32", "--methods",
-                               "full,quest", "--steps", "2", "--warmup", "1", "--rounds", "1", "--compile"])
+                               "full,quest,exact_topk", "--steps", "2", "--warmup", "1", "--rounds", "1", "--compile"])
     rows = [line.split() for line in capsys.readouterr().out.splitlines()]
     # a timed row starts 'method path ms/token'; a compiled run that fell back prints 'method compiled ran eagerly'
     ran = {(row[0], row[1]) for row in rows if len(row) > 2 and row[1] in ("eager", "compiled")
            and row[2].replace(".", "").isdigit()}
-    assert ran == {(m, p) for m in ("full", "quest") for p in ("eager", "compiled")}, rows
+    assert ran == {(m, p) for m in ("full", "quest", "exact_topk") for p in ("eager", "compiled")}, rows

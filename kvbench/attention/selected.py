@@ -7,6 +7,7 @@ import torch
 
 from kvbench.cache.layer import KVLayer
 from kvbench.core.contract import HeadView, Selection, Step
+from kvbench.kernels.exact_scores import exact_logits
 from kvbench.kernels.sparse_attention import merge_attention, topk_attention
 from kvbench.methods.common.placement import mass_recall_tensor
 
@@ -89,7 +90,7 @@ def attention_recall(q: torch.Tensor, view: HeadView, idx: torch.Tensor, scaling
     """Top-k attention-mass recall of a selection: the exact attention mass on the selected tokens over the
     mass of the exact top-|selected| tokens, per query head, averaged (1 for Exact-TopK). Over the tokens the
     layer holds at this step, so after an eviction stage it is measured on what survived. A 0-d tensor."""
-    logits = torch.einsum("hgd,hld->hgl", q.float(), view.keys.float()) * scaling
+    logits = exact_logits(q, view.keys) * scaling
     if view.valid is not None:
         logits.masked_fill_(~view.valid[:, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)

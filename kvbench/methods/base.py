@@ -52,6 +52,7 @@ import torch
 
 from kvbench.core.checks import check_field_kinds, is_int
 from kvbench.core.contract import HeadView, Plan, Schedule, Selection, Step
+from kvbench.kernels.distinct_rows import distinct_rows
 
 if TYPE_CHECKING:
     from kvbench.cache.layer import KVLayer
@@ -62,12 +63,6 @@ METHODS: dict[str, type["Method"]] = {}
 def register_method(cls: type["Method"]) -> type["Method"]:
     METHODS[cls.name] = cls
     return cls
-
-
-
-
-
-
 
 
 @dataclass
@@ -81,6 +76,9 @@ class Method:
     uses_budget: ClassVar[bool] = True  # False: the budget cannot change a result (full), so sweeps share one point
     static_selection: ClassVar[bool] = False  # `select` and its derived state also serve the static layout
     host_work: ClassVar[str | None] = None  # the host work every decode step needs (keeps it off the static layout)
+    # each decode step reads every key to choose what it attends, a read its cost model (`step_traffic`) leaves
+    # out: an oracle (Exact-TopK) is counted by what it attends, as RocketKV counts it
+    scores_every_key: ClassVar[bool] = False
     # its heads may keep different numbers of tokens (Ada-KV, DuoAttention): the static layout keeps every layer
     # flat then, so that a layer whose heads happen to come out even does not make a sample its own graph
     ragged_layers: ClassVar[bool] = False
@@ -180,9 +178,7 @@ class Method:
         if selection is None:
             return 2 * layer.head_dim * layer.held_tokens()
         idx = selection.idx
-        chosen = torch.zeros(idx.shape[0], layer.physical_length(), dtype=torch.bool, device=idx.device)
-        distinct = chosen.scatter_(1, idx.reshape(idx.shape[0], -1), True).sum()
-        return 2 * layer.head_dim * distinct
+        return 2 * layer.head_dim * distinct_rows(idx.reshape(idx.shape[0], -1), layer.physical_length())
 
     def observe(self, layer: "KVLayer", queries: torch.Tensor, step: Step) -> None:
         return None

@@ -8,6 +8,11 @@ group's softmax probabilities; `granularity=group_max` ranks by their max, which
 exact linear scan attending to the top-1024 keys, specs/ctkvr.md §4: "the same max-over-group aggregation" as
 CTKVR's rerank; `kvbench/conf/method/exact_topk_flat.yaml`). Nothing is evicted; with budget >= cache length it is
 exactly full attention.
+
+Its cost model counts what it attends (RocketKV's oracle), not the keys it reads to rank them
+(`scores_every_key`: `scripts/bench_decode_latency.py` adds them to the bytes its eager reference step reads).
+In the compiled decode step the logits are summed in another order (`kernels.exact_scores`) and per-query-head
+ties go to the lower index (`top_tokens`); its tokens are checked against the eager step's.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.kernels.exact_scores import exact_logits
 from kvbench.methods.base import Method, register_method
+from kvbench.methods.common.pages import top_tokens
 
 
 @register_method
@@ -26,6 +33,7 @@ class ExactTopK(Method):
     family = "selection"
     selects = True
     static_selection = True
+    scores_every_key = True
     granularity: str = "head"
 
     def __post_init__(self) -> None:
@@ -37,10 +45,12 @@ class ExactTopK(Method):
         budget = step.plan.select
         if budget >= view.keys.shape[1]:
             return None  # every token is in the top k: exactly full attention
-        logits = torch.einsum("hgd,hld->hgl", q.float(), view.keys.float()) * scaling
+        logits = exact_logits(q, view.keys) * scaling
         if view.valid is not None:
             logits.masked_fill_(~view.valid[:, None, :], float("-inf"))
         if self.granularity == "head":
+            if torch.compiler.is_compiling():  # ties to the lower index; an int64 topk mispredicts fewer branches
+                return top_tokens(logits.flatten(0, 1), budget).view(*logits.shape[:2], budget)
             return logits.topk(budget, dim=-1).indices
         probs = torch.softmax(logits, dim=-1)
         shared = (probs.sum(dim=1) if self.granularity == "group" else probs.amax(dim=1)).topk(budget, dim=-1).indices
