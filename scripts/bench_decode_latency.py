@@ -32,8 +32,9 @@ selection, and the model's per-operator overhead in eager mode.
 
 The last two columns split that (CPU): `eager` is the median step of `bench_eager_floor.eager_step`, the
 model's own modules written out by hand over a static cache of as many rows as the method reads per KV group
-and step (the same K/V bytes), with the same decode attention and nothing else, timed in every round right
-after the method; `vs eager` is the median over the rounds of the method's ms/token over that round's eager
+and step (the same K/V bytes: its cost model's rows, and for a method that scores every key to choose,
+Exact-TopK, whose cost model counts only what it attends, also those keys, half a K/V row each), with the same
+decode attention and nothing else, timed in every round right after the method; `vs eager` is the median over the rounds of the method's ms/token over that round's eager
 step (this VM's speed drifts by tens of percent within minutes: a reference timed once, at another moment,
 moved the ratio more than the methods did): what the harness and the method's own work (selection, eviction,
 accounting) add to the cheapest eager step that reads the same bytes.
@@ -83,6 +84,15 @@ def time_decode(lm, session, logits: torch.Tensor, warmup: int, steps: int) -> t
             times.append(1e3 * (time.perf_counter() - t0))
         token = int(logits.argmax())
     return times, logits
+
+
+def scored_keys(session) -> float:
+    """K/V row-equivalents per KV group and step that the method reads to choose and its cost model leaves out:
+    the keys of every token held, for a method that scores every key (`Method.scores_every_key`); 0 otherwise."""
+    if not session.method.scores_every_key:
+        return 0.0
+    layers = session.cache.layers
+    return sum(layer.held_tokens() / layer.num_heads for layer in layers) / len(layers) / 2
 
 
 def stream_bandwidth(dtype: torch.dtype, nbytes: int = 1 << 29) -> float:
@@ -168,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
             run["ratios"].append((statistics.median(times), rate))
             if stream is not None:  # the eager step over the rows it read so far, timed right after it
                 stats = runs[name, "eager"]["session"].cache.stats  # a compiled run counts on the device until its end
-                rows = round(stats.read_token_equivalents / stats.layer_steps)
+                rows = round(stats.read_token_equivalents / stats.layer_steps + scored_keys(runs[name, "eager"]["session"]))
                 run["eager"].append(statistics.median(time_eager_steps(lm, rows, args.steps)[0]))
     baseline, eager_rows = {}, {}
     for (name, path), run in runs.items():
