@@ -36,6 +36,19 @@ def eager_backend(monkeypatch):
     monkeypatch.setattr(compiled, "BACKEND", "eager")
 
 
+def greedy_decode(lm, method, budget: int, ids: list[int], steps: int, decoder) -> tuple[Session, int]:
+    """Prefill and compress `ids`, then `steps` greedy decode steps through `decoder` (None: eagerly). The session,
+    still in its decode loop (the caller ends it), and the last token."""
+    session = Session(lm, method, budget)
+    logits, _ = session.prefill(ids, compress=True)
+    session.decoder = decoder
+    session.begin_decode(steps)
+    token = int(logits.argmax())
+    for _ in range(steps):
+        token = int(session.step(token).argmax())
+    return session, token
+
+
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
 def test_every_static_method_is_one_graph_without_recompiles_and_keeps_the_eager_tokens(model, capsys):
     outcomes = check_static_decode.main(["--models", model, "--backend", "eager"])
@@ -117,13 +130,7 @@ def test_decode_eviction_overwrites_slots_and_comes_back_in_position_order(tiny_
     ids = random_ids(200, seed=4)
 
     def run(decoder):
-        session = Session(tiny_llama, build_method("streamingllm", decode_every=1), 40)
-        logits, _ = session.prefill(ids, compress=True)
-        session.decoder = decoder
-        session.begin_decode(12)
-        token = int(logits.argmax())
-        for _ in range(12):
-            token = int(session.step(token).argmax())
+        session, _ = greedy_decode(tiny_llama, build_method("streamingllm", decode_every=1), 40, ids, 12, decoder)
         slots = session.cache.layers[0].head_view().positions.clone() if session.cache.is_static else None
         session.end_decode()
         return session, slots
@@ -149,13 +156,7 @@ def test_each_decoder_compiles_and_runs_its_own_graphs(tiny_llama):
     ids = random_ids(120, seed=6)
 
     def steps(decoder):
-        session = Session(tiny_llama, build_method("quest"), 32)
-        logits, _ = session.prefill(ids, compress=True)
-        session.decoder = decoder
-        session.begin_decode(3)
-        token = int(logits.argmax())
-        for _ in range(3):
-            token = int(session.step(token).argmax())
+        session, token = greedy_decode(tiny_llama, build_method("quest"), 32, ids, 3, decoder)
         session.end_decode()
         return session.compiles, token
 
