@@ -34,10 +34,11 @@ The last two columns split that (CPU): `eager` is the median step of `bench_eage
 model's own modules written out by hand over a static cache of as many rows as the method reads per KV group
 and step (the same K/V bytes: its cost model's rows, and for a method that scores every key to choose,
 Exact-TopK, whose cost model counts only what it attends, also those keys, half a K/V row each), with the same
-decode attention and nothing else, timed in every round right after the method; `vs eager` is the median over the rounds of the method's ms/token over that round's eager
-step (this VM's speed drifts by tens of percent within minutes: a reference timed once, at another moment,
-moved the ratio more than the methods did): what the harness and the method's own work (selection, eviction,
-accounting) add to the cheapest eager step that reads the same bytes.
+decode attention and nothing else, timed in every round right after the method; `vs eager` is the median over
+the rounds of the method's ms/token over that round's eager step (this VM's speed drifts by tens of percent
+within minutes: a reference timed once, at another moment, moved the ratio more than the methods did): what the
+harness and the method's own work (selection, eviction, accounting) add to the cheapest eager step that reads
+the same bytes.
 
 `--compile`: every method also decodes through the compiled step on the static layout (`engine.compile=true`,
 `kvbench.engine.compiled`), from the same prefill, interleaved with its eager run; each gets its own row
@@ -177,8 +178,9 @@ def main(argv: list[str] | None = None) -> None:
             run["times"] += times
             run["ratios"].append((statistics.median(times), rate))
             if stream is not None:  # the eager step over the rows it read so far, timed right after it
-                stats = runs[name, "eager"]["session"].cache.stats  # a compiled run counts on the device until its end
-                rows = round(stats.read_token_equivalents / stats.layer_steps + scored_keys(runs[name, "eager"]["session"]))
+                eager_session = runs[name, "eager"]["session"]  # a compiled run counts on the device until its end
+                stats = eager_session.cache.stats
+                rows = round(stats.read_token_equivalents / stats.layer_steps + scored_keys(eager_session))
                 run["eager"].append(statistics.median(time_eager_steps(lm, rows, args.steps)[0]))
     baseline, eager_rows = {}, {}
     for (name, path), run in runs.items():

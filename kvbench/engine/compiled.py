@@ -36,8 +36,8 @@ log = logging.getLogger("kvbench")
 
 COMPILE_SETTINGS = ("auto", True, False)
 
-# One code object serves every point of a process (a grouped sweep compiles several graphs): dynamo's default
-# limit of 8 graphs per code object would silently fall back to eager past the eighth.
+# One decoder serves every point of its model in a process (a grouped sweep compiles several graphs): dynamo's
+# default limit of 8 graphs would silently fall back to eager past the eighth.
 RECOMPILE_LIMIT = 256
 
 
