@@ -3,6 +3,8 @@ the graph, and whether its tokens equal the eager path's.
 
     python scripts/check_static_decode.py                              # tiny Llama + Qwen3, dynamo's eager backend
     python scripts/check_static_decode.py --backend inductor --methods full,quest,adakv
+    python scripts/check_static_decode.py --backend inductor --device cuda --models tiny_llama   # Triton's code
+    python scripts/check_static_decode.py --lint                       # and what Triton would refuse (CPU)
     TORCH_LOGS=recompiles,graph_breaks python scripts/check_static_decode.py --methods rocketkv
 
 For each model and method: one sample prefilled and compressed as a run does, then `--steps` greedy decode steps
@@ -18,8 +20,12 @@ bucket, compiled: it must reuse the graph. Reported per method:
 - path: `compiled`, or `eager` and the reason the method gives (host work at every step).
 
 `--backend eager` (the default; dynamo's tracing only) and `aot_eager` decide graphs, breaks and recompiles as
-inductor does, in seconds; inductor also generates the kernels (a minute or more per graph on two cores). The
-exit status is 1 when a method that should run compiled does not, recompiles, or changes a token.
+inductor does, in seconds; inductor also generates the kernels (a minute or more per graph on two cores).
+`--lint` compiles with `kvbench.engine.graph_lint`'s backend instead: each graph after inductor's
+decompositions, checked for what Triton's code generation refuses although the CPU's accepts (a method with such
+a construct runs compiled on the CPU and falls back to eager on every GPU), then run eagerly; a finding is the
+method's error. The exit status is 1 when a method that should run compiled does not (a lint finding
+included), recompiles, or changes a token.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import torch
 from omegaconf import OmegaConf
 
 from kvbench.engine import compiled as compiled_step
+from kvbench.engine.graph_lint import lint_backend
 from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.models import load_model
@@ -114,17 +121,22 @@ def decode(lm, method, budget: int, ids: list[int], steps: int, decoder) -> tupl
     return session, tokens, all_logits
 
 
+def method_for(lm, name: str, settings: dict):
+    """The method of a table row for model `lm` (a setting may name the model: DuoAttention's pattern)."""
+    settings = {k: (v.format(model=lm.name) if isinstance(v, str) else v) for k, v in settings.items()}
+    return build_method(name, **settings)
+
+
 def check(lm, label: str, name: str, settings: dict, budget: int, steps: int, decoder, length: int,
           expect_static: bool) -> Outcome:
-    settings = {k: (v.format(model=lm.name) if isinstance(v, str) else v) for k, v in settings.items()}
-    method = build_method(name, **settings)
+    method = method_for(lm, name, settings)
     blocker = method.static_decode_blocker()
     if blocker is not None:
         return Outcome(label, f"eager ({blocker})", error="expected to run compiled" if expect_static else "")
     if not expect_static:
         return Outcome(label, "compiled?", error="expected to name the host work that keeps it eager")
     ids = prompt(length, seed=1)
-    _, eager_tokens, eager_logits = decode(lm, build_method(name, **settings), budget, ids, steps, None)
+    _, eager_tokens, eager_logits = decode(lm, method_for(lm, name, settings), budget, ids, steps, None)
     try:
         session, tokens, logits = decode(lm, method, budget, ids, steps, decoder)
     except Exception as exc:  # noqa: BLE001 - a graph break under fullgraph, reported by name
@@ -135,7 +147,7 @@ def check(lm, label: str, name: str, settings: dict, budget: int, steps: int, de
                       tokens_equal=tokens == eager_tokens,
                       max_logit_diff=max(float((a - b).abs().max()) for a, b in zip(logits, eager_logits)))
     # another sample, a few tokens shorter: the same capacity bucket, so the same graph
-    second, _, _ = decode(lm, build_method(name, **settings), budget, prompt(length - 9, seed=2), steps, decoder)
+    second, _, _ = decode(lm, method_for(lm, name, settings), budget, prompt(length - 9, seed=2), steps, decoder)
     outcome.second_sample = second.compiles
     return outcome
 
@@ -145,9 +157,12 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
     parser.add_argument("--models", default="tiny_llama,tiny_qwen3")
     parser.add_argument("--methods", default="all", help="labels from the table (all: every one)")
     parser.add_argument("--backend", default="eager", help="torch.compile backend: eager, aot_eager or inductor")
+    parser.add_argument("--lint", action="store_true",
+                        help="compile with the graph lint's backend (kvbench.engine.graph_lint) instead of --backend")
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--length", type=int, default=700, help="prompt tokens (DuoAttention's rule needs > 640)")
     parser.add_argument("--dtype", default=None, help="the model's dtype (default: its config's; float32 for tiny ones)")
+    parser.add_argument("--device", default=None, help="the model's device (default: its config's; cpu for tiny ones)")
     args = parser.parse_args(argv)
     wanted = None if args.methods == "all" else set(args.methods.split(","))
     outcomes = []
@@ -155,9 +170,12 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
         cfg = OmegaConf.load(CONF / "model" / f"{model}.yaml")
         if args.dtype is not None:
             cfg.dtype = args.dtype
+        if args.device is not None:
+            cfg.device = args.device
         lm = load_model(cfg)
-        decoder = compiled_step.CompiledDecoder(lm, args.backend)
-        print(f"\n{model} ({lm.dtype}, backend {args.backend}, {args.steps} steps)")
+        decoder = compiled_step.CompiledDecoder(lm, lint_backend() if args.lint else args.backend)
+        backend = "graph lint" if args.lint else args.backend
+        print(f"\n{model} ({lm.dtype}, backend {backend}, {args.steps} steps)")
         print(f"{'method':22} {'path':10} {'graphs':>6} {'recompiles':>10} {'2nd':>4} {'tokens':>7} {'max dlogit':>10}")
         for label, name, settings, budget in STATIC + EAGER:
             if wanted is not None and label not in wanted:

@@ -148,11 +148,11 @@ def test_decode_eviction_overwrites_slots_and_comes_back_in_position_order(tiny_
 
 
 def test_each_decoder_compiles_and_runs_its_own_graphs(tiny_llama):
-    """A decoder never runs another decoder's graph. Dynamo keys compiled code by the function's code object,
-    which every `CompiledDecoder` shares, and a decoder drops the guards on its model's modules: without
-    `isolate_recompiles` a decoder of another model whose cache has the same shapes (another tiny Llama with
-    biases, say) would pass the remaining guards and run a graph without its biases. Two decoders of one model
-    and backend show it: each compiles its own graph."""
+    """A decoder never runs another decoder's graph. Dynamo keys compiled code by the function's code object, and
+    a decoder drops the guards on its model's modules: were the code object shared by every `CompiledDecoder`, a
+    decoder of another model whose cache has the same shapes (another tiny Llama with biases, say) would pass
+    the remaining guards and run a graph without its biases. So each decoder compiles its own copy of the code.
+    Two decoders of one model and backend show it: each compiles its own graph."""
     ids = random_ids(120, seed=6)
 
     def steps(decoder):

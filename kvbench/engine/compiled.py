@@ -15,15 +15,31 @@ that compiled are timed as `decode_compile_s`, not as decode steps.
 
 `engine.compile`: `auto` compiles on CUDA and stays eager on CPU (where the eager path is the exact default:
 float32 records bitwise stock transformers), `true` compiles wherever the method allows
-(`Method.static_decode_blocker`), `false` never. A compile that fails falls back to the eager path with one
-warning line; every record says which path ran (`decode_path`) and, when it is not the compiled one although
-compiling was asked for, why (`decode_path_reason`).
+(`Method.static_decode_blocker`), `false` never. Nothing about compiling stops a run: when the decoder cannot be
+set up (an older torch, `torch.compile` refusing its arguments) or a step fails to trace or to compile (a graph
+break under fullgraph, the backend's error), the point decodes on the eager path, with one warning line; every
+record says which path ran (`decode_path`) and, when it is not the compiled one although compiling was asked
+for, why (`decode_path_reason`).
+
+Which torch: the step needs torch >= 2.5 (`MIN_TORCH`): inductor's `emulate_precision_casts` came in 2.5, and
+`torch.compiler.is_compiling`, `cudagraph_mark_step_begin` and `torch.library.custom_op` before it. Below it
+`engine.compile` decodes eagerly (one warning line). What came later is used where this torch has it and
+replaced where it has not, found by looking (never by version number): dynamo's `guard_filter_fn` (2.8) drops
+the guards on the model's modules, without it a step checks them too (the same graphs, ~1.5 ms more per step on
+two CPU cores); `torch.compile`'s own `recompile_limit` (2.12) sets each decoder's limit, without it dynamo's
+global limit is raised. Each decoder's graphs are kept apart on every torch by a code object of its own
+(`_own_step`), not by 2.12's `isolate_recompiles`.
 """
 
 from __future__ import annotations
 
+import inspect
+import itertools
 import logging
+import sys
 import time
+import traceback
+import types
 from typing import Any
 
 import torch
@@ -37,8 +53,12 @@ log = logging.getLogger("kvbench")
 COMPILE_SETTINGS = ("auto", True, False)
 
 # One decoder serves every point of its model in a process (a grouped sweep compiles several graphs): dynamo's
-# default limit of 8 graphs would silently fall back to eager past the eighth.
+# default limit of 8 graphs would silently fall back to eager past the eighth. The limit counts per code object,
+# so each decoder (`_own_step`) has its own.
 RECOMPILE_LIMIT = 256
+
+# The oldest torch the compiled step runs on (see the module's docstring); only named in the reason a record gives
+MIN_TORCH = "2.5"
 
 
 def wants_compile(setting: Any, device: torch.device) -> bool:
@@ -48,25 +68,144 @@ def wants_compile(setting: Any, device: torch.device) -> bool:
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
+def missing_features(backend: Any) -> list[str]:
+    """What this torch lacks of what the compiled step needs (torch >= `MIN_TORCH`), by name; empty when nothing.
+    Looked up, not inferred from the version: a build between releases has what it has."""
+    needed = {
+        # kvbench's kernels trace their references when compiling, and call their own kernels eagerly
+        "torch.compiler.is_compiling": hasattr(torch.compiler, "is_compiling"),
+        # a CUDA-graph step marks its start (`step`), so that the next replay may overwrite the last one's output
+        "torch.compiler.cudagraph_mark_step_begin": hasattr(torch.compiler, "cudagraph_mark_step_begin"),
+    }
+    if backend == "inductor":
+        import torch._inductor.config as inductor_config
+
+        # without it inductor's fused bf16 kernels round otherwise than eager, and tokens change (see _compile)
+        needed["torch._inductor.config.emulate_precision_casts"] = hasattr(inductor_config, "emulate_precision_casts")
+    return [name for name, present in needed.items() if not present]
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a record and a warning: the exception's type and its message's first line. A backend's error
+    that dynamo wrapped (`BackendCompilerFailed`, inductor's `InductorError`: their first line only names the
+    backend) is described by the error inside, and a Triton `CompilationError` by its last line (the first is the
+    kernel's line and column; the last says what Triton refused)."""
+    inner = exc
+    while isinstance(getattr(inner, "inner_exception", None), BaseException):
+        inner = inner.inner_exception
+    lines = str(inner).strip().splitlines() or [""]
+    line = lines[-1] if type(inner).__name__ == "CompilationError" else lines[0]
+    if isinstance(exc, CompileFailed):
+        return line
+    return f"{type(exc).__name__}: {line}" if inner is exc else f"{type(exc).__name__}: {type(inner).__name__}: {line}"
+
+
+def _raise_dynamo_limit(*names: str) -> None:
+    """Raise dynamo's config limit to `RECOMPILE_LIMIT`, under the first of `names` this torch has (2.7 renamed
+    `cache_size_limit` to `recompile_limit`, and the accumulated one likewise)."""
+    config = torch._dynamo.config
+    name = next(name for name in names if hasattr(config, name))
+    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+
+
+def _decode_step(decoder: "CompiledDecoder", cache: Any, step_context: Any, token: torch.Tensor,
+                 position: torch.Tensor) -> torch.Tensor:
+    """One decode step of `decoder`'s model, the function compiled (a copy per decoder: `_own_step`)."""
+    cache.static_position = position.view(1)
+    out = decoder.lm.model(input_ids=token, position_ids=position, **{decoder.cache_argument: cache},
+                           use_cache=True, logits_to_keep=1, kvbench_steps=[step_context])
+    return out.logits[0, -1].float()
+
+
+_copies = itertools.count()
+
+
+def _own_step(decoder: "CompiledDecoder") -> tuple[types.MethodType, types.CodeType]:
+    """`_decode_step` bound to `decoder`, through a code object of its own, and that code object.
+
+    Dynamo keeps the graphs it compiles on the code object it traced, and picks one by its guards. A decoder
+    drops the guards on its model's modules (`guard_filter_fn`), so with one code object for all decoders, a
+    decoder of another model whose cache has the same shapes would pass the remaining guards and run the first
+    decoder's graph (another tiny Llama with biases would run one without them). A closure made per decoder would
+    not help: closures of one `def` share its code object. A copy of the code object, renamed, is a new one: its
+    graphs, and its count against the recompile limits, belong to this decoder alone."""
+    code = _decode_step.__code__.replace(co_name=f"_decode_step_{next(_copies)}")
+    step = types.FunctionType(code, _decode_step.__globals__, code.co_name)
+    return types.MethodType(step, decoder), code
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """The exception types that mean a step failed to trace or compile (nothing of it ran): dynamo's own (graph
+    breaks under fullgraph, `BackendCompilerFailed` and inductor's `InductorError` wrapping the backend's error),
+    the recompile limit hit under fullgraph, inductor's error where it is not dynamo's, and Triton's
+    `CompilationError` (inductor compiles a graph's kernels before it runs: a kernel Triton refuses stops the
+    compile). Looked up in the modules already imported: one not imported raised nothing."""
+    found: list[type[BaseException]] = [torch._dynamo.exc.TorchDynamoException]
+    for module, name in (("torch._dynamo.exc", "FailOnRecompileLimitHit"), ("torch._inductor.exc", "InductorError"),
+                         ("triton.compiler.errors", "CompilationError")):
+        cls = getattr(sys.modules.get(module), name, None)
+        if isinstance(cls, type):
+            found.append(cls)
+    return tuple(found)
+
+
+def raised_compiling(exc: BaseException) -> bool:
+    """Whether `exc`, raised by a compiled step, came from tracing or compiling it, before any of it ran (the cache
+    is then as it was, and the step can run eagerly instead): it, or an exception it wraps, is a compile error
+    (`_compile_errors`), or it was raised inside dynamo's conversion of the frame (dynamo re-raises some errors
+    of its own and of the backend unwrapped: an AssertionError, an IndexError). An exception from running a
+    compiled graph is neither; that graph may have written the cache in place, so it is not retried eagerly."""
+    errors = _compile_errors()
+    conversion = torch._dynamo.convert_frame.__file__
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, errors) or any(frame.f_code.co_filename == conversion
+                                              for frame, _ in traceback.walk_tb(current.__traceback__)):
+            return True
+        current = current.__cause__ or current.__context__ or getattr(current, "inner_exception", None)
+    return False
+
+
 class CompiledDecoder:
     """The compiled decode step of one model: `step(session, token, step_context)` runs one decode step of
-    `session` (whose cache is in the static layout) and returns its float32 logits. One per model and process
-    (`decoder_for`): its graphs are keyed by what they depend on (layout shape, method settings, plan), so the
-    points of a grouped run share it, each compiling its own graphs."""
+    `session` (whose cache is in the static layout) and returns its float32 logits. One per model, backend and
+    process (`decoder_for`): its graphs are keyed by what they depend on (layout shape, method settings, plan), so
+    the points of a grouped run share it, each compiling its own graphs.
 
-    def __init__(self, lm: LoadedModel, backend: str = "inductor"):
+    A decoder that cannot be set up is `unavailable` (why, as a record's reason): every method's steps then run
+    eagerly (`failure`), and its construction logged one warning line."""
+
+    def __init__(self, lm: LoadedModel, backend: Any = "inductor"):
         self.lm = lm
         self._failures: dict[int, str] = {}  # id(method) -> why its step did not compile (it then decodes eagerly)
-        # the accumulated limit is global (every decoder's graphs count against it); each decoder's own limit is
-        # `recompile_limit`, counted apart from other decoders' graphs (isolate_recompiles)
-        torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, RECOMPILE_LIMIT)
-        # A decoder steps one model whose modules nothing changes after loading, and its graphs are its own
-        # (isolate_recompiles: a decoder of another model or backend never runs them). The ~7,000 guards dynamo
-        # would check on those modules at every step (of ~9,000 on SmolLM2; 1.4-1.9 ms of a step on two CPU
-        # cores) are dropped; the guards on the cache, the method and the plan, which tell points apart, stay.
-        options: dict[str, Any] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         self.cuda_graphs = lm.device.type == "cuda" and backend == "inductor"
+        self.unavailable: str | None = None
+        try:
+            self._compiled = self._compile(backend)
+        except Exception as exc:  # noqa: BLE001 - whatever setting up the compile raises, the run decodes eagerly
+            self.unavailable = f"compile failed: {describe(exc)}"
+            log.warning("kvbench: the compiled decode step could not be set up (%s); decoding eagerly", describe(exc))
+
+    def _compile(self, backend: Any) -> Any:
+        missing = missing_features(backend)
+        if missing:
+            raise CompileFailed(f"torch {torch.__version__} lacks {', '.join(missing)} (the compiled decode step "
+                                f"needs torch >= {MIN_TORCH})")
+        accepted = inspect.signature(torch.compile).parameters
+        limit = {"recompile_limit": RECOMPILE_LIMIT} if "recompile_limit" in accepted else {}
+        if not limit:
+            _raise_dynamo_limit("recompile_limit", "cache_size_limit")
+        # the accumulated limit caps a code object's graphs of every guard set together (64 on older torches)
+        _raise_dynamo_limit("accumulated_recompile_limit", "accumulated_cache_size_limit")
+        options: dict[str, Any] = {}
+        if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):  # 2.8, with the guard_filter_fn option
+            # A decoder steps one model whose modules nothing changes after loading, and its graphs are its own
+            # (`_own_step`). The ~7,000 guards dynamo would check on those modules at every step (of ~9,000 on
+            # SmolLM2; 1.4-1.9 ms of a step on two CPU cores) are dropped; the guards on the cache, the method and
+            # the plan, which tell points apart, stay.
+            options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
         if backend == "inductor":
             # Eager rounds every bf16/fp16 op's result; inductor's fused kernels keep float32 between ops unless
             # told to round as eager does. Without it a bf16 SparQ step picks other tokens than the eager step
@@ -74,18 +213,12 @@ class CompiledDecoder:
             # On CUDA, `triton.cudagraphs` is what mode="reduce-overhead" sets (a mode and options exclude
             # each other in torch.compile).
             options.update({"emulate_precision_casts": True, "triton.cudagraphs": self.cuda_graphs})
-        self._cache_argument = next(iter(cache_kwargs(lm.model, None)))  # found once, outside the trace
-        self._compiled = torch.compile(self._step, fullgraph=True, dynamic=False, backend=backend, options=options,
-                                       isolate_recompiles=True, recompile_limit=RECOMPILE_LIMIT)
-
-    def _step(self, cache: Any, step_context: Any, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        cache.static_position = position.view(1)
-        out = self.lm.model(input_ids=token, position_ids=position, **{self._cache_argument: cache},
-                            use_cache=True, logits_to_keep=1, kvbench_steps=[step_context])
-        return out.logits[0, -1].float()
+        self.cache_argument = next(iter(cache_kwargs(self.lm.model, None)))  # found once, outside the trace
+        step, self.step_code = _own_step(self)
+        return torch.compile(step, fullgraph=True, dynamic=False, backend=backend, options=options, **limit)
 
     def failure(self, method: Any) -> str | None:
-        return self._failures.get(id(method))
+        return self.unavailable or self._failures.get(id(method))
 
     def record_failure(self, method: Any, reason: str) -> None:
         self._failures[id(method)] = reason
@@ -93,7 +226,7 @@ class CompiledDecoder:
     @torch.inference_mode()
     def step(self, session: Any, token: int, step_context: Any) -> tuple[torch.Tensor, float]:
         """One compiled decode step: the logits and the seconds spent compiling in this call (0 when it replayed
-        a graph). Raises `CompileFailed` (the cache untouched) when the first trace or compile fails."""
+        a graph). Raises `CompileFailed` (the cache untouched) when the step fails to trace or compile."""
         device = self.lm.device
         token_t = torch.tensor([[token]], device=device)
         position_t = torch.tensor([[session.position]], device=device)
@@ -104,9 +237,10 @@ class CompiledDecoder:
         start = time.perf_counter()
         try:
             logits = self._compiled(session.cache, step_context, token_t, position_t)
-        except torch._dynamo.exc.TorchDynamoException as exc:  # raised while tracing or compiling, before running
-            first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-            raise CompileFailed(f"{type(exc).__name__}: {first_line}") from exc
+        except Exception as exc:
+            if not raised_compiling(exc):
+                raise
+            raise CompileFailed(describe(exc)) from exc
         sync(device)
         compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
         if self.cuda_graphs:

@@ -196,12 +196,18 @@ def top_tokens(token_scores: torch.Tensor, k: int) -> torch.Tensor:
 def descending_keys(scores: torch.Tensor) -> torch.Tensor:
     """int64 keys `[..., L]`, all distinct, whose descending order is the stable descending order of `scores`
     (higher score first, ties to the lower index): the score's order-preserving integer image in the high 32
-    bits, the index reversed in the low 32. A `topk` of the keys is then exact and deterministic, which a
-    `topk` of the scores is not on ties, and cheaper than the stable sort it replaces (on two CPU cores, 15 us
-    against 190 for the top 23 of 1,366 pages). Scores are compared as float32 (bf16 and fp16 convert
-    exactly); -0.0 ties with 0.0 as in a float sort; NaN sorts first as in a descending sort."""
+    bits, the index reversed in the low 32 (2^31 - 1 - index: distinct and in [0, 2^31) for any L up to 2^31).
+    A `topk` of the keys is then exact and deterministic, which a `topk` of the scores is not on ties, and
+    cheaper than the stable sort it replaces (on two CPU cores, 15 us against 190 for the top 23 of 1,366
+    pages). Scores are compared as float32 (bf16 and fp16 convert exactly); -0.0 ties with 0.0 as in a float
+    sort; NaN sorts first as in a descending sort.
+
+    The reversal starts from 2^31 - 1, not 2^32 - 1 (which orders the keys the same: it only adds 2^31 to every
+    low half, with no carry): inductor inlines `C - arange(L)` into a Triton kernel as an int32 index
+    expression, and Triton refuses a constant outside int32 (CPU's C++ takes it). `kvbench.engine.graph_lint`
+    checks every static method's decode graph for such constants."""
     length = scores.shape[-1]
     bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits flipped, so int order = float order
-    reversed_index = (1 << 32) - 1 - torch.arange(length, device=scores.device)
+    reversed_index = (1 << 31) - 1 - torch.arange(length, device=scores.device)
     return (ordered.to(torch.int64) << 32) | reversed_index

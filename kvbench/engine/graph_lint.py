@@ -1,0 +1,164 @@
+"""A lint of the compiled decode step's graph: what one backend's code generation accepts and another's refuses.
+
+The CPU tests compile the decode step with dynamo's eager backend, or with inductor's C++ code generation; a GPU
+compiles it with inductor's Triton code generation, which refuses some graphs the CPU accepts. A step that only
+the CPU accepts falls back to eager on every GPU (`engine.compile`), and no CPU test notices. This lint looks at
+the graph a GPU would compile, on the CPU: `lint_backend()` is a dynamo backend that takes the ATen graph after
+inductor's own decompositions (`aot_autograd`, as inductor does), raises `GraphLintError` naming every pattern
+below it finds, and otherwise runs the graph eagerly (as `aot_eager`). `scripts/check_static_decode.py --lint`
+runs it over every static method's decode step.
+
+The patterns, each one that Triton refuses and the CPU's C++ accepts:
+
+- **An integer constant outside int32 in arithmetic on an index** (`CONSTANT_ON_INDEX`). Inductor keeps what is
+  computed from `arange` (`prims.iota` after decomposition) by integer pointwise ops and views as an index
+  expression, which the kernel computes in its index type: int32 when the tensors have fewer than 2^31
+  elements. A constant in that expression must then be an int32: Triton (3.3 on) refuses to narrow one that is
+  not (`ValueError: Scalar 4294967295 is out of range for type int32`). Seen: `(1 << 32) - 1 - arange(L)` in
+  `descending_keys` (now `(1 << 31) - 1`; inductor printed `4294967295 + ((-1)*x0)`), and `where(mask, |i - 32|,
+  int64 max)` in another project. An `arange` whose start, end or step is outside int32 is the same case.
+
+  The same constant on values that are not indices is accepted: an int64 tensor's values stay int64, and
+  Triton widens the constant to them (DuoAttention's `where(retrieves, int64 max, sink + recent)` compiles on
+  CUDA). So only constants on index-derived values are flagged.
+
+Considered and left out, as Triton accepts them or inductor does not hand them to Triton: complex tensors
+(inductor generates no code for them on any device: it calls ATen's kernels, and warns), uint32/uint64 tensors
+and float64 (Triton has those types; inductor's own kernels use uint32 and uint64 bit patterns).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvbench.core.errors import KVBenchError
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+aten, prims = torch.ops.aten, torch.ops.prims
+
+# what inductor lowers to an index expression (`iota`): after its decompositions every arange is a prims.iota
+# (the aten overloads are listed for a graph decomposed otherwise)
+INDEX_SOURCES = {prims.iota.default, aten.arange.default, aten.arange.start, aten.arange.start_step}
+# nodes that are one constant, inlined by inductor into the expressions that read them (the value's argument)
+FILL_OPS = {aten.scalar_tensor.default: 0, aten.full.default: 1, aten.full_like.default: 1, aten.new_full.default: 2,
+            aten.fill.Scalar: 1}
+
+CONSTANT_ON_INDEX = "integer constant outside int32 on an index"
+
+
+class GraphLintError(KVBenchError):
+    """A graph holds what Triton's code generation refuses (`lint_graph`'s findings, one line)."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    pattern: str
+    value: int
+    op: str
+    where: str  # the source line the node was traced from, if the graph kept it
+
+    def __str__(self) -> str:
+        return f"{self.value} ({self.pattern}) in {self.op}" + (f" at {self.where}" if self.where else "")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _outside_int32(value: Any) -> bool:
+    return _is_int(value) and not INT32_MIN <= value <= INT32_MAX
+
+
+def _integer_valued(node: torch.fx.Node) -> bool:
+    val = node.meta.get("val")
+    return (isinstance(val, torch.Tensor) and val.dtype != torch.bool and not val.dtype.is_floating_point
+            and not val.dtype.is_complex)
+
+
+def _pointwise_or_view(target: Any) -> bool:
+    """Ops inductor folds into the index expression of what they read: pointwise ops (casts included) and views."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return torch.Tag.pointwise in target.tags or target.is_view
+
+
+def _constant_of(node: Any, graph_module: torch.fx.GraphModule) -> Any:
+    """The integer constant `node` is, as inductor inlines it: a Python number, a fill op's value, or a 0-d tensor
+    constant of the graph (inductor turns every 0-d constant into a scalar). None when it is none of these."""
+    if not isinstance(node, torch.fx.Node):
+        return node if _is_int(node) else None
+    if node.op == "call_function" and node.target in FILL_OPS:
+        index = FILL_OPS[node.target]
+        value = node.args[index] if len(node.args) > index else node.kwargs.get("fill_value")
+        return value if _is_int(value) else None
+    if node.op == "get_attr":
+        value = operator.attrgetter(node.target)(graph_module)
+        if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.dtype.is_floating_point:
+            return int(value.item())
+    return None
+
+
+def _source_line(node: torch.fx.Node) -> str:
+    """`file:line` and the code of the innermost frame the node was traced from, when the graph kept its stack."""
+    trace = (node.meta.get("stack_trace") or "").strip().splitlines()
+    for i in range(len(trace) - 1, -1, -1):
+        line = trace[i].strip()
+        if line.startswith('File "'):
+            path, _, rest = line[len('File "'):].partition('", line ')
+            lineno = rest.split(",")[0]
+            short = path.split("/kvbench/")[-1] if "/kvbench/" in path else path.rsplit("/", 1)[-1]
+            code = trace[i + 1].strip() if i + 1 < len(trace) else ""
+            return f"{short}:{lineno} `{code}`" if code else f"{short}:{lineno}"
+    return ""
+
+
+def _inputs(node: torch.fx.Node) -> Iterator[Any]:
+    """The node's top-level arguments (lists, as of sizes, are not values: left out)."""
+    yield from node.args
+    yield from node.kwargs.values()
+
+
+def lint_graph(graph_module: torch.fx.GraphModule) -> list[Finding]:
+    """The patterns of the module's docstring found in an ATen graph (after inductor's decompositions)."""
+    findings: list[Finding] = []
+    index_like: set[torch.fx.Node] = set()
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target in INDEX_SOURCES:
+            index_like.add(node)
+            constants = [value for value in _inputs(node) if _outside_int32(value)]
+        elif (_pointwise_or_view(node.target) and _integer_valued(node)
+              and any(isinstance(arg, torch.fx.Node) and arg in index_like for arg in _inputs(node))):
+            index_like.add(node)
+            constants = [value for arg in _inputs(node)
+                         if _outside_int32(value := _constant_of(arg, graph_module))]
+        else:
+            continue
+        findings += [Finding(CONSTANT_ON_INDEX, value, str(node.target), _source_line(node)) for value in constants]
+    return findings
+
+
+def lint_backend() -> Callable[..., Any]:
+    """A dynamo backend: the graph after inductor's decompositions (`aot_autograd`, inference graphs keeping their
+    input mutations, as inductor takes them) is linted, `GraphLintError` raised on any finding, and otherwise run
+    eagerly (boxed, as aot_autograd calls it)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+    from torch._inductor.decomposition import select_decomp_table
+
+    def lint_then_run(graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        findings = lint_graph(graph_module)
+        if findings:
+            raise GraphLintError(f"{len(findings)} construct(s) Triton's code generation refuses: "
+                                 + "; ".join(str(finding) for finding in findings))
+        return boxed_nop(graph_module, example_inputs)
+
+    return aot_autograd(fw_compiler=lint_then_run, decompositions=select_decomp_table(),
+                        keep_inference_input_mutations=True)
