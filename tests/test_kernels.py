@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import types
 
 os.environ.setdefault("TRITON_INTERPRET", "1" if os.environ.get("KVBENCH_KERNEL_DEVICE", "cpu") == "cpu" else "0")
 
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from kvbench.cache.kvcache import KVBenchCache
-from kvbench.kernels import _triton_kernels, ragged_attention, sparse_attention
+from kvbench.kernels import _flash_decode_kernels, _triton_kernels, ragged_attention, sparse_attention
 from kvbench.kernels._dispatch import ENV_VAR, use_triton
 from kvbench.kernels.decode_attention import decode_attention
 from kvbench.kernels.distinct_rows import distinct_rows
@@ -662,6 +663,14 @@ def test_topk_attention_traced_is_the_reference(group, shared, masked, dtype):
         torch.testing.assert_close(lse, want_lse, **SCORE_TOL)
 
 
+def _own_code(fn):
+    """`fn` with a code object of its own: dynamo keeps compiled graphs per code object, so each test's graphs
+    stay apart and count against no other test's recompile limit (on every torch: `isolate_recompiles` is 2.12's)."""
+    _own_code.count = getattr(_own_code, "count", 0) + 1
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{_own_code.count}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group", [1, 3, 8])
 def test_exact_logits_traced_is_the_reference(group, dtype):
@@ -671,7 +680,7 @@ def test_exact_logits_traced_is_the_reference(group, dtype):
     q, keys = _randn(gen, 3, group, 32, dtype=dtype), _randn(gen, 3, 75, 32, dtype=dtype)
     want = torch.einsum("hgd,hld->hgl", q.float(), keys.float())
     assert torch.equal(exact_logits(q, keys), want)  # eager: the reference itself
-    traced = torch.compile(exact_logits, backend="eager", fullgraph=True, isolate_recompiles=True)(q, keys)
+    traced = torch.compile(_own_code(exact_logits), backend="eager", fullgraph=True)(q, keys)
     assert traced.dtype == torch.float32 and traced.shape == want.shape
     torch.testing.assert_close(traced, want, **SCORE_TOL)
 
@@ -685,7 +694,7 @@ def test_distinct_rows_counts_each_row_once_inside_and_outside_compile(backend):
     idx[1] = 7  # one slot, 96 times
     want = sum(len(set(row.tolist())) for row in idx)
     assert int(distinct_rows(idx, 40)) == want
-    compiled = torch.compile(lambda i: distinct_rows(i, 40) * 2, backend=backend, fullgraph=True, isolate_recompiles=True)
+    compiled = torch.compile(_own_code(lambda i: distinct_rows(i, 40) * 2), backend=backend, fullgraph=True)
     assert int(compiled(idx)) == 2 * want
 
 
@@ -697,3 +706,135 @@ def test_page_scores_traced_is_the_reference(group, k1, shared_sign, dtype):
     q, kmin, kmax, dims, positive = _page_score_inputs(gen, group, 67, 32, 3, k1, shared_sign, dtype)
     torch.testing.assert_close(page_scores_traced(q, kmin, kmax, dims, positive),
                                page_scores_reference(q, kmin, kmax, dims, positive), **SCORE_TOL)
+
+
+# -- split-K decode attention over the static layout (kvbench::flash_decode) ------------------------------
+
+launch_flash_decode = _on_device(_flash_decode_kernels.launch_flash_decode)
+
+
+def _static_layer(gen, fills, caps, group, dim, dtype, gap=0):
+    """Flat static buffers: head h at `starts[h]`, `caps[h]` rows of room, its first `fills[h]` held; every row
+    past a head's fill is NaN (a kernel that reads one poisons that head's output)."""
+    starts = torch.tensor([sum(caps[:h]) + gap * h for h in range(len(caps))])
+    total = sum(caps) + gap * len(caps)
+    keys = torch.full((total, dim), float("nan")).to(dtype)
+    values = torch.full((total, dim), float("nan")).to(dtype)
+    for h, (s, n) in enumerate(zip(starts.tolist(), fills)):
+        keys[s:s + n] = _randn(gen, n, dim, dtype=dtype)
+        values[s:s + n] = _randn(gen, n, dim, dtype=dtype)
+    return _randn(gen, len(fills), group, dim, dtype=dtype), keys, values, starts, torch.tensor(fills)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "fills, caps, group, dim, splits, block_n",
+    [
+        ([300, 300], [320, 320], 4, 64, 1, 64),  # uniform, one split, a partial last block
+        ([300, 300], [320, 320], 4, 64, 5, 16),  # uniform, split-K: runs of 64 rows
+        ([1, 129, 17, 64], [130, 130, 130, 130], 8, 16, 3, 16),  # GQA 8, lengths 1 .. 129 in a uniform capacity
+        ([7, 1, 200], [9, 70, 300], 1, 80, 4, 32),  # ragged, MHA, head dim not a power of two
+        ([5, 250], [256, 256], 4, 64, 64, 16),  # more splits than any head has rows for
+        ([600, 3, 20], [640, 8, 32], 4, 16, 2, 16),  # a ragged long head: 600 rows in 2 splits of 80-row runs
+    ],
+)
+def test_flash_decode_reads_each_heads_held_rows(fills, caps, group, dim, splits, block_n, dtype):
+    gen = torch.Generator().manual_seed(sum(fills) + group)
+    q, keys, values, starts, fill = _static_layer(gen, fills, caps, group, dim, dtype, gap=3)
+    # the runs are sized by the average rows per head, as the operator sizes them
+    out = launch_flash_decode(q, keys, values, starts, fill, 0.3, keys.shape[0] // len(fills), splits, block_n)
+    assert out.dtype == dtype and out.shape == q.shape
+    exact = _per_head_attention(q.float(), keys.float(), values.float(), starts, fills, 0.3)
+    _close_to_fp32(out, exact)
+
+
+def test_flash_decode_empty_head_is_nan_and_the_others_are_not():
+    gen = torch.Generator().manual_seed(5)
+    q, keys, values, starts, fill = _static_layer(gen, [0, 40, 3], [64, 64, 64], 4, 16, torch.float32)
+    out = launch_flash_decode(q, keys, values, starts, fill, 0.3, 64, 2, 16)
+    assert torch.isnan(out[0]).all() and torch.isfinite(out[1:]).all()
+    _close_to_fp32(out[1:], _per_head_attention(q, keys, values, starts, [0, 40, 3], 0.3)[1:])
+
+
+def test_flash_decode_strided_query():
+    gen = torch.Generator().manual_seed(6)
+    q, keys, values, starts, fill = _static_layer(gen, [33, 90], [96, 96], 4, 16, torch.float32)
+    q_t = q.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
+    assert q_t.stride() != q.stride()
+    out = launch_flash_decode(q_t, keys, values, starts, fill, 0.3, 96, 2, 16)
+    _close_to_fp32(out, _per_head_attention(q, keys, values, starts, [33, 90], 0.3))
+
+
+def test_flash_decode_split_count_depends_on_static_shapes_alone():
+    from kvbench.kernels.flash_decode import MIN_SPLIT_ROWS, split_count
+
+    cpu = torch.device("cpu")  # rows per head of the buffer, KV heads, device
+    assert split_count(1, 8, cpu) == 1 and split_count(MIN_SPLIT_ROWS + 1, 8, cpu) == 2
+    many = [split_count(c, 8, cpu) for c in (32768, 131072, 1 << 20)]
+    assert many[0] == many[1] == many[2] and many[0] * 8 >= 132  # every SM of a GPU busy at long contexts
+    assert split_count(131072, 32, cpu) < split_count(131072, 8, cpu)  # more heads, fewer splits each
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="traces the operator on CPU tensors (interpreted launch)")
+def test_flash_decode_is_one_operator_in_a_compiled_graph():
+    from kvbench.kernels.flash_decode import flash_decode
+
+    gen = torch.Generator().manual_seed(7)
+    q, keys, values, starts, fill = _static_layer(gen, [20, 50], [64, 64], 4, 16, torch.float32)
+    keys, values = keys.nan_to_num(), values.nan_to_num()  # the traced call runs the fake first: no NaN needed
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    step = torch.compile(lambda *a: flash_decode(*a, 0.3) * 2, backend=backend, fullgraph=True, dynamic=False)
+    out = step(q, keys, values, starts, fill)
+    fill.add_(1)  # the lengths are data: the next step replays the same graph
+    again = step(q, keys, values, starts, fill)
+    assert len(graphs) == 1
+    ops = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert torch.ops.kvbench.flash_decode in ops or torch.ops.kvbench.flash_decode.default in ops
+    torch.testing.assert_close(out, 2 * flash_decode(q, keys, values, starts, fill - 1, 0.3))
+    torch.testing.assert_close(again, 2 * _per_head_attention(q, keys, values, starts, [21, 51], 0.3), **FP32_TOL)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="forces the operator onto CPU tensors (interpreted launch)")
+@pytest.mark.parametrize("method, budget", [("full", 10**6), ("adakv", 48), ("streamingllm_rolling", 40)])
+def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_llama, monkeypatch, method, budget):
+    """The static layout's dense attention by the operator (uniform, ragged, and a layer that evicts into its
+    slots while decoding), as on CUDA, here with the launch interpreted: the compiled step (dynamo's eager
+    backend) gives the eager path's tokens and logits."""
+    import kvbench.cache.static as static_layout
+    import kvbench.engine.compiled as compiled
+    from kvbench.engine.session import Session
+    from kvbench.methods import build_method
+    from tests.conftest import random_ids
+
+    calls = []
+    monkeypatch.setattr(static_layout, "flash_decode_applies", lambda keys: True)
+    real_op = torch.ops.kvbench.flash_decode
+    monkeypatch.setattr("kvbench.attention.dispatch.flash_decode",
+                        lambda *a: calls.append(a[-1]) or real_op(*a))
+    ids = random_ids(150, seed=8)
+    settings = {"adakv": {"window": 8}, "streamingllm_rolling": {"decode_every": 1}}.get(method, {})
+
+    def run(decoder, steps=6):
+        session = Session(tiny_llama, build_method(method.removesuffix("_rolling"), **settings), budget)
+        logits, _ = session.prefill(ids, compress=True)
+        session.decoder = decoder
+        session.begin_decode(steps)
+        tokens, every = [int(logits.argmax())], []
+        for _ in range(steps):
+            every.append(session.step(tokens[-1]))
+            tokens.append(int(every[-1].argmax()))
+        session.end_decode()
+        return session, tokens, torch.stack(every)
+
+    eager, eager_tokens, eager_logits = run(None)
+    assert not calls
+    static, static_tokens, static_logits = run(compiled.CompiledDecoder(tiny_llama, "eager"))
+    assert static.decode_path == "compiled" and calls  # traced through the operator
+    assert static_tokens == eager_tokens
+    torch.testing.assert_close(static_logits, eager_logits, atol=1e-4, rtol=1e-4)
+    assert [layer.lengths() for layer in static.cache.layers] == [layer.lengths() for layer in eager.cache.layers]

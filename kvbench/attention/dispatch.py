@@ -25,6 +25,7 @@ from kvbench.attention.selected import selected_attention
 from kvbench.cache.layer import KVLayer
 from kvbench.core.contract import Selection, Step
 from kvbench.kernels.decode_attention import decode_attention, static_decode_attention
+from kvbench.kernels.flash_decode import flash_decode
 
 ATTENTION_NAME = "kvbench"
 
@@ -141,13 +142,17 @@ def _static_decode(layer: KVLayer, step: Step, q: torch.Tensor, scaling: float) 
     capacity with the device lengths, and its accounting on the device. [H_kv, G, D]."""
     method, st = step.method, layer.static
     copies = 1
-    if method is not None and method.repeats_kv:  # gpt-fast's dense baseline: the capacity copied per query head
+    if method is not None and method.repeats_kv:
+        # RocketKV's and gpt-fast's Full-KV baseline, kept as it is measured there: the capacity copied to every
+        # query head and attended whole, masked (math attention; never the split-K kernel)
         copies = q.shape[1]
         view = layer.head_view()
         keys, values = (t.repeat_interleave(copies, dim=0) for t in (view.keys, view.values))
         fill = st.fill.repeat_interleave(copies)
         out = static_decode_attention(q.reshape(-1, 1, q.shape[-1]), keys.flatten(0, 1), values.flatten(0, 1), scaling,
                                       fill, st.width, None, None).view(q.shape)
+    elif st.flash_decode:  # CUDA: each head's held rows only, read once per KV group
+        out = flash_decode(q, layer.buffers["keys"], layer.buffers["values"], st.starts, st.fill, scaling)
     else:
         out = static_decode_attention(q, layer.buffers["keys"], layer.buffers["values"], scaling, st.fill,
                                       st.width if st.uniform else None, st.row_head, st.row_slot)

@@ -12,6 +12,7 @@ from kvbench.cache.kvcache import KVBenchCache
 from kvbench.core.budget import CompressionRatio
 from kvbench.core.contract import Plan
 from kvbench.engine.session import Session
+from kvbench.kernels.decode_attention import decode_attention_kind
 from kvbench.methods.base import Method
 from kvbench.models import LoadedModel, model_head_dim
 from kvbench.profiling.profiler import PhaseProfiler
@@ -110,12 +111,28 @@ def _record(lm: LoadedModel, run: SampleRun, wall_s: float, profiler: PhaseProfi
         "decode_path": run.session.decode_path,
         "decode_path_reason": run.session.decode_path_reason,
         "decode_compiles": run.session.compiles,
+        "decode_attention": dense_decode_attention(run.session, lm),
         "decode_compile_s": run.session.compile_s,
         "new_tokens": sum(t["new_tokens"] for t in turns_out),
         "wall_s": wall_s,  # the whole sample (a group's wall time split evenly): prefill, NLL, decode, scoring
         **({"profile": profile} if profile is not None else {}),
         "meta": run.sample.meta,
     }
+
+
+def dense_decode_attention(session: Any, lm: LoadedModel) -> str | None:
+    """Which attention the dense decode steps ran, so that an efficiency figure names the baseline it divides by:
+    `repeated_kv_masked` (RocketKV's and gpt-fast's Full-KV baseline: K/V copied to every query head, the whole
+    capacity attended, masked), `flash_decode` (the split-K kernel over each head's held rows: the compiled step
+    on CUDA), `masked_capacity` (the compiled step's PyTorch attention over the whole capacity, masked: CPU), or
+    the eager path's kind (`kernels.decode_attention.decode_attention_kind`). None without decode steps."""
+    if session.decode_path is None:
+        return None
+    if session.method is not None and session.method.repeats_kv:
+        return "repeated_kv_masked" if session.decode_path == "compiled" else "repeated_kv"
+    if session.decode_path == "compiled":
+        return "flash_decode" if session.static_flash_decode else "masked_capacity"
+    return decode_attention_kind(lm.dtype, lm.device)
 
 
 def _decode_accounting(cache: KVBenchCache, lm: LoadedModel, sequence_length: int) -> dict[str, Any]:

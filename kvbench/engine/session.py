@@ -74,6 +74,7 @@ class Session:
         self.decode_path_reason: str | None = None
         self.steps_taken = 0  # decode steps (`step`) this session (and its teacher-forcing forks) took
         self.static_steps = 0  # of which ran compiled
+        self.static_flash_decode = False  # the static layout's dense attention was the split-K kernel (CUDA)
         self.compile_s = 0.0  # seconds of the calls that compiled (not decode steps' time)
         self.compiles = 0
         self.last_step_compiled = False
@@ -168,6 +169,7 @@ class Session:
         if not self.cache.is_static:
             self.cache.make_static(self._static_left + 1, self.query_window, self.lm.model.config.num_attention_heads,
                                    ragged=self.method is not None and self.method.ragged_layers)
+            self.static_flash_decode = self.cache.layers[0].static.flash_decode
         try:
             logits, compile_s = self.decoder.step(self, token, self.step_context(evict))
         except CompileFailed as exc:  # nothing ran: the same step eagerly, and the point decodes eagerly from now

@@ -30,6 +30,12 @@ def use_triton(*tensors: torch.Tensor) -> bool:
     """
     if torch.compiler.is_compiling():  # a compiled decode step traces the references: inductor writes its own kernels
         return False
+    return triton_launchable(*tensors)
+
+
+def triton_launchable(*tensors: torch.Tensor) -> bool:
+    """`use_triton` without its rule for `torch.compile`: for a kernel registered as an operator that a compiled
+    step captures as it is (`kvbench.kernels.flash_decode`)."""
     choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if choice not in _CHOICES:
         raise ValueError(f"{ENV_VAR}={choice!r}: expected one of {', '.join(_CHOICES)}")

@@ -372,3 +372,4 @@ def _reduced_scores_kernel(
         )
         acc += tl.sum(kt.to(tl.float32) * qs[:, None], axis=0)
     tl.store(out_ptr + h * s_oh + g * s_og + t * s_on, acc, mask=t_ok)
+

@@ -20,7 +20,8 @@ tensors live and their dtype; every choice computes the same function, documente
   A small ragged layer is copied into one padded batch with per-head lengths (`PADDED_COPY_ROWS`), a large
   one is attended head by head on views.
 - **CUDA**: a ragged layer runs the Triton kernel (`ragged_decode_attention_triton`); a uniform one runs SDPA
-  restricted to the flash, memory-efficient and math backends. cuDNN's backend is left out for decode: it
+  restricted to the flash, memory-efficient and math backends. (The compiled decode step on the static layout
+  runs neither: its dense attention is the split-K operator of `kvbench.kernels.flash_decode`.) cuDNN's backend is left out for decode: it
   builds a new plan for every new KV length, which cost more than the attention itself on an H100 (docs/gpu).
 """
 
@@ -132,7 +133,7 @@ LOW_PRECISION_CPU_SDPA = _cpu_has_amx()
 
 def decode_attention_kind(dtype: torch.dtype, device: torch.device) -> str:
     """Which implementation `decode_attention` runs for a uniform layer of this dtype on this device."""
-    if device.type == "cuda":
+    if device.type == "cuda":  # the compiled step's static layout attends by the split-K kernel (`flash_decode`)
         return "sdpa (flash, memory-efficient, math)"
     return "matmul" if _runs_matmuls(dtype, device) else "sdpa"
 

@@ -79,6 +79,10 @@ def efficiency_table(records: Path | pd.DataFrame) -> pd.DataFrame:
         repeat = points["method_params.repeat_kv"].iloc[0] if "method_params.repeat_kv" in points else None
         row["repeated_kv"] = bool(repeat) if pd.notna(repeat) else False  # gpt-fast's dense baseline
         row["dtype"] = points["dtype"].iloc[0] if "dtype" in points else None
+        # which dense attention the decode steps ran (`decode_attention` of the records): a speedup over Full-KV
+        # names the attention of the Full-KV it divides by; records from before the field have none
+        attention = ok["decode_attention"].dropna().unique() if "decode_attention" in ok else []
+        row["decode_attention"] = "/".join(sorted(map(str, attention))) or None
         # the peak a figure compares: CUDA's allocator peak; on CPU weights, K/V peak and method state (its
         # indexes and host rows) from exact accounting,
         # since the process RSS carries the allocator's history across the points of one process
@@ -130,6 +134,7 @@ def _with_full(table: pd.DataFrame, key: str) -> pd.DataFrame:
     for bound in ("min", "max"):
         out[f"full_decode_ms_{bound}"] = out[key].map(full[f"decode_ms_{bound}"]) if len(full) else None
     out["full_peak_MiB"] = out[key].map(full["peak_MiB"]) if len(full) else None
+    out["full_decode_attention"] = out[key].map(full["decode_attention"]) if len(full) else None
     out["repeated_kv_decode_ms"] = out[key].map(baseline["decode_ms"]) if len(baseline) else float("nan")
     return out
 
@@ -161,7 +166,9 @@ def rocketkv_fig7(table: pd.DataFrame, axes: Sequence[plt.Axes]) -> pd.DataFrame
             axes[0].plot(line["budget"], line["speedup_vs_repeated_kv"], marker="o", linestyle="--",
                          color=drawn.get_color(), label=f"{label} @ {seq_len} vs repeated K/V")
         axes[1].plot(line["budget"], line["memory_saving_pct"], marker="o", label=f"{label} @ {seq_len}")
-    for ax, ylabel in zip(axes, ("decode speedup over Full-KV (x)", "peak memory saving (%)")):
+    baseline = ", ".join(sorted({str(a) for a in rows["full_decode_attention"].dropna()}))
+    speedup_label = f"decode speedup over Full-KV{f' ({baseline})' if baseline else ''} (x)"
+    for ax, ylabel in zip(axes, (speedup_label, "peak memory saving (%)")):
         _log2_ticks(ax, rows["budget"])
         ax.set_xlabel("token budget")
         ax.set_ylabel(ylabel)

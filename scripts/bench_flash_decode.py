@@ -1,0 +1,193 @@
+"""Dense decode attention over the static layout, four ways, against the time its K/V bytes cost on this GPU.
+
+    python scripts/bench_flash_decode.py                                   # Llama-3.1-8B shapes, bf16, 32K and 128K
+    python scripts/bench_flash_decode.py --lengths 4096 --slack 2.0 --layers 4
+    python scripts/bench_flash_decode.py --device cpu --lengths 200 --kv-heads 2 --head-dim 16 --layers 2  # smoke
+
+Each layer is a static layer as the compiled decode step holds it: `--kv-heads` heads of `--capacity-factor` x
+length rows each (the geometric capacity series leaves up to 2x; slack rows are zeros, as the cache's are), the
+first `length` held. `--layers` such layers are attended one after the other (each from HBM,
+not from L2), and every way is timed as one CUDA graph replay of all layers (no launch overhead in the numbers):
+
+- `flash_decode`: kvbench's split-K Triton operator (`kvbench.kernels.flash_decode`), the compiled step's choice;
+- `padded_inductor`: the PyTorch static attention over the whole capacity, masked, compiled by inductor (what
+  the compiled step ran before the kernel: ~9x its floor on an H100 at 32K, docs/gpu);
+- `flex_attention`: PyTorch's flex attention (compiled; GQA; a block mask over the held rows, built once
+  outside the timing: a decode loop would rebuild it at every step as the lengths grow, `flex_mask_ms`);
+- `sdpa_exact`: stock SDPA (flash backend) over exactly the held rows of a contiguous layer: no static layout;
+  what the bytes cost with PyTorch's own best kernel.
+
+Printed: ms per layer, the effective K/V read rate, and the ratio to the floor (the held K/V bytes at the
+device copy rate measured here, bytes read plus written, as the field report counts it). Ratios, not claims.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+
+def copy_rate(device: torch.device, gib: float = 1.0) -> float:
+    """Bytes per second of a device-to-device copy, counting bytes read and written (median of 5)."""
+    n = int(gib * 2**30) // 2
+    src = torch.empty(n, dtype=torch.float16, device=device)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(6):
+        _sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return 2 * src.numel() * src.element_size() / statistics.median(times[1:])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of `fn()`: replayed as one CUDA graph on a GPU (after warm-up), called plainly on CPU."""
+    for _ in range(2):
+        fn()
+    _sync(device)
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    else:
+        run = fn
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t = time.perf_counter()
+        run()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--lengths", default="32768,131072")
+    parser.add_argument("--capacity-factor", type=float, default=1.5, help="capacity rows / held rows per head")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--ways", default="flash_decode,padded_inductor,flex_attention,sdpa_exact")
+    args = parser.parse_args(argv)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if device.type == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel runs interpreted (a smoke run, no timing claim)
+    from kvbench.kernels.decode_attention import static_decode_attention
+    from kvbench.kernels.flash_decode import flash_decode
+
+    rate = copy_rate(device, 1.0 if device.type == "cuda" else 0.05)
+    print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__};"
+          f" copy rate {rate / 1e9:.0f} GB/s (read + written); {args.layers} layers of {args.kv_heads} KV heads x "
+          f"group {args.group} x dim {args.head_dim}, {args.dtype}, capacity {args.capacity_factor} x length")
+    ways = args.ways.split(",")
+    if device.type == "cpu":
+        ways = [w for w in ways if w in ("flash_decode", "padded_inductor")]
+    padded = torch.compile(static_decode_attention, dynamic=False, fullgraph=True,
+                           backend="inductor" if device.type == "cuda" else "eager")
+    rows_out = []
+    print("| length | way | ms / layer | K/V GB/s | x floor | max abs diff |")
+    print("|---:|---|---:|---:|---:|---:|")
+    for length in (int(x) for x in args.lengths.split(",")):
+        n_kv, group, dim = args.kv_heads, args.group, args.head_dim
+        cap = max(length, int(length * args.capacity_factor))
+        gen = torch.Generator(device="cpu").manual_seed(length)
+        layers = []
+        for _ in range(args.layers):
+            keys = torch.zeros((n_kv, cap, dim), dtype=dtype, device=device)
+            values = torch.zeros_like(keys)
+            keys[:, :length] = torch.randn(n_kv, length, dim, generator=gen).to(device, dtype)
+            values[:, :length] = torch.randn(n_kv, length, dim, generator=gen).to(device, dtype)
+            layers.append((keys.view(-1, dim), values.view(-1, dim)))
+        q = torch.randn(n_kv, group, dim, generator=gen).to(device, dtype)
+        starts = torch.arange(n_kv, device=device) * cap
+        fill = torch.full((n_kv,), length, dtype=torch.int64, device=device)
+        scale = dim ** -0.5
+        floor_s = 2 * n_kv * length * dim * keys.element_size() / rate
+        # each way keeps its last layer's output
+        exact_k, exact_v = (t.view(n_kv, cap, dim)[:, :length].contiguous() for t in layers[-1])
+        ref = torch.softmax(torch.einsum("hgd,hld->hgl", q.float(), exact_k.float()) * scale, -1)
+        ref = torch.einsum("hgl,hld->hgd", ref, exact_v.float())
+        outs: dict[str, torch.Tensor] = {}
+
+        def run_flash():
+            for k, v in layers:
+                outs["flash_decode"] = flash_decode(q, k, v, starts, fill, scale)
+
+        def run_padded():
+            for k, v in layers:
+                outs["padded_inductor"] = padded(q, k, v, scale, fill, cap, None, None)
+
+        run = {"flash_decode": run_flash, "padded_inductor": run_padded}
+        extra = {}
+        if "sdpa_exact" in ways:
+            contiguous = [tuple(t.view(n_kv, cap, dim)[:, :length].contiguous()[None] for t in kv) for kv in layers]
+            qs = q.reshape(1, n_kv * group, 1, dim)
+
+            def run_sdpa():
+                from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+                    for k, v in contiguous:
+                        outs["sdpa_exact"] = torch.nn.functional.scaled_dot_product_attention(
+                            qs, k, v, scale=scale, enable_gqa=True).view(n_kv, group, dim)
+
+            run["sdpa_exact"] = run_sdpa
+        if "flex_attention" in ways:
+            from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+            flex = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+            qf = q.reshape(1, n_kv * group, 1, dim)
+            held = fill  # the held rows of each KV head
+            def mask_mod(b, h, q_idx, kv_idx):
+                return kv_idx < held[h // group]
+
+            t = time.perf_counter()
+            block_mask = create_block_mask(mask_mod, 1, n_kv * group, 1, cap, device=device)
+            _sync(device)
+            extra["flex_mask_ms"] = 1e3 * (time.perf_counter() - t)
+            views = [tuple(t.view(1, n_kv, cap, dim) for t in kv) for kv in layers]
+
+            def run_flex():
+                for k, v in views:
+                    outs["flex_attention"] = flex(qf, k, v, block_mask=block_mask,
+                                                  scale=scale, enable_gqa=True).view(n_kv, group, dim)
+
+            run["flex_attention"] = run_flex
+        for way in ways:
+            try:
+                seconds = timed(run[way], device, args.repeats) / args.layers
+            except Exception as exc:  # noqa: BLE001 - a way that does not run here is a row that says why
+                print(f"| {length} | {way} | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]} | | | |")
+                continue
+            diff = (outs[way].float() - ref).abs().max().item()
+            row = {"length": length, "way": way, "ms_per_layer": 1e3 * seconds,
+                   "kv_gbps": 2 * n_kv * length * dim * keys.element_size() / seconds / 1e9,
+                   "x_floor": seconds / floor_s, "max_abs_diff": diff, **extra}
+            rows_out.append(row)
+            print(f"| {length} | {way} | {row['ms_per_layer']:.4f} | {row['kv_gbps']:.0f} | {row['x_floor']:.2f} | "
+                  f"{diff:.2e} |")
+        if "flex_mask_ms" in extra:
+            print(f"(flex: building the block mask for one length took {extra['flex_mask_ms']:.2f} ms)")
+    return rows_out
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
