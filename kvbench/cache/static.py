@@ -3,8 +3,9 @@ same graph at every step (`torch.compile(fullgraph=True, dynamic=False)`, CUDA g
 
 A `KVLayer` enters it for one decode loop (`KVBenchCache.make_static`) and leaves it when the loop ends
 (`make_dynamic`). Entering copies the layer once into buffers whose shape is fixed for the whole loop: per head
-`tokens` rows of room past what it holds, the capacity rounded up to whole `CAPACITY_BUCKET`s so that samples
-of similar length share a graph. Inside the loop nothing Python-side changes from one step to the next:
+`tokens` rows of room past what it holds, the capacity rounded up to the next step of a geometric series
+(`bucketed`) so that samples of similar length share a graph. Inside the loop nothing Python-side changes from one
+step to the next:
 
 - where each head's rows are (`starts`) and how many it holds (`fill`) are device tensors; the only Python
   numbers a step reads are the layout's shape (`width`, `uniform`), fixed for the loop;
@@ -20,21 +21,57 @@ Uniform layers (every head the same length: full cache, uniform eviction, a per-
 `[H, width, D]` views of the flat buffers. Ragged layers (Ada-KV, DuoAttention) keep the flat layout with
 per-head capacities: the total rows are fixed (their sum, bucketed), so no head is padded to the longest; their
 attention reads each row once (`kernels.decode_attention.static_decode_attention`).
+
+Capacities. A compiled step is one graph per layout shape, and compiling one costs 13-41 s on a GPU at 8 layers
+(a minute or more on a CPU), so capacities come from a geometric series: `CAPACITY_BUCKET` rows, then each step
+`CAPACITY_GROWTH` times the one below (rounded up to a multiple of `CAPACITY_BUCKET`): 256, 512, 1K, 2K, ...
+rows. A uniform layer's width is the smallest step at or above its tokens plus the loop's; a ragged layer's
+total rows (the heads' tokens plus their room) and its view's width (the longest head plus room) are each the
+smallest step at or above what they need. A sweep over prompt lengths then compiles one graph per doubling of
+the length, not one per 256 rows: prompts of 1K to 8K tokens (plus their decode steps) fall into at most 5
+capacities (2K, 4K, 8K, 16K, and 1K for a prompt that leaves room within 1,024 rows), 1K to 128K into 9.
+
+The cost is memory held, not bytes read: a layer holds up to twice the rows it needs (a 4,200-token prompt
+decoded for 64 steps holds 8,192 rows a head, 1.9x), plus what derived state keeps at the same capacity (page
+summaries, SparQ's transposed keys). Attention reads only the rows below each head's `fill` where the backend
+bounds its loop by the lengths (the split-K kernel on CUDA); elsewhere it masks the slots past `fill`, so the
+slack is read there. The eager path (the default on CPU) never enters this layout: its records are unaffected.
+If memory matters more than compile time, set `kvbench.cache.static.CAPACITY_GROWTH` before decoding (read at
+every layout entry; it is no config key): 1.25 holds at most 25-40% slack rows (25% past 4K rows) for 2.5 times
+as many graphs (22 capacities over 1K-128K instead of 9), 1 gives the linear 256-row steps (510 over 1K-128K).
+Growth 2 keeps a 1K-8K sweep within 5 graphs; 1.5 can take 6. Compiled records'
+`kv_capacity_bytes_end` shows the buffers held.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from kvbench.core.contract import HeadView
+from kvbench.kernels.flash_decode import flash_decode_applies
 
-CAPACITY_BUCKET = 256  # rows: capacities are rounded up to this, so samples of similar length share a graph
+CAPACITY_BUCKET = 256  # rows: the smallest capacity; every capacity is a multiple of it
+CAPACITY_GROWTH = 2.0  # each capacity of the series is this many times the one below it (module docstring)
 
 
-def bucketed(rows: int, bucket: int = CAPACITY_BUCKET) -> int:
-    return -(-rows // bucket) * bucket
+def bucketed(rows: int, bucket: int | None = None, growth: float | None = None) -> int:
+    """The smallest capacity of the series at or above `rows`: `bucket` rows (default `CAPACITY_BUCKET`), then
+    each capacity the one below times `growth` (default `CAPACITY_GROWTH`, read at the call), rounded up to a
+    multiple of `bucket` and at least one `bucket` more. Growth 2: 256, 512, 1024, ...; growth 1: every multiple
+    of `bucket` (linear steps)."""
+    bucket = CAPACITY_BUCKET if bucket is None else bucket
+    growth = CAPACITY_GROWTH if growth is None else growth
+    if bucket < 1 or not growth >= 1:
+        raise ValueError(f"capacity series: bucket {bucket} rows, growth {growth} (need bucket >= 1, growth >= 1)")
+    if growth == 1:
+        return max(1, -(-rows // bucket)) * bucket
+    capacity = bucket
+    while capacity < rows:
+        capacity = max(capacity + bucket, -(-math.ceil(capacity * growth) // bucket) * bucket)
+    return capacity
 
 
 @dataclass
@@ -52,6 +89,9 @@ class StaticRows:
     row_bytes: int  # bytes of one token's key and value
     row_head: torch.Tensor | None = None  # ragged: [R] the head owning each buffer row
     row_slot: torch.Tensor | None = None  # ragged: [R] its slot in that head (rows past the last head: >= cap)
+    # dense attention by the split-K kernel (`kernels.flash_decode`: CUDA), reading each head's first `fill` rows,
+    # or by the PyTorch reference over the whole capacity, masked (CPU); decided once per loop, outside any trace
+    flash_decode: bool = False
 
     def slots(self) -> torch.Tensor:
         return torch.arange(self.width, device=self.fill.device)
@@ -87,10 +127,11 @@ class StaticLayout:
     storage (`buffers`, `starts`, `lens`, `_install`, ...) it works on."""
 
     def make_static(self, tokens: int, query_window: int, query_heads: int, ragged: bool = False) -> None:
-        """Enter the static layout for a decode loop of up to `tokens` appends: one copy into buffers of a fixed,
-        bucketed capacity that this layer holds alone, lengths on the device, the last `query_window` queries in
-        a buffer of that size (empty entries at position -1), derived state at the same capacity. `ragged`: the
-        flat layout even if every head holds as many tokens (a method whose layers may be ragged)."""
+        """Enter the static layout for a decode loop of up to `tokens` appends: one copy into buffers of a fixed
+        capacity of the series (`bucketed`) that this layer holds alone, lengths on the device, the last
+        `query_window` queries in a buffer of that size (empty entries at position -1), derived state at the same
+        capacity. `ragged`: the flat layout even if every head holds as many tokens (a method whose layers may be
+        ragged)."""
         heads, device = len(self.lens), self.buffers["keys"].device
         uniform = not (ragged or self.is_ragged)
         if uniform:
@@ -112,7 +153,8 @@ class StaticLayout:
             starts=starts, fill=fill, next_slot=fill.clone(),
             peak=torch.tensor(self.peak_len, dtype=torch.int64, device=device),
             evictions=torch.zeros((), dtype=torch.int64, device=device), width=width, uniform=uniform,
-            row_bytes=2 * self.head_dim * self.buffers["keys"].element_size(), row_head=row_head, row_slot=row_slot)
+            row_bytes=2 * self.head_dim * self.buffers["keys"].element_size(), row_head=row_head, row_slot=row_slot,
+            flash_decode=flash_decode_applies(self.buffers["keys"]))
         for name, state in list(self.derived.items()):
             if not hasattr(state, "make_static"):
                 raise NotImplementedError(f"{type(state).__name__} (derived state {name!r}) has no static layout")

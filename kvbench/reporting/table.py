@@ -33,12 +33,19 @@ log = logging.getLogger(__name__)
 TABLE_METRICS = ("nll", "kept_tokens_mean", "kv_bytes_after_prefill", "decode_ms_per_token")
 
 
+# Per-(point, subtask) totals reported by `point_table` beside the means, summed over the records: the seconds
+# the compiled decode step spent compiling (`engine.compile`; one graph per point and capacity, each compile
+# counted in the record of the sample that paid it). A table shows them where any is non-zero.
+TABLE_TOTALS = ("decode_compile_s",)
+
+
 # Short names of the metrics in a printed table (the CSV keeps the record names); KV bytes are printed in MiB.
-DISPLAY_NAMES = {"kept_tokens_mean": "kept", "kv_bytes_after_prefill": "KV MiB", "decode_ms_per_token": "ms/token"}
+DISPLAY_NAMES = {"kept_tokens_mean": "kept", "kv_bytes_after_prefill": "KV MiB", "decode_ms_per_token": "ms/token",
+                 "decode_compile_s": "compile s"}
 
 
 # Columns a printed table always shows, constant or not: the comparison's axes and what was measured.
-ALWAYS_SHOWN = ("method", "budget", "score", *TABLE_METRICS)
+ALWAYS_SHOWN = ("method", "budget", "score", *TABLE_METRICS, *TABLE_TOTALS)
 
 
 # Label of the row holding a suite's unweighted mean over its subtasks.
@@ -129,12 +136,13 @@ def method_labels(df: pd.DataFrame, exclude: Sequence[str] = ()) -> pd.Series:
 
 def point_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per point and subtask: n, mean score x100 with its 95% bootstrap interval (``ci_low``,
-    ``ci_high``: `kvbench.results.stats`; empty where the interval needs more samples), and the means of
-    `TABLE_METRICS` present.
+    ``ci_high``: `kvbench.results.stats`; empty where the interval needs more samples), the means of
+    `TABLE_METRICS` present and the sums of `TABLE_TOTALS` present (after them: compile seconds beside
+    ms/token).
 
     Points with several subtasks (suites) get an extra `TASK_MEAN_LABEL` row after their subtask rows: the
     unweighted mean of those rows (`mean_of_subtasks`, RULER's rule) with its interval stratified by subtask,
-    and n the total sample count. Variants of a method get their own names (`method_labels`).
+    n the total sample count and the totals summed. Variants of a method get their own names (`method_labels`).
     """
     if df.empty:
         return pd.DataFrame()
@@ -142,9 +150,11 @@ def point_table(df: pd.DataFrame) -> pd.DataFrame:
     if "method" in df.columns:
         df = df.assign(method=method_labels(df))
     metrics = [m for m in TABLE_METRICS if m in df.columns]
-    agg: dict[str, tuple[str, str]] = {"n": ("sample_id", "size"), "score": ("score", "mean")}
+    totals = [m for m in TABLE_TOTALS if m in df.columns]
+    agg: dict[str, tuple[str, Any]] = {"n": ("sample_id", "size"), "score": ("score", "mean")}
     agg.update({m: (m, "mean") for m in metrics})
-    numeric = df.assign(**{c: pd.to_numeric(df[c], errors="coerce") for c in ("score", *metrics)})
+    agg.update({m: (m, _total) for m in totals})
+    numeric = df.assign(**{c: pd.to_numeric(df[c], errors="coerce") for c in ("score", *metrics, *totals)})
     numeric["_point"] = numeric.groupby(keys, dropna=False, sort=False).ngroup()
     grouped = numeric.groupby([*keys, "subtask"], dropna=False, sort=False)
     table = grouped.agg(**agg, _point=("_point", "first")).reset_index()
@@ -162,6 +172,8 @@ def point_table(df: pd.DataFrame) -> pd.DataFrame:
             mean["n"] = rows["n"].sum()
             for col in ("score", *metrics):
                 mean[col] = mean_of_subtasks(rows[col].dropna(), empty=math.nan)
+            for col in totals:
+                mean[col] = _total(rows[col])
             estimate = _score_estimate(records[rows["_point"].iloc[0]])
             mean[list(INTERVAL_COLUMNS)] = _bounds(estimate)
             parts.append(mean)
@@ -169,6 +181,11 @@ def point_table(df: pd.DataFrame) -> pd.DataFrame:
     out.attrs["point_columns"] = keys
     out.attrs["intervals"] = {"score": INTERVAL_COLUMNS}
     return out
+
+
+def _total(values: pd.Series) -> float:
+    """The sum of a total's values, NaN where none was recorded (records from before the field)."""
+    return float(values.sum(min_count=1))
 
 
 # A score's 95% interval, beside it in a table's columns (`format_table` prints them in the score's cell).
@@ -253,6 +270,8 @@ def _format_cell(column: str, value: Any, score_columns: set[str]) -> str:
         return f"{value:.3f}"
     if column in ("decode_ms_per_token", "ms/token"):
         return f"{value:.2f}"
+    if column in ("decode_compile_s", "compile s"):
+        return f"{value:.1f}"
     if column == "kv_bytes_after_prefill":
         return f"{value / 2**20:.1f} MiB"
     if column == "KV MiB":
@@ -305,9 +324,10 @@ INTERVAL_LEGEND = ("score x100 [95% bootstrap interval over samples, stratified 
 def compact(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     """The columns of a `point_table` (or its `pivot_scores`) worth printing, and a line naming the rest.
 
-    Shown: `ALWAYS_SHOWN` (measurements missing everywhere left out) and every other column that differs
-    between rows; the point hash only where rows would otherwise read alike. The constant columns go into the
-    line ("model m, task t, dtype float32, seed 42"); a subtask equal to its task is not repeated there.
+    Shown: `ALWAYS_SHOWN` (measurements missing everywhere left out, and totals zero everywhere: compile
+    seconds of an eager sweep) and every other column that differs between rows; the point hash only where rows
+    would otherwise read alike. The constant columns go into the line ("model m, task t, dtype float32, seed
+    42"); a subtask equal to its task is not repeated there.
     """
     full, scores = table, set(table.attrs.get("score_columns", []))
     intervals, counts = table.attrs.get("intervals", {}), table.attrs.get("counts", {})
@@ -320,14 +340,16 @@ def compact(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
         counts = {}
     texts = {c: table[c].map(_label) for c in table.columns}
     varying = {c for c in table.columns if texts[c].nunique() > 1}
-    measured = ("score", *TABLE_METRICS)
-    shown = {c for c in table.columns if c != "point_hash" and (
-        c in scores or c in varying or c in ALWAYS_SHOWN and not (c in measured and table[c].isna().all()))}
+    measured = ("score", *TABLE_METRICS, *TABLE_TOTALS)
+    unmeasured = {c for c in measured if c in table.columns and (
+        table[c].isna().all() or c in TABLE_TOTALS and not table[c].fillna(0).astype(bool).any())}
+    shown = {c for c in table.columns if c != "point_hash" and c not in unmeasured and (
+        c in scores or c in varying or c in ALWAYS_SHOWN)}
     identity = [c for c in table.columns if c in shown and c not in (*scores, *measured, "n")]
     if "point_hash" in varying and identity and table.duplicated(identity).any():
         shown.add("point_hash")  # points that differ only in settings not shown: their hashes tell them apart
     constant = [c for c in table.columns if c not in shown and c not in varying and c != "point_hash"
-                and not table[c].isna().all()]
+                and c not in unmeasured and not table[c].isna().all()]
     note = ", ".join(f"{c} {texts[c].iloc[0]}" for c in constant if not (
         c == "subtask" and "task" in table and texts[c].iloc[0] == texts["task"].iloc[0]))
     shown = [c for c in table.columns if c in shown]

@@ -1,0 +1,137 @@
+"""The static layout's capacities (`kvbench.cache.static.bucketed`): a geometric series, so that a sweep over prompt
+lengths compiles a few graphs per method, not one per 256 rows; and the sweep's closing table shows what compiling
+cost.
+
+Graph counts come from dynamo's "eager" backend (as in tests/test_static_decode.py): it traces the whole step and
+keys its graphs as inductor does, in seconds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvbench.cache.static as static
+import kvbench.engine.compiled as compiled
+from kvbench.cache.static import CAPACITY_BUCKET, bucketed
+from kvbench.engine.config import EngineConfig
+from kvbench.engine.sample import run_sample
+from kvbench.methods import build_method
+from kvbench.models import load_model
+from kvbench.reporting.table import point_table, report_text
+from kvbench.results.collect import collect
+from kvbench.results.store import RecordStore, point_hash
+from kvbench.tasks.base import Sample, Turn
+from tests.conftest import model_cfg
+
+# a sweep's prompt lengths: 12 between 1K and 8K tokens, evenly spaced
+LENGTHS = [round(1024 + i * (8192 - 1024) / 11) for i in range(12)]
+NEW = 2  # decode steps per sample: the loop's capacity is the prompt plus these
+ENGINE = EngineConfig(compile=True, nll=False, topk_recall=False, reuse_prefill=False)
+
+
+def test_the_series_is_powers_of_two_from_the_floor():
+    assert CAPACITY_BUCKET == 256 and static.CAPACITY_GROWTH == 2
+    assert [bucketed(n) for n in (0, 1, 256, 257, 512, 513, 1000, 1024, 1025, 8192, 8193, 131_072 + 64)] == [
+        256, 256, 256, 512, 512, 1024, 1024, 1024, 2048, 8192, 16_384, 262_144]
+    needed = range(0, 140_000)
+    capacities = [bucketed(n) for n in needed]
+    assert all(c >= n and c % CAPACITY_BUCKET == 0 for n, c in zip(needed, capacities))
+    assert all(a <= b for a, b in zip(capacities, capacities[1:]))  # monotonic
+    series = sorted(set(capacities))
+    assert series == [256 * 2**k for k in range(len(series))]
+    # no more than twice what is needed, past the floor
+    assert all(c < 2 * n for n, c in zip(needed, capacities) if n > CAPACITY_BUCKET)
+
+
+@pytest.mark.parametrize("decode", [0, 64, 256])
+def test_a_1k_to_8k_sweep_falls_into_at_most_five_capacities(decode):
+    """Every prompt of 1K..8K tokens plus a loop's decode steps: 4 or 5 capacities, where 256-row steps took 29
+    to 30 (and 1K..128K: 9 against 510)."""
+    prompts = range(1000, 8193)
+    assert len({bucketed(n + decode) for n in prompts}) <= 5
+    assert len({bucketed(n + decode, growth=1) for n in prompts}) >= 28
+    assert len({bucketed(n + decode) for n in range(1024, 131_073)}) <= 9
+
+
+def test_the_growth_is_a_module_setting_read_at_every_call(monkeypatch):
+    assert [bucketed(n, growth=1) for n in (1, 256, 257, 1000)] == [256, 256, 512, 1024]  # the old linear steps
+    monkeypatch.setattr(static, "CAPACITY_GROWTH", 1.25)
+    finer = sorted({bucketed(n) for n in range(1, 20_000)})
+    assert finer[:8] == [256, 512, 768, 1024, 1280, 1792, 2304, 3072]
+    assert all(b <= 1.25 * a + CAPACITY_BUCKET for a, b in zip(finer, finer[1:]))
+    with pytest.raises(ValueError, match="growth"):
+        bucketed(100, growth=0.5)
+
+
+@pytest.fixture(scope="module")
+def sweep_llama():
+    """A one-layer tiny random Llama of its own (a fresh decoder: no graph from another test is reused) that
+    takes 8K prompts plus their decode steps."""
+    return load_model(model_cfg("tiny_llama", **{"config.max_position_embeddings": 16_384,
+                                                 "config.num_hidden_layers": 1}))
+
+
+def synthetic(length: int) -> Sample:
+    return Sample(id=f"s{length}", task="synthetic", context="", chat_template=False,
+                  turns=[Turn(question="", answers=[], max_new_tokens=NEW, metric="none")],
+                  token_prompt={"kind": "random", "length": length, "seed": length}, meta={"min_new_tokens": NEW})
+
+
+@pytest.mark.parametrize("method,settings,budget", [
+    ("full", {}, 64),  # uniform: every prompt token kept
+    ("adakv", {"window": 8}, 0.5),  # ragged: half of each layer's tokens, spread over the heads by score
+    # a selection over the whole cache (pages at the same capacity). Quest's default page, the traffic-equivalent
+    # round(2 S / t), is a new shape at almost every prompt length (a graph per length whatever the capacity): the
+    # paper's fixed 16-token page here
+    ("quest", {"page_size": 16}, 64),
+])
+def test_a_sweep_of_twelve_prompt_lengths_compiles_at_most_five_graphs(sweep_llama, monkeypatch, method, settings,
+                                                                        budget):
+    """One point per prompt length (each its own method object, as a sweep's points are), compiled: the records'
+    `decode_compiles` over the sweep, which dynamo's graph counter confirms. 4 graphs each (2K, 4K, 8K, 16K
+    rows). Ada-KV's ragged layers are keyed by their total rows here; their view's width (the longest head plus
+    room) is a shape of the graph only where the step reads it (the split-K kernel on CUDA)."""
+    monkeypatch.setattr(compiled, "BACKEND", "eager")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    records = [run_sample(sweep_llama, build_method(method, **settings), budget, synthetic(n), ENGINE)
+               for n in LENGTHS]
+    assert all(r["decode_path"] == "compiled" for r in records), records[0]["decode_path_reason"]
+    assert [r["prompt_tokens"] for r in records] == LENGTHS
+    compiles = sum(r["decode_compiles"] for r in records)
+    assert compiles == torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
+    # the capacities really span the sweep: more than one graph, at most five
+    assert 2 <= compiles <= 5, [(r["prompt_tokens"], r["decode_compiles"]) for r in records]
+    if method != "adakv":  # every token kept: one graph per capacity of the prompt plus the loop
+        assert compiles == len({bucketed(n + NEW + 1) for n in LENGTHS})
+    assert sum(r["decode_compile_s"] for r in records) > 0
+    assert len({bucketed(n + NEW + 1, growth=1) for n in LENGTHS}) == 12  # 256-row steps: a graph per length
+
+
+def write_point(root: Path, method: str, path: str, compile_s: list[float]) -> None:
+    point = {"model": "tiny", "task": "synthetic", "method": method, "budget": 64, "decode_path": path}
+    store = RecordStore(root / method / path)
+    for i, seconds in enumerate(compile_s):
+        store.append({"sample_id": f"s{i}", "task": "synthetic", "score": None, "decode_ms_per_token": 5.0 + i,
+                      "decode_compiles": int(seconds > 0), "decode_compile_s": seconds, "point": point,
+                      "point_hash": point_hash(point)})
+
+
+def test_the_closing_table_shows_compile_seconds_beside_decode_time(tmp_path: Path):
+    write_point(tmp_path, "full", "compiled", [12.5, 0.0, 20.0])  # a second bucket compiled at the third sample
+    write_point(tmp_path, "quest", "compiled", [30.25, 0.0, 0.0])
+    write_point(tmp_path, "snapkv", "eager", [0.0, 0.0, 0.0])
+    table = point_table(collect(tmp_path)).set_index("method")
+    assert table.loc["full", "decode_compile_s"] == pytest.approx(32.5)  # the total, not the mean
+    assert table.loc["snapkv", "decode_compile_s"] == 0.0
+    lines = report_text(tmp_path).splitlines()
+    header = lines[1].split()
+    assert header[-3:] == ["ms/token", "compile", "s"]  # compile seconds right after the decode time
+    rows = {line.split()[0]: line.split() for line in lines[2:]}
+    assert rows["full"][-2:] == ["6.00", "32.5"] and rows["quest"][-1] == "30.2" and rows["snapkv"][-1] == "0.0"
+    # an eager sweep compiles nothing: no column of zeros, and no "decode_compile_s 0.0" in the note
+    eager = tmp_path / "eager_only"
+    write_point(eager, "snapkv", "eager", [0.0, 0.0])
+    text = report_text(eager)
+    assert "compile" not in text and "ms/token" in text
