@@ -2,6 +2,7 @@
 
     python scripts/gpu_check_kernels.py                  # fp16, bf16 and fp32, the whole grid
     python scripts/gpu_check_kernels.py --dtypes bf16 --quick
+    TRITON_INTERPRET=1 python scripts/gpu_check_kernels.py --device cpu --tiny   # this script's CPU smoke test
 
 `tests/test_kernels.py` runs the same kernels in Triton's interpreter on CPU (and, with
 KVBENCH_KERNEL_DEVICE=cuda TRITON_INTERPRET=0, compiled on a GPU at the tests' small shapes); this script
@@ -21,7 +22,9 @@ PyTorch reference (`kvbench.kernels.*_reference`) evaluated in fp32 on the same 
 
 A head or query head over nothing (an empty ragged head, a selection that is all padding) must be NaN in
 both. Prints one line per case and a summary table, and exits 1 if any case fails (or crashes). Without
-CUDA it prints one line and exits 0.
+CUDA it prints one line and exits 0. `--tiny`: one head dim and group, a few small cases per kernel (empty heads,
+slack rows, padding and k > L kept), no strided or dispatcher case: what the interpreter runs in seconds
+(`tests/test_gpu_scripts.py`).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ ATOL = 1e-5
 ACC_RTOL = 1e-5  # fp32 accumulation in the kernel and in the reference
 U32 = 2.0**-24
 DEVICE = "cuda"  # "cpu" with --device cpu: the same grid in Triton's interpreter (slow; to check this script)
+GRIDS = ("full", "quick", "tiny")
 
 
 @dataclass
@@ -113,17 +117,24 @@ def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype) -> torch.Tenso
 # -- top-k attention ------------------------------------------------------------------------------------
 
 
-def check_topk(dtype: torch.dtype, quick: bool) -> None:
+def _dims_groups(grid: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    return ((64,), (4,)) if grid == "tiny" else ((64, 128), (1, 4, 8))
+
+
+def check_topk(dtype: torch.dtype, grid: str) -> None:
     from kvbench.kernels.sparse_attention import topk_attention, topk_attention_reference, topk_attention_triton
 
     n_kv = 4
     # (L, k, selection): random indices repeat (they count repeatedly); "perm" selects distinct tokens
     shapes = [(1, 1, "rand"), (37, 64, "rand"), (300, 37, "rand"), (4099, 64, "rand"), (4099, 65, "perm"),
               (4099, 4099, "perm"), (32771, 2048, "rand")]
-    if quick:
+    if grid == "quick":
         shapes = shapes[1:4]
-    for dim in (64, 128):
-        for group in (1, 4, 8):
+    elif grid == "tiny":
+        shapes = [(37, 16, "rand"), (40, 40, "perm")]
+    dims, groups = _dims_groups(grid)
+    for dim in dims:
+        for group in groups:
             for length, k, kind in shapes:
                 for masked in (False, True):
                     if masked and length < 37:
@@ -133,7 +144,8 @@ def check_topk(dtype: torch.dtype, quick: bool) -> None:
                          lambda: _topk_case(dtype, n_kv, group, length, dim, k, kind, masked,
                                             topk_attention, topk_attention_reference, topk_attention_triton))
     # strided inputs: keys/values as column slices of wider rows, q transposed
-    _run("topk_attention", dtype, "strided D=128 G=4 L=1000 k=100", lambda: _topk_strided(dtype))
+    if grid != "tiny":
+        _run("topk_attention", dtype, "strided D=128 G=4 L=1000 k=100", lambda: _topk_strided(dtype))
 
 
 def _topk_case(dtype, n_kv, group, length, dim, k, kind, masked, dispatch, reference, triton_fn):
@@ -208,7 +220,7 @@ def _topk_strided(dtype):
 # -- ragged decode attention ----------------------------------------------------------------------------
 
 
-def check_ragged(dtype: torch.dtype, quick: bool) -> None:
+def check_ragged(dtype: torch.dtype, grid: str) -> None:
     from kvbench.kernels.decode_attention import decode_attention
 
     layouts = [
@@ -216,15 +228,19 @@ def check_ragged(dtype: torch.dtype, quick: bool) -> None:
         ("same, slack 7 rows between heads", [1, 63, 64, 65, 0, 4097, 1000, 20000], 7),
         ("skewed, two empty", [0, 5, 131, 0, 1, 8191, 2, 300], 3),
     ]
-    if quick:
+    if grid == "quick":
         layouts = layouts[1:2]
-    for dim in (64, 128):
-        for group in (1, 4, 8):
+    elif grid == "tiny":
+        layouts = [("lens 1..40, one empty", [1, 0, 17, 40], 0), ("same, slack 3 rows between heads", [1, 0, 17, 40], 3)]
+    dims, groups = _dims_groups(grid)
+    for dim in dims:
+        for group in groups:
             for name, lens, gap in layouts:
                 case = f"D={dim} G={group} {name}"
                 _run("ragged_decode", dtype, case, lambda: _ragged_case(dtype, lens, group, dim, gap))
-    _run("ragged_decode", dtype, "dispatcher D=128 G=4",
-         lambda: _ragged_dispatch(dtype, decode_attention))
+    if grid != "tiny":
+        _run("ragged_decode", dtype, "dispatcher D=128 G=4",
+             lambda: _ragged_dispatch(dtype, decode_attention))
 
 
 def _ragged_inputs(dtype, lens, group, dim, gap, seed):
@@ -289,14 +305,17 @@ def _ragged_dispatch(dtype, dispatch):
 # -- page summaries -------------------------------------------------------------------------------------
 
 
-def check_page_minmax(dtype: torch.dtype, quick: bool) -> None:
+def check_page_minmax(dtype: torch.dtype, grid: str) -> None:
     cases = [(1, 16), (15, 16), (16, 16), (17, 16), (4099, 16), (37, 1), (100, 3), (1000, 40), (131000, 64)]
-    if quick:
+    if grid == "quick":
         cases = [(17, 16), (1000, 40)]
-    for dim in (64, 128):
+    elif grid == "tiny":
+        cases = [(17, 16), (37, 5)]
+    for dim in _dims_groups(grid)[0]:
         for n, page in cases:
             _run("page_minmax", dtype, f"D={dim} N={n} page={page}", lambda: _minmax_case(dtype, 8, n, dim, page))
-    _run("page_minmax", dtype, "strided (transposed [H, D, N]) N=4099 page=16", lambda: _minmax_strided(dtype))
+    if grid != "tiny":
+        _run("page_minmax", dtype, "strided (transposed [H, D, N]) N=4099 page=16", lambda: _minmax_strided(dtype))
 
 
 def _minmax_case(dtype, heads, n, dim, page):
@@ -329,15 +348,18 @@ def _sum_bound(n_terms: int, abs_sum: torch.Tensor) -> torch.Tensor:
     return 2 * (n_terms + 1) * U32 * abs_sum + 1e-6
 
 
-def check_page_scores(dtype: torch.dtype, quick: bool) -> None:
-    pages_list = (1, 7, 257, 8193) if not quick else (257,)
-    for dim in (64, 128):
-        for group in (1, 4, 8):
+def check_page_scores(dtype: torch.dtype, grid: str) -> None:
+    pages_list = {"full": (1, 7, 257, 8193), "quick": (257,), "tiny": (7,)}[grid]
+    dims, groups = _dims_groups(grid)
+    for dim in dims:
+        for group in groups:
             for mode in ("quest", "hsa"):
                 for pages in pages_list:
                     _run("page_scores", dtype, f"D={dim} G={group} {mode} P={pages}",
                          lambda: _scores_case(dtype, 8, group, dim, pages, mode))
-    _run("page_scores", dtype, "strided summaries, expanded signs D=128 G=4 P=300", lambda: _scores_strided(dtype))
+    if grid != "tiny":
+        _run("page_scores", dtype, "strided summaries, expanded signs D=128 G=4 P=300",
+             lambda: _scores_strided(dtype))
 
 
 def _scores_inputs(dtype, heads, group, dim, pages, mode, gen):
@@ -383,15 +405,18 @@ def _scores_strided(dtype):
 # -- reduced-dimension scores ---------------------------------------------------------------------------
 
 
-def check_reduced_scores(dtype: torch.dtype, quick: bool) -> None:
-    lengths = (1, 127, 129, 4099, 32771) if not quick else (129,)
-    for dim in (64, 128):
-        for group in (1, 4, 8):
+def check_reduced_scores(dtype: torch.dtype, grid: str) -> None:
+    lengths = {"full": (1, 127, 129, 4099, 32771), "quick": (129,), "tiny": (1, 37)}[grid]
+    dims, groups = _dims_groups(grid)
+    for dim in dims:
+        for group in groups:
             for n in lengths:
                 for r in ((1, dim // 8, dim) if n == 4099 else (dim // 8,)):
                     _run("reduced_scores", dtype, f"D={dim} G={group} N={n} r={r}",
                          lambda: _reduced_case(dtype, 8, group, dim, n, r))
-    _run("reduced_scores", dtype, "strided keys_t, repeated dims D=128 G=4 N=999", lambda: _reduced_strided(dtype))
+    if grid != "tiny":
+        _run("reduced_scores", dtype, "strided keys_t, repeated dims D=128 G=4 N=999",
+             lambda: _reduced_strided(dtype))
 
 
 def _reduced_case(dtype, heads, group, dim, n, r):
@@ -453,6 +478,8 @@ def main() -> int:
     parser.add_argument("--dtypes", default="fp16,bf16,fp32", help="comma-separated: fp16, bf16, fp32")
     parser.add_argument("--kernels", default=",".join(CHECKS), help=f"comma-separated: {', '.join(CHECKS)}")
     parser.add_argument("--quick", action="store_true", help="a few shapes per kernel")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a few small cases per kernel, one head dim and group (the CPU smoke test's grid)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                         help="cpu: the same checks in Triton's interpreter (TRITON_INTERPRET=1), to test this script")
     args = parser.parse_args()
@@ -468,6 +495,7 @@ def main() -> int:
         print("gpu_check_kernels: TRITON_INTERPRET is set; unset it to check the compiled kernels", file=sys.stderr)
         return 2
     DEVICE = args.device
+    grid = "tiny" if args.tiny else "quick" if args.quick else "full"
     import triton
 
     torch.backends.cuda.matmul.allow_tf32 = False  # the references' fp32 GEMMs in full fp32
@@ -477,7 +505,7 @@ def main() -> int:
     start = time.perf_counter()
     for kernel in args.kernels.split(","):
         for dtype in args.dtypes.split(","):
-            CHECKS[kernel](DTYPES[dtype], args.quick)
+            CHECKS[kernel](DTYPES[dtype], grid)
     ok = summary()
     print(f"{time.perf_counter() - start:.0f} s")
     return 0 if ok else 1

@@ -1,6 +1,8 @@
 """Wall time vs GPU kernel time of one decode step, per method, on the engine's decode path (CUDA).
 
     python scripts/gpu_decode_breakdown.py --length 16384 --budget 1024
+    python scripts/gpu_decode_breakdown.py --device cpu --layers 1 --hidden 64 --intermediate 128 --heads 4 \
+        --kv-heads 2 --head-dim 16 --length 64 --budget 16 --dtype float32   # this script's CPU smoke test
 
 The random Llama-3.1-8B-shaped model of docs/gpu/README.md (tiny_llama's source and byte vocabulary, fp16,
 built directly on the GPU), one shared dense prefill of `--length` random tokens (the sweep's snapshot path,
@@ -21,8 +23,18 @@ import time
 import torch
 from omegaconf import OmegaConf
 
-FIELDS = ("hidden_size=4096 intermediate_size=14336 num_hidden_layers={layers} num_attention_heads=32 "
-          "num_key_value_heads=8 head_dim=128 max_position_embeddings=131072 rope_theta=500000.0")
+
+def top_kernels(events: list, steps: int, top: int) -> str:
+    """The `top` kernels (and copies) of most GPU time per step, with launches per step: where a step's time goes."""
+    by_name: dict[str, list[float]] = {}
+    for e in events:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    total = sum(sum(v) for v in by_name.values()) or 1.0
+    rows = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]
+    lines = [f"    {'us/step':>9} {'share':>6} {'launches/step':>13}  kernel"]
+    for name, times in rows:
+        lines.append(f"    {sum(times) / steps:9.1f} {sum(times) / total:6.1%} {len(times) / steps:13.1f}  {name[:110]}")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -30,11 +42,22 @@ def main() -> int:
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--hidden", type=int, default=4096, help="hidden size (Llama-3.1-8B's by default)")
+    parser.add_argument("--intermediate", type=int, default=14336, help="MLP size")
+    parser.add_argument("--heads", type=int, default=32, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="float16")
     parser.add_argument("--methods", default="full,snapkv,adakv,quest,exact_topk,sparq,rocketkv")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--profiled", type=int, default=10)
     parser.add_argument("--device", default="cuda", help="cpu: only to test this script (no CUDA events)")
+    parser.add_argument("--compile", action="store_true",
+                        help="the compiled decode step (engine.compile=true: static layout, CUDA graphs) instead of eager")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend of --compile")
+    parser.add_argument("--top", type=int, default=0,
+                        help="also list each method's N kernels of most GPU time per step, with their launches per step")
     parser.add_argument("--no-cudnn-sdpa", action="store_true",
                         help="torch.backends.cuda.enable_cudnn_sdp(False): SDPA picks another backend")
     args = parser.parse_args()
@@ -47,6 +70,7 @@ def main() -> int:
     from torch.profiler import ProfilerActivity, profile
 
     from kvbench.core.devices import sync
+    from kvbench.engine.compiled import decoder_for
     from kvbench.engine.config import EngineConfig
     from kvbench.engine.sample import _prefill_segment, sample_generator
     from kvbench.engine.snapshots import PrefillSnapshots
@@ -54,10 +78,11 @@ def main() -> int:
     from kvbench.models import load_model
 
     cfg = OmegaConf.create({"name": "llama3.1_8b_shapes_random", "source": "tiny", "init_seed": 0,
-                            "dtype": "float16", "device": args.device, "config": {"model_type": "llama"}})
-    for item in FIELDS.format(layers=args.layers).split():
-        key, value = item.split("=")
-        cfg.config[key] = float(value) if "." in value else int(value)
+                            "dtype": args.dtype, "device": args.device, "config": {
+                                "model_type": "llama", "hidden_size": args.hidden, "intermediate_size": args.intermediate,
+                                "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
+                                "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim,
+                                "max_position_embeddings": 131072, "rope_theta": 500000.0}})
     with torch.device(args.device):  # random init on the GPU: seconds (minutes on the CPU for 7B parameters)
         lm = load_model(cfg)
     gen = torch.Generator().manual_seed(0)
@@ -67,16 +92,20 @@ def main() -> int:
     shared = PrefillSnapshots(engine.snapshot_cache_mb)  # one dense prefill for every method
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    print(f"{name}: {args.layers} layers, {args.length} prompt tokens, budget {args.budget}, cuDNN SDPA "
+    print(f"{name}: {'compiled' if args.compile else 'eager'} decode step, {args.layers} layers, {args.length} prompt "
+          f"tokens, budget {args.budget}, cuDNN SDPA "
           f"{'off' if args.no_cudnn_sdpa else 'allowed'}; "
           f"{args.steps} wall-timed and {args.profiled} profiled steps after {args.warmup} warm-up")
     print(f"{'method':<11} {'wall ms/step':>12} {'GPU busy ms/step':>17} {'GPU/wall':>9} {'GPU ops/step':>13}")
     for method_name in args.methods.split(","):
         method = build_method(method_name)
         plan = method.plan(args.budget, sequence_length=args.length + new_tokens, new_tokens=new_tokens,
-                           head_dim=128)
+                           head_dim=args.head_dim)
         session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine, shared, sample_generator(0, "bench"))
         token = int(logits.argmax())
+        if args.compile:  # the first step compiles (outside the timed steps: warm-up)
+            session.decoder = decoder_for(lm, args.backend)
+            session.begin_decode(new_tokens)
         wall = []
         for step in range(args.warmup + args.steps):
             sync(lm.device)
@@ -95,7 +124,13 @@ def main() -> int:
         busy_ms = sum(e.time_range.elapsed_us() for e in gpu) / 1e3 / args.profiled
         median = statistics.median(wall)
         print(f"{method_name:<11} {median:12.2f} {busy_ms:17.2f} {busy_ms / median:9.2f} "
-              f"{len(gpu) / args.profiled:13.0f}", flush=True)
+              f"{len(gpu) / args.profiled:13.0f}"
+              f"{f'  ({session.decode_path}: {session.decode_path_reason})' if session.decode_path_reason else ''}",
+              flush=True)
+        if args.top:
+            print(top_kernels(gpu, args.profiled, args.top), flush=True)
+        if args.compile:
+            session.end_decode()
         del session, logits
         if args.device == "cuda":
             torch.cuda.empty_cache()

@@ -21,7 +21,7 @@ _load_tiny = models._load_tiny
 
 
 def _load_tiny_on_device(cfg, dtype):
-    with torch.device(models._device(cfg.device)):
+    with torch.device(models.resolve_device(cfg.device)):
         return _load_tiny(cfg, dtype)
 
 

@@ -7,22 +7,35 @@
 #                                                 # profile: Llama-3.1-8B shapes, random weights, fp16,
 #                                                 # the rocketkv_fig7 preset on a smaller grid
 #   bash scripts/gpu_session.sh breakdown OUT_DIR # wall vs GPU busy time of one decode step per method
+#   bash scripts/gpu_session.sh compiled OUT_DIR  # the compiled decode step (scripts/gpu_compiled_decode.py, <= 8 min):
+#                                                 # static-decode check with inductor, eager / compiled / stock
+#                                                 # transformers ms/token vs the bandwidth floor, 32K and 128K
+#   bash scripts/gpu_session.sh kernel  OUT_DIR   # the split-K decode attention (kernels/flash_decode.py): its
+#                                                 # tests compiled on CUDA, against inductor's masked attention,
+#                                                 # flex_attention and SDPA; a compiled step's top kernels (<= 5 min)
 #   bash scripts/gpu_session.sh all     OUT_DIR
+#
+#   DEVICE=cpu bash scripts/gpu_session.sh compiled OUT_DIR   # the same phase at tiny shapes on a CPU (dynamo's
+#                                                             # eager backend): tests/test_gpu_scripts.py
 #
 # kvbench must be importable: an editable install (`pip install -e .`), or wheels in WHEELS (default: the
 # checkout's .whl/, if present: kvbench's own wheel plus transformers 5.23, hydra-core, omegaconf, antlr4 4.9.3)
 # pip-installed into /tmp/site and put on PYTHONPATH. Commands run from a scratch directory, so the checkout's
 # kvbench/ folder does not shadow the installed package.
 # Each step has its own time limit; logs, records and a tarball of the profile results go to OUT_DIR.
-# Override the profile grid with LENGTHS, METHODS, BUDGETS, REPEATS (see below).
+# Override the profile grid with LENGTHS, METHODS, BUDGETS, REPEATS (see below); the compiled phase's flags with
+# COMPILED_ARGS (appended: e.g. COMPILED_ARGS="--lengths 32768 --methods full,stock,quest"), its limits with
+# COMPILED_LIMIT and COMPILED_DEADLINE.
 set -uo pipefail
-phase=${1:?usage: gpu_session.sh check|profile|breakdown|all OUT_DIR}
-out=$(mkdir -p "${2:?usage: gpu_session.sh check|profile|breakdown|all OUT_DIR}" && cd "$2" && pwd)
+usage="usage: gpu_session.sh check|profile|breakdown|compiled|kernel|all OUT_DIR"
+phase=${1:?$usage}
+out=$(mkdir -p "${2:?$usage}" && cd "$2" && pwd)
 repo=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 KVBENCH_CACHE=${KVBENCH_CACHE:-/tmp/kvbench-cache}
 unset TRITON_INTERPRET
 work=$(mktemp -d /tmp/kvbench-gpu.XXXX)
+trap 'rm -rf "$work"' EXIT  # what a phase keeps goes to OUT_DIR (the profile's records as a tarball)
 cd "$work" || exit 1
 
 wheels=${WHEELS:-$repo/.whl}
@@ -31,13 +44,15 @@ if [ -d "$wheels" ] && ls "$wheels"/*.whl >/dev/null 2>&1; then
         "$wheels"/*.whl || exit 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
+# no kvbench installed (no wheel of it in WHEELS): the checkout's own
+$py -c "import kvbench" 2>/dev/null || export PYTHONPATH=$repo${PYTHONPATH:+:$PYTHONPATH}
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to OUT_DIR/NAME.log, report the status
     local name=$1 limit=$2
     shift 2
     echo "=== $name (limit ${limit}s): $*"
     local t0=$SECONDS
-    timeout "$limit" "$@" >"$out/$name.log" 2>&1
+    timeout -k 30 "$limit" "$@" >"$out/$name.log" 2>&1
     local rc=$?
     echo "=== $name: exit $rc after $((SECONDS - t0))s"
     return $rc
@@ -109,10 +124,57 @@ breakdown() {  # wall vs GPU kernel time of a decode step, per method (torch.pro
     grep -v USDT "$out/decode_breakdown_nocudnn.log"
 }
 
+compiled() {  # the compiled decode step: (a) static-decode check, (b) ms/token vs floor and stock, (c) compile s
+    local sizes=()
+    if [ "${DEVICE:-cuda}" = cpu ]; then  # the shell and script logic at tiny shapes, dynamo's eager backend
+        sizes=(--device cpu --dtype float32 --layers 1 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2
+               --head-dim 16 --lengths 256,320 --methods full,stock,snapkv,quest --methods-at 320=full,stock
+               --budget 32 --steps 3 --warmup 2 --backend eager --check-models tiny_llama
+               --check-methods full,snapkv --check-steps 4 --check-length 200 --check-shards 2)
+    fi
+    # shellcheck disable=SC2086 # COMPILED_ARGS: flags, split on spaces
+    step compiled_decode "${COMPILED_LIMIT:-480}" $py "$repo/scripts/gpu_compiled_decode.py" "${sizes[@]}" \
+        --deadline-s "${COMPILED_DEADLINE:-420}" --csv "$out/compiled_decode.csv" ${COMPILED_ARGS:-}
+    local rc=$?
+    grep -v -E "^USDT|Online softmax is disabled" "$out/compiled_decode.log"
+    return $rc
+}
+
+decode_kernel() {  # the split-K decode attention on this GPU, and where a compiled step's time goes (<= 5.5 min)
+    local tiny=() bench=() prof=()
+    if [ "${DEVICE:-cuda}" = cpu ]; then  # the shell and script logic at tiny shapes (the kernel interpreted)
+        bench=(--device cpu --lengths 200 --kv-heads 2 --head-dim 16 --layers 2 --repeats 2)
+        prof=(--device cpu --layers 1 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --head-dim 16
+              --length 64 --budget 16 --dtype float32 --backend eager --warmup 2 --steps 2 --profiled 1)
+    else  # correctness first, side by side (no timing runs meanwhile): the kernel's unit tests compiled on this
+        # GPU; the graph lint against Triton's own verdicts; the compile fallback on this machine's torch
+        local xdist=()
+        $py -c "import xdist" 2>/dev/null && xdist=(-n 4)
+        KVBENCH_KERNEL_DEVICE=cuda TRITON_INTERPRET=0 step flash_decode_tests 100 $py -m pytest -q -p no:cacheprovider \
+            --rootdir "$repo" -c "$repo/pyproject.toml" "${xdist[@]}" "$repo/tests/test_kernels.py" -k flash_decode &
+        (cd "$repo" && step probe_triton_lint 100 $py scripts/probe_triton_lint.py) &
+        (cd "$repo" && step compile_fallback_tests 100 $py -m pytest -q -p no:cacheprovider tests/test_compile_fallback.py) &
+        wait
+        tail -n 3 "$out/flash_decode_tests.log" "$out/compile_fallback_tests.log"
+        grep -E "^(torch|CASE|  lint|  inductor|OLD-KEYS|WARNING-LINE)" "$out/probe_triton_lint.log"
+        tiny=(--layers 8 --length "${KERNEL_LENGTH:-32768}" --budget 1024 --dtype bfloat16 --warmup 4 --steps 10
+              --profiled 5)
+    fi
+    # flash_decode vs inductor's masked attention vs flex_attention vs SDPA over exactly the held rows
+    (cd "$repo/scripts" && step bench_flash_decode 100 $py bench_flash_decode.py "${bench[@]}")
+    grep -v -E "^USDT|Online softmax" "$out/bench_flash_decode.log"
+    # the compiled step's kernels, by GPU time: what remains outside attention, and what a selection costs
+    (cd "$repo/scripts" && step kernel_breakdown 130 $py gpu_decode_breakdown.py --compile --top 14 \
+        --methods "${KERNEL_METHODS:-full,snapkv,quest}" "${tiny[@]}" "${prof[@]}")
+    grep -v -E "^USDT|Online softmax" "$out/kernel_breakdown.log"
+}
+
 case $phase in
+    kernel) decode_kernel ;;
     check) check ;;
     profile) profile ;;
     breakdown) breakdown ;;
-    all) check; profile; breakdown ;;
-    *) echo "unknown phase $phase" >&2; exit 2 ;;
+    compiled) compiled ;;
+    all) check; profile; breakdown; compiled; decode_kernel ;;
+    *) echo "unknown phase $phase; $usage" >&2; exit 2 ;;
 esac

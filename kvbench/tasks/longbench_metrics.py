@@ -28,15 +28,33 @@ import re
 import string
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
-
-import jieba
-from fuzzywuzzy import fuzz
-from rouge import Rouge
+from functools import cache
 
 from kvbench.tasks.scoring import register
 
-# jieba announces its dictionary loading on the root handler at INFO level; keep scoring quiet.
-jieba.setLogLevel(logging.WARNING)
+
+# The scorers' libraries are imported on first use: a machine that never scores LongBench (a GPU node running
+# only the latency scripts, whose image lacks them) imports this module with the engine all the same.
+@cache
+def _jieba():
+    import jieba
+
+    jieba.setLogLevel(logging.WARNING)  # it announces its dictionary loading on the root handler at INFO level
+    return jieba
+
+
+@cache
+def _fuzz():
+    from fuzzywuzzy import fuzz
+
+    return fuzz
+
+
+@cache
+def _rouge():
+    from rouge import Rouge
+
+    return Rouge
 
 PairMetric = Callable[[str, str], float]
 
@@ -94,7 +112,7 @@ def qa_f1_score(prediction: str, gold: str) -> float:
 
 
 def _jieba_tokens(text: str) -> list[str]:
-    return list(jieba.cut(text, cut_all=False))
+    return list(_jieba().cut(text, cut_all=False))
 
 
 def qa_f1_zh_score(prediction: str, gold: str) -> float:
@@ -112,7 +130,7 @@ def rouge_score(prediction: str, gold: str) -> float:
     bare `except:`; catching `Exception` differs only for KeyboardInterrupt/SystemExit, which must propagate.
     """
     try:
-        scores = Rouge().get_scores([prediction], [gold], avg=True)
+        scores = _rouge()().get_scores([prediction], [gold], avg=True)
     except Exception:  # noqa: BLE001 - the protocol scores every library failure as 0
         return 0.0
     return float(scores["rouge-l"]["f"])
@@ -163,7 +181,7 @@ def code_sim_score(prediction: str, gold: str) -> float:
         (ln for ln in prediction.lstrip("\n").split("\n") if "`" not in ln and "#" not in ln and "//" not in ln),
         "",
     )
-    return fuzz.ratio(line, gold) / 100
+    return _fuzz().ratio(line, gold) / 100
 
 
 def classification_score(prediction: str, gold: str, all_classes: Sequence[str]) -> float:

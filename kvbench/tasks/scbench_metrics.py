@@ -39,8 +39,6 @@ from collections import Counter
 from functools import lru_cache
 from typing import Any, Callable
 
-from rouge_score import rouge_scorer
-
 from kvbench.tasks.scoring import register
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -175,15 +173,20 @@ def first_int(prediction: str, answers: list[str]) -> float:
 # Summaries
 # ---------------------------------------------------------------------------------------------------------------
 
-# HF `evaluate`'s "rouge" metric with its defaults: rouge-score's tokenizer, no stemmer, summaries split into
-# "sentences" on newlines for the summary-level LCS of ROUGE-Lsum.
-_ROUGE = rouge_scorer.RougeScorer(["rougeLsum"], use_stemmer=False)
+@lru_cache(maxsize=None)
+def _rouge_lsum_scorer():
+    """HF `evaluate`'s "rouge" metric with its defaults: rouge-score's tokenizer, no stemmer, summaries split into
+    "sentences" on newlines for the summary-level LCS of ROUGE-Lsum. Built on first use (as the library is
+    imported): a machine that never scores SCBench, a GPU node running the latency scripts, needs no rouge-score."""
+    from rouge_score import rouge_scorer
+
+    return rouge_scorer.RougeScorer(["rougeLsum"], use_stemmer=False)
 
 
 @register("scbench_rouge_lsum")
 def rouge_lsum(prediction: str, answers: list[str]) -> float:
     """ROUGE-Lsum F-measure of the prediction against each gold; the best gold counts (single gold in SCBench)."""
-    return max(_ROUGE.score(answer, prediction)["rougeLsum"].fmeasure for answer in answers)
+    return max(_rouge_lsum_scorer().score(answer, prediction)["rougeLsum"].fmeasure for answer in answers)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,212 @@
+"""CPU smoke tests of the GPU session's entry points (scripts/gpu_*.py, scripts/gpu_session.sh): each runs at tiny
+shapes on the CPU (Triton's interpreter for the kernels, dynamo's eager backend for compiled steps), so that a
+renamed function or a changed signature in kvbench breaks a test here rather than a lent GPU's session."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = REPO / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import gpu_compiled_decode  # noqa: E402
+
+# a one-layer Llama of tiny_llama's sizes, through the flags that default to Llama-3.1-8B's shapes
+TINY = ["--layers", "1", "--hidden", "64", "--intermediate", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16"]
+NUMBER = r"\d+\.\d+"
+
+
+def script(name: str, *args: str, env: dict[str, str] | None = None, timeout: int = 240) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, str(SCRIPTS / name), *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    assert proc.returncode == 0, f"{name} exited {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def test_check_kernels_runs_its_tiny_grid_in_the_interpreter():
+    proc = script("gpu_check_kernels.py", "--device", "cpu", "--tiny", "--dtypes", "fp32,bf16",
+                  env={"TRITON_INTERPRET": "1"})
+    out = proc.stdout
+    assert out.startswith("CPU (Triton interpreter)")
+    for kernel in ("topk_attention", "ragged_decode", "page_minmax", "page_scores", "reduced_scores"):
+        for dtype in ("fp32", "bf16"):
+            row = re.search(rf"^{kernel}\s+{dtype}\s+(\d+)\s+(\d+)\s+0\s+\S+\s+\S+\s+PASS$", out, re.M)
+            assert row and int(row.group(1)) == int(row.group(2)) >= 2, (kernel, dtype, out[-2000:])
+    passed = int(re.search(r"^(\d+) passed, 0 failed$", out, re.M).group(1))
+    assert passed == sum(line.startswith("PASS  ") for line in out.splitlines()) >= 20
+    # the tiny grid keeps the cases a kernel gets wrong most easily: empty heads, slack rows, k > L, padding
+    assert "one empty" in out and "slack 3 rows" in out and "L=40 k=40 perm" in out and "masked" in out
+
+
+def test_check_kernels_on_cpu_needs_the_interpreter():
+    proc = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check_kernels.py"), "--device", "cpu", "--tiny"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "TRITON_INTERPRET": "0"})
+    assert proc.returncode == 2 and "needs TRITON_INTERPRET=1" in proc.stderr
+
+
+def test_decode_breakdown_times_every_method_at_tiny_shapes():
+    methods = ["full", "snapkv", "adakv", "quest"]
+    proc = script("gpu_decode_breakdown.py", "--device", "cpu", *TINY, "--dtype", "float32", "--length", "64",
+                  "--budget", "16", "--methods", ",".join(methods), "--warmup", "1", "--steps", "2", "--profiled", "2")
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("cpu: eager decode step, 1 layers, 64 prompt tokens, budget 16")
+    assert lines[1].split() == ["method", "wall", "ms/step", "GPU", "busy", "ms/step", "GPU/wall", "GPU", "ops/step"]
+    rows = {line.split()[0]: line.split()[1:] for line in lines[2:] if line.split() and line.split()[0] in methods}
+    assert list(rows) == methods
+    for cells in rows.values():  # wall time measured; no CUDA events on a CPU
+        assert float(cells[0]) > 0 and cells[1:] == ["0.00", "0.00", "0"]
+
+
+def test_decode_floor_runs_stock_transformers_at_tiny_shapes():
+    proc = script("gpu_decode_floor.py", "--device", "cpu", *TINY, "--dtype", "float32", "--lengths", "64,96",
+                  "--steps", "3", "--warmup", "1")
+    out = proc.stdout
+    assert re.search(rf"^cpu: {NUMBER} GiB of float32 weights, copy bandwidth \d+ GB/s: weights-only floor "
+                     rf"{NUMBER} ms/token$", out, re.M), out
+    for length in (64, 96):
+        assert re.search(rf"^L={length}: prefill {NUMBER} s, decode median {NUMBER} ms/token, p90 {NUMBER} ms "
+                         rf"\(over 3 steps\), peak - \(CPU\)$", out, re.M), out
+
+
+def test_profile_runner_builds_the_tiny_model_on_its_device(tmp_path, monkeypatch):
+    import gpu_profile
+
+    import kvbench.models as models
+
+    monkeypatch.setattr(models, "_load_tiny", gpu_profile._load_tiny_on_device)  # as the script's __main__ does
+    lm = models.load_model(OmegaConf.load(REPO / "kvbench" / "conf" / "model" / "tiny_llama.yaml"))
+    assert {p.device.type for p in lm.model.parameters()} == {"cpu"}
+    results = tmp_path / "results"
+    proc = script("gpu_profile.py", "experiment=rocketkv_fig7", "model=tiny_llama", "model.device=cpu",
+                  "model.dtype=float32", "task.seq_len=128", "budget=32", "method=snapkv", "task.max_new_tokens=6",
+                  "profiler.repeats=1", "profiler.warmup_steps=1", "engine.compile=false", f"results_dir={results}")
+    assert re.search(rf"^  decode_ms_per_token\s+{NUMBER}$", proc.stdout, re.M), proc.stdout
+    [records] = list(results.rglob("records.jsonl"))
+    record = json.loads(records.read_text().splitlines()[0])
+    assert record["profile"]["decode_steps_timed"] == 4 and record["profile"]["decode_ms_median"] > 0
+
+
+def test_compiled_decode_orders_work_across_lengths_and_reads_its_plan():
+    args = gpu_compiled_decode.parse_args(["--lengths", "32768,131072"])
+    assert args.plan[32768][:3] == ["full", "stock", "snapkv"] and args.plan[131072] == ["full", "stock", "snapkv", "quest"]
+    assert args.check_backend == "inductor" and args.compile_estimate_s == 40.0
+    order = gpu_compiled_decode.work_order({1: ["a", "b", "c"], 2: ["x"], 3: ["p", "q"]})
+    assert order == [(1, "a"), (2, "x"), (3, "p"), (1, "b"), (3, "q"), (1, "c")]
+
+
+def test_compiled_decode_skips_what_the_deadline_leaves_no_time_for(tmp_path):
+    table = tmp_path / "rows.csv"
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = gpu_compiled_decode.main(["--device", "cpu", "--dtype", "float32", *TINY, "--lengths", "256,320",
+                                       "--methods", "full,stock,quest", "--methods-at", "320=full", "--backend", "eager",
+                                       "--no-check", "--deadline-s", "0", "--csv", str(table)])
+    assert rc == 0
+    text = out.getvalue()
+    for length, method in [(256, "full"), (320, "full"), (256, "stock"), (256, "quest")]:
+        assert re.search(rf"^\| {length} \| {method} \| - .* \| skipped: deadline", text, re.M), text
+    assert "0 of 4 items measured" in text
+    rows = list(csv.DictReader(table.open()))
+    assert [(r["length"], r["method"], r["status"]) for r in rows] == [
+        ("256", "full", "skipped"), ("320", "full", "skipped"), ("256", "stock", "skipped"), ("256", "quest", "skipped")]
+
+
+def _compiled_table(text: str) -> dict[tuple[int, str], list[str]]:
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 13 and cells[0].isdigit():
+            rows[int(cells[0]), cells[1]] = cells[2:]
+    return rows
+
+
+def _check_compiled_rows(text: str, table: Path, expected: list[tuple[int, str]]) -> None:
+    """Every expected (length, method) row measured on both paths, with the floor and the ratios filled in."""
+    rows = _compiled_table(text)
+    assert list(rows) == expected, text
+    for (length, method), cells in rows.items():
+        eager, compiled, compile_s, _, floor, *ratios = cells[:10]
+        assert float(eager) > 0 and float(compiled) > 0 and float(compile_s) >= 0 and float(floor) > 0, cells
+        assert all(float(r) > 0 for r in ratios), cells
+        assert cells[-1].startswith("compiled"), cells
+    records = {(int(r["length"]), r["method"]): r for r in csv.DictReader(table.open())}
+    assert list(records) == expected
+    for (length, method), r in records.items():
+        assert r["status"] == "ok" and r["path"] == "compiled"
+        assert float(r["bytes_mb"]) == pytest.approx(float(r["weights_mb"]) + float(r["kv_aux_mb"]))
+        assert float(r["compiled_over_floor"]) == pytest.approx(float(r["compiled_ms"]) / float(r["floor_ms"]))
+        if method == "full":
+            assert float(r["speedup_vs_full"]) == 1.0 and float(r["full_bytes_over_bytes"]) == 1.0
+        if method == "stock":
+            assert float(r["compiled_over_stock"]) == 1.0
+            # stock reads its whole static cache: the prompt, the decoded steps and 8 spare rows, K and V
+            assert float(r["kv_aux_mb"]) * 1e6 == pytest.approx(2 * 2 * 16 * (length + 2 * (2 + 3 + 1) + 8) * 4)
+        if method == "quest":  # a selection reads fewer K/V rows than the whole cache (plus its page summaries)
+            assert float(r["kv_aux_mb"]) < float(records[length, "full"]["kv_aux_mb"])
+
+
+def test_compiled_decode_measures_eager_compiled_and_stock_at_tiny_shapes(tmp_path):
+    table = tmp_path / "rows.csv"
+    proc = script("gpu_compiled_decode.py", "--device", "cpu", "--dtype", "float32", *TINY, "--lengths", "256",
+                  "--methods", "full,stock,quest", "--budget", "32", "--steps", "3", "--warmup", "2",
+                  "--backend", "eager", "--no-check", "--csv", str(table))
+    assert "3 of 3 items measured" in proc.stdout
+    _check_compiled_rows(proc.stdout, table, [(256, "full"), (256, "stock"), (256, "quest")])
+
+
+@pytest.mark.integration
+def test_session_compiled_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
+    """`DEVICE=cpu gpu_session.sh compiled`: the shell phase, the sharded static-decode check and the table (~40 s)."""
+    out_dir = tmp_path / "out"
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_session.sh"), "compiled", str(out_dir)], capture_output=True,
+                          text=True, timeout=400, env={**os.environ, "DEVICE": "cpu", "PYTHON": sys.executable,
+                                                       "WHEELS": str(tmp_path / "no-wheels")})
+    text = proc.stdout
+    assert proc.returncode == 0, text[-3000:] + proc.stderr[-3000:]
+    assert re.search(r"^=== compiled_decode: exit 0 after \d+s$", text, re.M)
+    assert "2 processes side by side" in text
+    for label in ("full", "snapkv"):  # the merged check table: one graph, no recompile, tokens equal
+        assert re.search(rf"^{label}\s+compiled\s+1\s+0\s+0\s+equal\s+\S+$", text, re.M), text
+    assert "static-decode check: all methods as expected" in text
+    _check_compiled_rows(text, out_dir / "compiled_decode.csv",
+                         [(256, "full"), (320, "full"), (256, "stock"), (320, "stock"), (256, "snapkv"), (256, "quest")])
+    assert (out_dir / "compiled_decode.log").read_text().count("| 256 | full |") == 1
+
+
+@pytest.mark.integration
+def test_session_kernel_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
+    """`DEVICE=cpu gpu_session.sh kernel`: the split-K decode attention against the masked PyTorch attention
+    (the kernel interpreted), and a compiled step's breakdown with its top-kernels table (~25 s)."""
+    out_dir = tmp_path / "out"
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_session.sh"), "kernel", str(out_dir)], capture_output=True,
+                          text=True, timeout=400, env={**os.environ, "DEVICE": "cpu", "PYTHON": sys.executable,
+                                                       "WHEELS": str(tmp_path / "no-wheels")})
+    text = proc.stdout
+    assert proc.returncode == 0, text[-3000:] + proc.stderr[-3000:]
+    for name in ("bench_flash_decode", "kernel_breakdown"):
+        assert re.search(rf"^=== {name}: exit 0 after \d+s$", text, re.M), text
+    rows = re.findall(r"^\| 200 \| (\w+) \| ([\d.]+) \| \d+ \| [\d.]+ \| ([\d.e+-]+) \|$", text, re.M)
+    assert [way for way, *_ in rows] == ["flash_decode", "padded_inductor"], text
+    assert all(float(diff) < 0.02 for *_, diff in rows), rows  # bf16 outputs against the fp32 oracle
+    for method in ("full", "snapkv", "quest"):
+        assert re.search(rf"^{method}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+$", text, re.M), text
+    assert text.count("us/step  share launches/step  kernel") == 3
+
+
+def test_session_names_its_phases_on_a_wrong_one(tmp_path):
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_session.sh"), "nope", str(tmp_path)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable,
+                                                       "WHEELS": str(tmp_path / "no-wheels")})
+    assert proc.returncode == 2 and "check|profile|breakdown|compiled|kernel|all" in proc.stderr
