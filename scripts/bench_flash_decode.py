@@ -30,33 +30,16 @@ import sys
 import time
 
 import torch
+from gpu_decode_floor import copy_gbps
 
-
-def copy_rate(device: torch.device, gib: float = 1.0) -> float:
-    """Bytes per second of a device-to-device copy, counting bytes read and written (median of 5)."""
-    n = int(gib * 2**30) // 2
-    src = torch.empty(n, dtype=torch.float16, device=device)
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(6):
-        _sync(device)
-        t = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - t)
-    return 2 * src.numel() * src.element_size() / statistics.median(times[1:])
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+from kvbench.core.devices import sync
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
     """Median seconds of `fn()`: replayed as one CUDA graph on a GPU (after warm-up), called plainly on CPU."""
     for _ in range(2):
         fn()
-    _sync(device)
+    sync(device)
     if device.type == "cuda":
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -66,10 +49,10 @@ def timed(fn, device: torch.device, repeats: int) -> float:
         run = fn
     times = []
     for _ in range(repeats):
-        _sync(device)
+        sync(device)
         t = time.perf_counter()
         run()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -93,7 +76,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     from kvbench.kernels.decode_attention import static_decode_attention
     from kvbench.kernels.flash_decode import flash_decode
 
-    rate = copy_rate(device, 1.0 if device.type == "cuda" else 0.05)
+    rate = 1e9 * copy_gbps(device)  # bytes per second, read plus written
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__};"
           f" copy rate {rate / 1e9:.0f} GB/s (read + written); {args.layers} layers of {args.kv_heads} KV heads x "
           f"group {args.group} x dim {args.head_dim}, {args.dtype}, capacity {args.capacity_factor} x length")
@@ -161,7 +144,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
             t = time.perf_counter()
             block_mask = create_block_mask(mask_mod, 1, n_kv * group, 1, cap, device=device)
-            _sync(device)
+            sync(device)
             extra["flex_mask_ms"] = 1e3 * (time.perf_counter() - t)
             views = [tuple(t.view(1, n_kv, cap, dim) for t in kv) for kv in layers]
 

@@ -88,15 +88,12 @@ class Row:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from gpu_decode_floor import add_shape_arguments
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu (only to test this script, tiny shapes)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=4096, help="hidden size (Llama-3.1-8B's by default)")
-    parser.add_argument("--intermediate", type=int, default=14336, help="MLP size")
-    parser.add_argument("--heads", type=int, default=32, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    add_shape_arguments(parser, layers=8)
     parser.add_argument("--lengths", default="32768,131072", help="prompt lengths, comma-separated")
     parser.add_argument("--methods", default=DEFAULT_METHODS,
                         help="labels run at every length not named by --methods-at, in priority order: a method's "
@@ -229,8 +226,7 @@ def static_check(args: argparse.Namespace, time_left: float) -> bool:
 
 class Bench:
     def __init__(self, args: argparse.Namespace):
-        from gpu_decode_floor import copy_gbps
-        from omegaconf import OmegaConf
+        from gpu_decode_floor import copy_gbps, random_model_cfg
 
         from kvbench.engine.config import EngineConfig
         from kvbench.engine.snapshots import PrefillSnapshots
@@ -242,13 +238,7 @@ class Bench:
         new = args.warmup + args.steps + 1
         self.new_tokens = new
         max_positions = max(131072, max(args.lengths) + 2 * new + 64)
-        cfg = OmegaConf.create({"name": "llama3.1_8b_shapes_random", "source": "tiny", "init_seed": 0,
-                                "dtype": args.dtype, "device": args.device, "config": {
-                                    "model_type": "llama", "hidden_size": args.hidden,
-                                    "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
-                                    "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
-                                    "head_dim": args.head_dim, "max_position_embeddings": max_positions,
-                                    "rope_theta": 500000.0}})
+        cfg = random_model_cfg(args, max_positions)
         start = time.perf_counter()
         with torch.device(self.device):  # random init on the GPU: seconds (minutes on the CPU for 8B shapes)
             self.lm = load_model(cfg)

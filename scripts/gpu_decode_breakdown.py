@@ -21,7 +21,7 @@ import sys
 import time
 
 import torch
-from omegaconf import OmegaConf
+from gpu_decode_floor import add_shape_arguments, random_model_cfg
 
 
 def top_kernels(events: list, steps: int, top: int) -> str:
@@ -41,12 +41,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--length", type=int, default=16384)
     parser.add_argument("--budget", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=4096, help="hidden size (Llama-3.1-8B's by default)")
-    parser.add_argument("--intermediate", type=int, default=14336, help="MLP size")
-    parser.add_argument("--heads", type=int, default=32, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    add_shape_arguments(parser, layers=32)
     parser.add_argument("--dtype", default="float16")
     parser.add_argument("--methods", default="full,snapkv,adakv,quest,exact_topk,sparq,rocketkv")
     parser.add_argument("--warmup", type=int, default=5)
@@ -77,12 +72,7 @@ def main() -> int:
     from kvbench.methods import build_method
     from kvbench.models import load_model
 
-    cfg = OmegaConf.create({"name": "llama3.1_8b_shapes_random", "source": "tiny", "init_seed": 0,
-                            "dtype": args.dtype, "device": args.device, "config": {
-                                "model_type": "llama", "hidden_size": args.hidden, "intermediate_size": args.intermediate,
-                                "num_hidden_layers": args.layers, "num_attention_heads": args.heads,
-                                "num_key_value_heads": args.kv_heads, "head_dim": args.head_dim,
-                                "max_position_embeddings": 131072, "rope_theta": 500000.0}})
+    cfg = random_model_cfg(args)
     with torch.device(args.device):  # random init on the GPU: seconds (minutes on the CPU for 7B parameters)
         lm = load_model(cfg)
     gen = torch.Generator().manual_seed(0)

@@ -19,6 +19,7 @@ import argparse
 import statistics
 import sys
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +33,31 @@ def copy_gbps(device: torch.device) -> float:
     src = torch.ones((1 << 28 if device.type == "cuda" else 1 << 26) // 4, device=device)
     dst = torch.empty_like(src)
     return 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), device) / 1e9
+
+
+def add_shape_arguments(parser: argparse.ArgumentParser, layers: int) -> None:
+    """The model-shape flags of the GPU scripts: Llama-3.1-8B's layer shapes by default, tiny ones to test."""
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--hidden", type=int, default=4096, help="hidden size (Llama-3.1-8B's by default)")
+    parser.add_argument("--intermediate", type=int, default=14336, help="MLP size")
+    parser.add_argument("--heads", type=int, default=32, help="query heads")
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+
+
+def random_model_cfg(args: argparse.Namespace, max_positions: int = 131072) -> Any:
+    """kvbench's model config of the random model with `args`' shapes (`add_shape_arguments`, `--dtype`,
+    `--device`): tiny_llama's source and byte vocabulary; load it under `torch.device(args.device)` so that the
+    weights are initialised there (seconds on a GPU, minutes on the CPU for 8B shapes)."""
+    from omegaconf import OmegaConf
+
+    return OmegaConf.create({"name": "llama3.1_8b_shapes_random", "source": "tiny", "init_seed": 0,
+                             "dtype": args.dtype, "device": args.device, "config": {
+                                 "model_type": "llama", "hidden_size": args.hidden,
+                                 "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
+                                 "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
+                                 "head_dim": args.head_dim, "max_position_embeddings": max_positions,
+                                 "rope_theta": 500000.0}})
 
 
 def stock_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
@@ -52,12 +78,7 @@ def stock_model(args: argparse.Namespace, device: torch.device, dtype: torch.dty
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", default="16384,32768")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--hidden", type=int, default=4096, help="hidden size (Llama-3.1-8B's by default)")
-    parser.add_argument("--intermediate", type=int, default=14336, help="MLP size")
-    parser.add_argument("--heads", type=int, default=32, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
+    add_shape_arguments(parser, layers=32)
     parser.add_argument("--dtype", default="float16", choices=("float16", "bfloat16", "float32"))
     parser.add_argument("--device", default="cuda", help="cpu: only to test this script")
     parser.add_argument("--steps", type=int, default=45)

@@ -166,15 +166,20 @@ def test_compiled_decode_measures_eager_compiled_and_stock_at_tiny_shapes(tmp_pa
     _check_compiled_rows(proc.stdout, table, [(256, "full"), (256, "stock"), (256, "quest")])
 
 
+def run_cpu_phase(phase: str, out_dir: Path, tmp_path: Path) -> str:
+    """`DEVICE=cpu gpu_session.sh PHASE OUT_DIR` (tiny shapes, no wheels), which must succeed: its stdout."""
+    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_session.sh"), phase, str(out_dir)], capture_output=True,
+                          text=True, timeout=400, env={**os.environ, "DEVICE": "cpu", "PYTHON": sys.executable,
+                                                       "WHEELS": str(tmp_path / "no-wheels")})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
 @pytest.mark.integration
 def test_session_compiled_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
     """`DEVICE=cpu gpu_session.sh compiled`: the shell phase, the sharded static-decode check and the table (~40 s)."""
     out_dir = tmp_path / "out"
-    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_session.sh"), "compiled", str(out_dir)], capture_output=True,
-                          text=True, timeout=400, env={**os.environ, "DEVICE": "cpu", "PYTHON": sys.executable,
-                                                       "WHEELS": str(tmp_path / "no-wheels")})
-    text = proc.stdout
-    assert proc.returncode == 0, text[-3000:] + proc.stderr[-3000:]
+    text = run_cpu_phase("compiled", out_dir, tmp_path)
     assert re.search(r"^=== compiled_decode: exit 0 after \d+s$", text, re.M)
     assert "2 processes side by side" in text
     for label in ("full", "snapkv"):  # the merged check table: one graph, no recompile, tokens equal
@@ -189,12 +194,7 @@ def test_session_compiled_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
 def test_session_kernel_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
     """`DEVICE=cpu gpu_session.sh kernel`: the split-K decode attention against the masked PyTorch attention
     (the kernel interpreted), and a compiled step's breakdown with its top-kernels table (~25 s)."""
-    out_dir = tmp_path / "out"
-    proc = subprocess.run(["bash", str(SCRIPTS / "gpu_session.sh"), "kernel", str(out_dir)], capture_output=True,
-                          text=True, timeout=400, env={**os.environ, "DEVICE": "cpu", "PYTHON": sys.executable,
-                                                       "WHEELS": str(tmp_path / "no-wheels")})
-    text = proc.stdout
-    assert proc.returncode == 0, text[-3000:] + proc.stderr[-3000:]
+    text = run_cpu_phase("kernel", tmp_path / "out", tmp_path)
     for name in ("bench_flash_decode", "kernel_breakdown"):
         assert re.search(rf"^=== {name}: exit 0 after \d+s$", text, re.M), text
     rows = re.findall(r"^\| 200 \| (\w+) \| ([\d.]+) \| \d+ \| [\d.]+ \| ([\d.e+-]+) \|$", text, re.M)
