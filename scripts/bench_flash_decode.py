@@ -17,6 +17,14 @@ not from L2), and every way is timed as one CUDA graph replay of all layers (no 
 - `sdpa_exact`: stock SDPA (flash backend) over exactly the held rows of a contiguous layer: no static layout;
   what the bytes cost with PyTorch's own best kernel.
 
+With `--selected K`, two more ways attend to K slots per KV group drawn from the held rows (a selection
+method's step: Quest's pages, RocketKV's HSA), against the floor of those K rows' bytes:
+
+- `selected_flash`: the indexed operator (`kernels.flash_decode.flash_decode_selected`), the compiled step's
+  choice on CUDA;
+- `selected_inductor`: `topk_attention_traced` (rows gathered, fp32 products) compiled by inductor, what the
+  compiled step ran before.
+
 Printed: ms per layer, the effective K/V read rate, and the ratio to the floor (the held K/V bytes at the
 device copy rate measured here, bytes read plus written, as the field report counts it). Ratios, not claims.
 """
@@ -69,20 +77,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--ways", default="flash_decode,padded_inductor,flex_attention,sdpa_exact")
+    parser.add_argument("--selected", type=int, default=0, help="slots per KV group of the selected ways (0: none)")
     args = parser.parse_args(argv)
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     if device.type == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")  # the kernel runs interpreted (a smoke run, no timing claim)
     from kvbench.kernels.decode_attention import static_decode_attention
-    from kvbench.kernels.flash_decode import flash_decode
+    from kvbench.kernels.flash_decode import flash_decode, flash_decode_selected
+    from kvbench.kernels.sparse_attention import topk_attention_traced
 
     rate = 1e9 * copy_gbps(device)  # bytes per second, read plus written
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__};"
           f" copy rate {rate / 1e9:.0f} GB/s (read + written); {args.layers} layers of {args.kv_heads} KV heads x "
           f"group {args.group} x dim {args.head_dim}, {args.dtype}, capacity {args.capacity_factor} x length")
-    ways = args.ways.split(",")
+    ways = args.ways.split(",") + (["selected_flash", "selected_inductor"] if args.selected else [])
     if device.type == "cpu":
-        ways = [w for w in ways if w in ("flash_decode", "padded_inductor")]
+        ways = [w for w in ways if w in ("flash_decode", "padded_inductor", "selected_flash", "selected_inductor")]
     padded = torch.compile(static_decode_attention, dynamic=False, fullgraph=True,
                            backend="inductor" if device.type == "cuda" else "eager")
     rows_out = []
@@ -119,7 +129,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 outs["padded_inductor"] = padded(q, k, v, scale, fill, cap, None, None)
 
         run = {"flash_decode": run_flash, "padded_inductor": run_padded}
-        extra = {}
+        extra, floors, refs = {}, {}, {}
+        if args.selected:
+            picked = min(args.selected, length)
+            slots = torch.stack([torch.randperm(length, generator=gen)[:picked].sort().values for _ in range(n_kv)])
+            slots = slots.to(device)[:, None, :].expand(n_kv, group, picked)  # one selection per KV group
+            traced = torch.compile(topk_attention_traced, dynamic=False, fullgraph=True,
+                                   backend="inductor" if device.type == "cuda" else "eager")
+            views = [tuple(t.view(n_kv, cap, dim) for t in kv) for kv in layers]
+            for way in ("selected_flash", "selected_inductor"):
+                floors[way] = 2 * n_kv * picked * dim * keys.element_size() / rate
+                refs[way] = sparse_reference(q, *views[-1], slots, scale)
+
+            def run_selected_flash():
+                for k, v in layers:
+                    outs["selected_flash"] = flash_decode_selected(q, k, v, starts, fill, slots, scale)
+
+            def run_selected_inductor():
+                for k, v in views:
+                    outs["selected_inductor"] = traced(q, k, v, slots, scale)
+
+            run.update(selected_flash=run_selected_flash, selected_inductor=run_selected_inductor)
         if "sdpa_exact" in ways:
             contiguous = [tuple(t.view(n_kv, cap, dim)[:, :length].contiguous()[None] for t in kv) for kv in layers]
             qs = q.reshape(1, n_kv * group, 1, dim)
@@ -160,16 +190,26 @@ def main(argv: list[str] | None = None) -> list[dict]:
             except Exception as exc:  # noqa: BLE001 - a way that does not run here is a row that says why
                 print(f"| {length} | {way} | failed: {type(exc).__name__}: {str(exc).splitlines()[0][:80]} | | | |")
                 continue
-            diff = (outs[way].float() - ref).abs().max().item()
+            diff = (outs[way].float() - refs.get(way, ref)).abs().max().item()
+            floor = floors.get(way, floor_s)
             row = {"length": length, "way": way, "ms_per_layer": 1e3 * seconds,
-                   "kv_gbps": 2 * n_kv * length * dim * keys.element_size() / seconds / 1e9,
-                   "x_floor": seconds / floor_s, "max_abs_diff": diff, **extra}
+                   "kv_gbps": floor * rate / seconds / 1e9,
+                   "x_floor": seconds / floor, "max_abs_diff": diff, **extra}
             rows_out.append(row)
             print(f"| {length} | {way} | {row['ms_per_layer']:.4f} | {row['kv_gbps']:.0f} | {row['x_floor']:.2f} | "
                   f"{diff:.2e} |")
         if "flex_mask_ms" in extra:
             print(f"(flex: building the block mask for one length took {extra['flex_mask_ms']:.2f} ms)")
     return rows_out
+
+
+def sparse_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """fp32 attention of each query head over its selected rows of [H, cap, D] keys/values."""
+    heads = torch.arange(keys.shape[0], device=keys.device)[:, None, None]
+    k_sel, v_sel = keys[heads, slots].float(), values[heads, slots].float()  # [H, G, K, D]
+    probs = torch.softmax(torch.einsum("hgd,hgkd->hgk", q.float(), k_sel) * scale, -1)
+    return torch.einsum("hgk,hgkd->hgd", probs, v_sel)
 
 
 if __name__ == "__main__":

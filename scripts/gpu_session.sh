@@ -143,7 +143,7 @@ compiled() {  # the compiled decode step: (a) static-decode check, (b) ms/token 
 decode_kernel() {  # the split-K decode attention on this GPU, and where a compiled step's time goes (<= 5.5 min)
     local tiny=() bench=() prof=()
     if [ "${DEVICE:-cuda}" = cpu ]; then  # the shell and script logic at tiny shapes (the kernel interpreted)
-        bench=(--device cpu --lengths 200 --kv-heads 2 --head-dim 16 --layers 2 --repeats 2)
+        bench=(--device cpu --lengths 200 --kv-heads 2 --head-dim 16 --layers 2 --repeats 2 --selected 24)
         prof=(--device cpu --layers 1 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --head-dim 16
               --length 64 --budget 16 --dtype float32 --backend eager --warmup 2 --steps 2 --profiled 1)
     else  # correctness first, side by side (no timing runs meanwhile): the kernel's unit tests compiled on this
@@ -159,8 +159,10 @@ decode_kernel() {  # the split-K decode attention on this GPU, and where a compi
         grep -E "^(torch|CASE|  lint|  inductor|OLD-KEYS|WARNING-LINE)" "$out/probe_triton_lint.log"
         tiny=(--layers 8 --length "${KERNEL_LENGTH:-32768}" --budget 1024 --dtype bfloat16 --warmup 4 --steps 10
               --profiled 5)
+        bench=(--selected 1024)  # a 1K-token selection per KV group beside the dense ways
     fi
-    # flash_decode vs inductor's masked attention vs flex_attention vs SDPA over exactly the held rows
+    # flash_decode vs inductor's masked attention vs flex_attention vs SDPA over exactly the held rows; a
+    # selection's slots by the indexed operator vs inductor's gathered fp32 products
     (cd "$repo/scripts" && step bench_flash_decode 100 $py bench_flash_decode.py "${bench[@]}")
     grep -v -E "^USDT|Online softmax" "$out/bench_flash_decode.log"
     # the compiled step's kernels, by GPU time: what remains outside attention, and what a selection costs

@@ -198,7 +198,7 @@ def test_session_kernel_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
     for name in ("bench_flash_decode", "kernel_breakdown"):
         assert re.search(rf"^=== {name}: exit 0 after \d+s$", text, re.M), text
     rows = re.findall(r"^\| 200 \| (\w+) \| ([\d.]+) \| \d+ \| [\d.]+ \| ([\d.e+-]+) \|$", text, re.M)
-    assert [way for way, *_ in rows] == ["flash_decode", "padded_inductor"], text
+    assert [way for way, *_ in rows] == ["flash_decode", "padded_inductor", "selected_flash", "selected_inductor"], text
     assert all(float(diff) < 0.02 for *_, diff in rows), rows  # bf16 outputs against the fp32 oracle
     for method in ("full", "snapkv", "quest"):
         assert re.search(rf"^{method}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+$", text, re.M), text

@@ -775,6 +775,75 @@ def test_flash_decode_split_count_depends_on_static_shapes_alone():
     assert split_count(131072, 32, cpu) < split_count(131072, 8, cpu)  # more heads, fewer splits each
 
 
+def _selected_slots(gen, fills, caps, rows, k):
+    """[rows, k] slots per program row: mostly held slots, some past the head's fill (padding a selection may
+    carry: no weight), repeats allowed (they count repeatedly)."""
+    return torch.stack([torch.randint(0, max(1, min(cap, fill + 3)), (k,), generator=gen)
+                        for fill, cap in zip(fills, caps)])[:rows]
+
+
+def _selected_oracle(q, keys, values, starts, fills, caps, idx, scaling):
+    """The reference over the [H, width] view the selection methods see (`topk_attention_reference` with the
+    static layout's `valid`), in fp32; the rows past a head's fill zeroed first (a masked logit's NaN value
+    would poison the reference's product, not the kernel, which never loads it)."""
+    width = max(caps)
+    slots = torch.arange(width)
+    rows = (starts[:, None] + slots[None, :]).clamp(max=keys.shape[0] - 1)
+    valid = slots[None, :] < torch.tensor(fills)[:, None]
+    view_k, view_v = (t.nan_to_num().float()[rows] for t in (keys, values))
+    return topk_attention_reference(q.float(), view_k, view_v, idx, scaling, valid)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "fills, caps, group, dim, k, splits, block_n",
+    [
+        ([300, 300], [320, 320], 4, 64, 37, 1, 16),  # uniform, k spanning three blocks, the last partial
+        ([300, 250], [320, 320], 4, 64, 200, 3, 16),  # split-K over the selected slots
+        ([1, 129, 17, 64], [130, 130, 130, 130], 8, 16, 24, 2, 16),  # GQA 8; head 0 holds one row
+        ([7, 1, 200], [9, 70, 300], 1, 80, 5, 4, 32),  # ragged, MHA, head dim not a power of two
+    ],
+)
+def test_flash_decode_reads_a_groups_selected_slots(fills, caps, group, dim, k, splits, block_n, dtype):
+    """Indexed (`idx`): program h reads head h's selected slots, once for its group's query heads; slots past
+    the fill are no row. The same function as the selection methods' reference over the layer's view."""
+    gen = torch.Generator().manual_seed(sum(fills) + k)
+    q, keys, values, starts, fill = _static_layer(gen, fills, caps, group, dim, dtype, gap=2)
+    idx = _selected_slots(gen, fills, caps, len(fills), k)
+    out = launch_flash_decode(q, keys, values, starts, fill, 0.3, k, splits, block_n, idx)
+    assert out.dtype == dtype and out.shape == q.shape
+    shared = idx[:, None, :].expand(-1, group, -1)
+    _close_to_fp32(out, _selected_oracle(q, keys, values, starts, fills, caps, shared, 0.3))
+
+
+def test_flash_decode_selection_over_padding_alone_is_nan():
+    gen = torch.Generator().manual_seed(9)
+    q, keys, values, starts, fill = _static_layer(gen, [5, 40], [64, 64], 4, 16, torch.float32)
+    idx = torch.tensor([[10, 11, 12, 60], [0, 1, 39, 2]])  # head 0 selected only slots past its 5 rows
+    out = launch_flash_decode(q, keys, values, starts, fill, 0.3, 4, 2, 16, idx)
+    assert torch.isnan(out[0]).all() and torch.isfinite(out[1]).all()
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="calls the operator on CPU tensors (interpreted launch)")
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flash_decode_selected_is_the_selection_methods_reference(shared, dtype):
+    """`flash_decode_selected` on [H_kv, G, k] selections: shared by the group (expanded, stride 0: one program
+    row per KV group) or per query head (one program row per query head), ragged heads."""
+    from kvbench.kernels.flash_decode import flash_decode_selected
+
+    gen = torch.Generator().manual_seed(10 + shared)
+    fills, caps, group, k = [30, 3, 90], [40, 8, 128], 4, 11
+    q, keys, values, starts, fill = _static_layer(gen, fills, caps, group, 32, dtype)
+    if shared:
+        idx = _selected_slots(gen, fills, caps, 3, k)[:, None, :].expand(-1, group, -1)
+        assert idx.stride(1) == 0
+    else:
+        idx = torch.stack([_selected_slots(gen, fills, caps, 3, k) for _ in range(group)], dim=1)
+    out = flash_decode_selected(q, keys, values, starts, fill, idx, 0.3)
+    _close_to_fp32(out, _selected_oracle(q, keys, values, starts, fills, caps, idx, 0.3))
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="traces the operator on CPU tensors (interpreted launch)")
 def test_flash_decode_is_one_operator_in_a_compiled_graph():
     from kvbench.kernels.flash_decode import flash_decode
@@ -800,13 +869,16 @@ def test_flash_decode_is_one_operator_in_a_compiled_graph():
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="forces the operator onto CPU tensors (interpreted launch)")
-@pytest.mark.parametrize("method, budget", [("full", 10**6), ("adakv", 48), ("streamingllm_rolling", 40)])
+@pytest.mark.parametrize("method, budget", [("full", 10**6), ("adakv", 48), ("streamingllm_rolling", 40),
+                                            ("quest", 48), ("exact_topk", 40), ("rocketkv", 64)])
 def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_llama, monkeypatch, method, budget):
     """The static layout's dense attention by the operator (uniform, ragged, and a layer that evicts into its
-    slots while decoding), as on CUDA, here with the launch interpreted: the compiled step (dynamo's eager
-    backend) gives the eager path's tokens and logits."""
+    slots while decoding) and the selection methods' selected slots by its indexed form (a group's pages,
+    Exact-TopK's per-query-head tokens, RocketKV's two stages), as on CUDA, here with the launch interpreted:
+    the compiled step (dynamo's eager backend) gives the eager path's tokens and logits."""
     import kvbench.cache.static as static_layout
     import kvbench.engine.compiled as compiled
+    import kvbench.kernels.flash_decode as flash_decode_module
     from kvbench.engine.session import Session
     from kvbench.methods import build_method
     from tests.conftest import random_ids
@@ -816,6 +888,10 @@ def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_l
     real_op = torch.ops.kvbench.flash_decode
     monkeypatch.setattr("kvbench.attention.dispatch.flash_decode",
                         lambda *a: calls.append(a[-1]) or real_op(*a))
+    selected = []
+    real_selected = flash_decode_module.flash_decode_selected
+    monkeypatch.setattr("kvbench.attention.selected.flash_decode_selected",
+                        lambda *a: selected.append(a[-2].shape) or real_selected(*a))
     ids = random_ids(150, seed=8)
     settings = {"adakv": {"window": 8}, "streamingllm_rolling": {"decode_every": 1}}.get(method, {})
 
@@ -834,7 +910,8 @@ def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_l
     eager, eager_tokens, eager_logits = run(None)
     assert not calls
     static, static_tokens, static_logits = run(compiled.CompiledDecoder(tiny_llama, "eager"))
-    assert static.decode_path == "compiled" and calls  # traced through the operator
+    assert static.decode_path == "compiled" and (calls or selected)  # traced through the operator
+    assert bool(selected) == static.method.selects  # a selection's slots by the indexed operator
     assert static_tokens == eager_tokens
     torch.testing.assert_close(static_logits, eager_logits, atol=1e-4, rtol=1e-4)
     assert [layer.lengths() for layer in static.cache.layers] == [layer.lengths() for layer in eager.cache.layers]

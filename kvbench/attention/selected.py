@@ -8,6 +8,7 @@ import torch
 from kvbench.cache.layer import KVLayer
 from kvbench.core.contract import HeadView, Selection, Step
 from kvbench.kernels.exact_scores import exact_logits
+from kvbench.kernels.flash_decode import flash_decode_selected
 from kvbench.kernels.sparse_attention import merge_attention, topk_attention
 from kvbench.methods.common.placement import mass_recall_tensor
 
@@ -16,7 +17,12 @@ def selected_attention(layer: KVLayer, step: Step, q: torch.Tensor, view: HeadVi
                        scaling: float) -> torch.Tensor:
     """Attention of each query head over what the method selected (storage rows, rows from outside merged by
     log-sum-exp, a blended fallback), and the step's accounting. Returns [H_kv, G, D]."""
-    if selection.external is None:
+    if selection.external is None and layer.static is not None and layer.static.flash_decode:
+        # CUDA's static layout: the selected slots read where they are, by the split-K operator (one graph node)
+        st = layer.static
+        out = flash_decode_selected(q, layer.buffers["keys"], layer.buffers["values"], st.starts, st.fill,
+                                    selection.idx, scaling)
+    elif selection.external is None:
         out = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid)
     else:
         out, lse = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid, return_lse=True)

@@ -26,6 +26,7 @@ def launch_flash_decode(
     rows_per_head: int,
     splits: int,
     block_n: int,
+    idx: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Run the split-K flash-decoding kernels on shape-checked inputs; see `kvbench.kernels.flash_decode`.
 
@@ -36,6 +37,10 @@ def launch_flash_decode(
     log-sum-exp. The split count and the run length depend only on `rows_per_head` (a static shape: the
     buffer's rows per head), never on the device lengths, so the launch is the same at every step of a compiled
     decode loop; a head longer than `splits` runs (a ragged layer's long head) is read by the same programs.
+
+    With `idx` ([H, k] int64 slots), program h reads head h's slots `idx[h, :]` instead of its first `fill[h]`
+    rows (a selection method's rows), a slot at or past `fill[h]` counting as no row; the runs are then sized
+    by k (pass `rows_per_head=k`).
     """
     n_kv, group, dim = q.shape
     rows_per_split = triton.cdiv(triton.cdiv(rows_per_head, splits), block_n) * block_n
@@ -43,16 +48,18 @@ def launch_flash_decode(
     running_max = torch.empty((n_kv, splits, group), dtype=torch.float32, device=q.device)
     normaliser = torch.empty_like(running_max)
     block_d = max(16, triton.next_power_of_2(dim))
+    indexed = idx is not None
     _flash_decode_split_kernel[(n_kv, splits)](
-        q, keys, values, starts, fill, acc, running_max, normaliser,
-        scaling * LOG2E, group, dim, rows_per_split,
-        *q.stride(), *keys.stride(), *values.stride(),
+        q, keys, values, starts, fill, idx if indexed else fill, acc, running_max, normaliser,
+        scaling * LOG2E, group, dim, rows_per_split, idx.shape[1] if indexed else 0,
+        *q.stride(), *keys.stride(), *values.stride(), *(idx.stride() if indexed else (0, 0)),
         BLOCK_G=max(16, triton.next_power_of_2(group)),  # tl.dot's smallest tile: padded query rows are zeros
         BLOCK_N=block_n,
         BLOCK_D=block_d,
         # fp32 inputs: full-precision products, not TF32. Triton's interpreter multiplies bf16 tiles wrongly
         # (triton 3.9: it reads their bits as another type), so there every dtype is widened first, exactly
         IEEE=q.dtype == torch.float32 or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"),
+        INDEXED=indexed,
         num_warps=4,
     )
     out = torch.empty_like(q)
@@ -67,10 +74,11 @@ def launch_flash_decode(
 
 @triton.jit
 def _flash_decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, start_ptr, fill_ptr, acc_ptr, m_ptr, l_ptr,
-    qk_scale, group, dim, rows_per_split,
-    s_qh, s_qg, s_qd, s_kn, s_kd, s_vn, s_vd,
+    q_ptr, k_ptr, v_ptr, start_ptr, fill_ptr, idx_ptr, acc_ptr, m_ptr, l_ptr,
+    qk_scale, group, dim, rows_per_split, selected,
+    s_qh, s_qg, s_qd, s_kn, s_kd, s_vn, s_vd, s_ih, s_ik,
     BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    INDEXED: tl.constexpr,
 ):
     h = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -82,19 +90,25 @@ def _flash_decode_split_kernel(
     q = tl.load(q_ptr + h * s_qh + g[:, None] * s_qg + d[None, :] * s_qd, mask=g_ok[:, None] & d_ok[None, :],
                 other=0.0)
     first = tl.load(start_ptr + h)
-    n = tl.load(fill_ptr + h)
+    held = tl.load(fill_ptr + h)
+    n = selected if INDEXED else held  # entries this head's programs walk: its selected slots, or its held rows
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-    # every block holds at least one live row, so m_new is finite and exp2 never sees -inf - -inf; the rows
-    # at or past the head's fill are never loaded (that is the point: the capacity's slack costs no bytes)
+    # unindexed, every block holds at least one live row, so m_new is finite and exp2 never sees -inf - -inf;
+    # the rows at or past the head's fill are never loaded (that is the point: the capacity's slack costs no bytes)
     for run in range(split, tl.cdiv(n, rows_per_split), splits):
         begin = run * rows_per_split
         end = tl.minimum(begin + rows_per_split, n)
         for block in range(begin, end, BLOCK_N):
             r = block + tl.arange(0, BLOCK_N)
             live = r < end
-            rows = first + r
+            if INDEXED:  # a selected slot past the head's fill (a selection over padding) is no row
+                slot = tl.load(idx_ptr + h * s_ih + r * s_ik, mask=live, other=0)
+                live = live & (slot < held)
+                rows = first + slot
+            else:
+                rows = first + r
             tile = live[:, None] & d_ok[None, :]
             kt = tl.load(k_ptr + rows[:, None] * s_kn + d[None, :] * s_kd, mask=tile, other=0.0)
             if IEEE:
@@ -103,8 +117,11 @@ def _flash_decode_split_kernel(
                 s = tl.dot(q, tl.trans(kt))
             s = tl.where(live[None, :], s * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            m_ref = m_new
+            if INDEXED:  # selected slots may hold no row up to here (m_new -inf): keep exp2 off -inf - -inf
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(s - m_ref[:, None])
             vt = tl.load(v_ptr + rows[:, None] * s_vn + d[None, :] * s_vd, mask=tile, other=0.0)
             # the probabilities stay fp32: a bf16 cast (flash attention's) costs a whole bf16 ulp of the output,
             # and one TF32 product (10 bits of p) was 1e-4 off on an H100 (docs/gpu); three TF32 products

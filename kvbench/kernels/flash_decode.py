@@ -7,7 +7,9 @@ layout (`decode_attention.static_decode_attention`) has to read the whole capaci
 each head's first `fill[h]` rows, each K/V row once per KV group (the group's query heads are one tensor-core
 product), split along the rows so that a long head is read by many programs at once, then merges the splits
 by log-sum-exp (the flash-decoding scheme of Dao et al., 2023; FlashInfer's and gpt-fast's decode kernels do
-the same). Uniform and ragged layers are the same call: each head's first row comes from `starts`.
+the same). Uniform and ragged layers are the same call: each head's first row comes from `starts`. With an
+index tensor (`flash_decode_selected`) the same kernel reads the slots a selection method chose instead of a
+head's first rows: the selection methods' attention on the static layout, without gathering the rows first.
 
 It is registered as a PyTorch operator (`kvbench::flash_decode`, with a fake implementation for tracing), so
 that the compiled decode step captures it as one node, launched inside the step's CUDA graph; inductor writes
@@ -51,7 +53,27 @@ def flash_decode(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, star
     [H_kv, G, D] in q's dtype. Rows past a head's fill are never read, whatever they hold; a head with fill 0
     gets NaN. The work is split by the buffer's rows per head (R / H_kv), a static shape: no other number
     enters a compiled graph (a ragged layer's longest head, say, would add one graph per value)."""
-    return torch.ops.kvbench.flash_decode(q, keys, values, starts, fill, scaling)
+    return torch.ops.kvbench.flash_decode(q, keys, values, starts, fill, scaling, None)
+
+
+def flash_decode_selected(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor,
+                          fill: torch.Tensor, idx: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention of each query head over the slots a selection method chose, on the static layout:
+    `sparse_attention.topk_attention_reference(q, view.keys, view.values, idx, scaling, view.valid)` of the
+    layer's [H_kv, width] view, without materialising the view or copying the rows out.
+
+    idx: [H_kv, G, k] slots (per query head; a selection shared by the group is the same slots expanded over
+    G, stride 0). A shared selection is one program row per KV group (each selected row read once for the
+    group's G query heads, as `flash_decode` reads held rows); a per-query-head one is one program row per
+    query head. Slots at or past the head's fill get no weight, repeated slots count repeatedly, a query head
+    with no live slot gets NaN, as in the reference. The split is sized by k, a static shape."""
+    n_kv, group, k = idx.shape
+    if group == 1 or idx.stride(1) == 0:
+        return torch.ops.kvbench.flash_decode(q, keys, values, starts, fill, scaling, idx[:, 0].long())
+    own = torch.ops.kvbench.flash_decode(q.reshape(n_kv * group, 1, q.shape[-1]), keys, values,
+                                         starts.repeat_interleave(group), fill.repeat_interleave(group), scaling,
+                                         idx.reshape(n_kv * group, k).long())
+    return own.view(q.shape)
 
 
 def split_count(rows_per_head: int, n_kv: int, device: torch.device) -> int:
@@ -63,28 +85,31 @@ def split_count(rows_per_head: int, n_kv: int, device: torch.device) -> int:
 
 @torch.library.custom_op("kvbench::flash_decode", mutates_args=())
 def _flash_decode_op(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor,
-                     fill: torch.Tensor, scaling: float) -> torch.Tensor:
-    _check(q, keys, values, starts, fill)
+                     fill: torch.Tensor, scaling: float, idx: torch.Tensor | None = None) -> torch.Tensor:
+    _check(q, keys, values, starts, fill, idx)
     # a local import: triton is imported on the first launch, not with kvbench (see _dispatch)
     from kvbench.kernels._flash_decode_kernels import launch_flash_decode
 
-    rows_per_head = max(1, keys.shape[0] // q.shape[0])
+    rows_per_head = max(1, idx.shape[1] if idx is not None else keys.shape[0] // q.shape[0])
     splits = int(os.environ.get("KVBENCH_FLASH_DECODE_SPLITS", 0)) or split_count(rows_per_head, q.shape[0], q.device)
-    return launch_flash_decode(q, keys, values, starts, fill, scaling, rows_per_head, splits, BLOCK_N)
+    return launch_flash_decode(q, keys, values, starts, fill, scaling, rows_per_head, splits, BLOCK_N, idx)
 
 
 @_flash_decode_op.register_fake
-def _(q, keys, values, starts, fill, scaling):
+def _(q, keys, values, starts, fill, scaling, idx=None):
     return torch.empty_like(q)
 
 
-def _check(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor, fill: torch.Tensor) -> None:
+def _check(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor, fill: torch.Tensor,
+           idx: torch.Tensor | None) -> None:
     # shapes and dtypes only: reading the lengths would cost a device sync at every step
     n_kv = q.shape[0]
     ok = (q.dim() == 3 and keys.dim() == 2 and keys.shape == values.shape and keys.shape[1] == q.shape[2]
           and keys.dtype == values.dtype == q.dtype and starts.shape == fill.shape == (n_kv,)
-          and starts.dtype == fill.dtype == torch.int64)
+          and starts.dtype == fill.dtype == torch.int64
+          and (idx is None or (idx.dim() == 2 and idx.shape[0] == n_kv and idx.dtype == torch.int64)))
     if not ok:
         raise ValueError(f"flash_decode: q {tuple(q.shape)} {q.dtype}, keys {tuple(keys.shape)} {keys.dtype}, "
                          f"values {tuple(values.shape)}, starts {tuple(starts.shape)} {starts.dtype}, fill "
-                         f"{tuple(fill.shape)} {fill.dtype}")
+                         f"{tuple(fill.shape)} {fill.dtype}"
+                         + ("" if idx is None else f", idx {tuple(idx.shape)} {idx.dtype}"))
