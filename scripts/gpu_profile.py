@@ -20,9 +20,9 @@ import kvbench.models as models
 _load_tiny = models._load_tiny
 
 
-def _load_tiny_on_device(cfg, dtype):
+def _load_tiny_on_device(cfg, dtype, *placement):
     with torch.device(models.resolve_device(cfg.device)):
-        return _load_tiny(cfg, dtype)
+        return _load_tiny(cfg, dtype, *placement)
 
 
 if __name__ == "__main__":

@@ -65,8 +65,11 @@ def test_config_instantiates(data_dir: Path) -> None:
     cfg = OmegaConf.load(CONF)
     cfg.data_dir = str(data_dir)
     task = instantiate(cfg)
-    assert (task.name, task.max_new_tokens, task.samples_per_problem) == ("math500", 4096, 1)
-    assert len(task.samples(whitespace_meter, 0)) == len(PROBLEMS)
+    # KeyDiff's protocol: 5 sampled responses per problem (temperature 0.6, top-p 0.95), each its own sample
+    assert (task.name, task.max_new_tokens, task.samples_per_problem) == ("math500", 4096, 5)
+    samples = task.samples(whitespace_meter, 0)
+    assert len(samples) == 5 * len(PROBLEMS)
+    assert all(s.meta["sampling"]["temperature"] == 0.6 and s.meta["sampling"]["top_p"] == 0.95 for s in samples)
 
 
 def test_missing_data(tmp_path: Path) -> None:

@@ -331,3 +331,23 @@ def test_a_category_average_weighs_its_subtasks_like_the_number_it_shows(tmp_pat
     assert table.loc["snapkv", ["avg", "avg ci_low", "avg ci_high"]].tolist() == [-25.0, -50.0, 0.0]
     assert table.loc["snapkv", ["Code", "Code ci_low", "Code ci_high"]].tolist() == [-50.0, -100.0, 0.0]
     assert out["stats"]["detectable"] is not None and out["stats"]["detectable"].comparisons == 1
+
+
+def test_a_preset_with_no_records_yet_reports_every_point_missing(tmp_path: Path, capsys) -> None:
+    """Before its sweep has written anything, a preset's report is its grid, every cell `missing` (not a crash),
+    and the exit status says there were no records."""
+    results = tmp_path / "results"
+    results.mkdir()
+    assert main(["experiment=adakv_fig4_cpu", f"results_dir={results}", "--out", str(tmp_path / "r")]) == 1
+    assert "42 expected points have no records" in capsys.readouterr().out
+    table = pd.read_csv(tmp_path / "r" / "table.csv")
+    assert len(table) and (table.drop(columns=["compress_question", "method"]) == MISSING).all().all()
+
+
+def test_a_single_value_of_a_swept_method_setting_narrows_the_reports_grid() -> None:
+    """`kvbench report experiment=X method.block_size=64` where X sweeps `method.block_size: 64,256`: the grid
+    keeps the 64 points (the setting composes as a run's does, although the preset's base method lacks it)."""
+    whole = resolve("experiment=keydiff_table12_cpu", [])
+    narrowed = resolve("experiment=keydiff_table12_cpu", ["method.block_size=64"])
+    assert {p["method.block_size"] for p in whole.grid} == {"64", "256"}
+    assert {p["method.block_size"] for p in narrowed.grid} == {"64"} and 2 * len(narrowed.grid) == len(whole.grid)

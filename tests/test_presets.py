@@ -165,9 +165,11 @@ def test_the_schema_is_the_report_codes():
 
 
 def test_longbench_categories_name_the_subtasks_records_carry():
+    from kvbench.tasks import infinitebench
     from kvbench.tasks.longbench_metrics import ALL_SUBSETS
 
     records_name = {f"longbench_{subset}" for subset in ALL_SUBSETS}
+    records_name |= {f"infinitebench_{subset}" for subset in infinitebench.ALL_SUBSETS}
     for name in PAPER_PRESETS:
         report = composed(name).get("report") or {}
         for subtasks in (report.get("categories") or {}).values():

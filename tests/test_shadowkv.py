@@ -51,7 +51,9 @@ def spy_selections(method) -> list:
 # config added without its geometry here fails test_the_releases_rank_on_every_shipped_model.
 KEY_GEOMETRY = {"smollm2_135m": (3, 64), "tiny_llama": (2, 16), "tiny_qwen3": (2, 16), "llama3.1_8b_instruct": (8, 128),
                 "llama3.2_3b_instruct": (8, 128), "llama3_8b_262k": (8, 128), "mistral_7b_instruct_v0.2": (8, 128),
-                "longchat_7b_v1.5_32k": (32, 128), "yi_9b_200k": (4, 128), "deepseek_r1_distill_llama_8b": (8, 128)}
+                "longchat_7b_v1.5_32k": (32, 128), "yi_9b_200k": (4, 128), "deepseek_r1_distill_llama_8b": (8, 128),
+                "deepseek_r1_distill_qwen_7b": (4, 128), "qwen2.5_7b_instruct": (4, 128), "qwen2.5_3b_instruct": (2, 128),
+                "llama3_8b_instruct_gradient_1048k": (8, 128), "llama3.1_70b_instruct": (8, 128)}
 
 
 def test_the_releases_rank_on_every_shipped_model():

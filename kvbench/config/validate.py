@@ -10,6 +10,7 @@ from omegaconf import DictConfig
 from kvbench.config.paths import GROUPS, POINT_GROUPS, choice_name, choices, default_choice, settings
 from kvbench.core.checks import is_int
 from kvbench.core.errors import KVBenchError
+from kvbench.engine.config import check_sampling
 from kvbench.models import LoadedModel
 
 
@@ -55,6 +56,7 @@ def validate(cfg: DictConfig) -> None:
         raise KVBenchError(f"profiler.warmup_steps must be an integer >= 0, got {profiler.warmup_steps!r}")
     if engine.get("system_prompt") is not None and not isinstance(engine.system_prompt, str):
         raise KVBenchError(f"engine.system_prompt must be text or null, got {engine.system_prompt!r}")
+    check_sampling(engine, cfg.task)  # engine.sampling, and no batched rows for a point that samples
     num_samples = cfg.task.get("num_samples")
     if num_samples is not None and (not is_int(num_samples) or num_samples < 1):
         raise KVBenchError(f"task.num_samples must be a positive integer (or null for every sample where the task "

@@ -9,8 +9,9 @@ whose capacity falls in the same bucket, replays it. What a graph depends on is 
 bucketed capacity, uniform or ragged), the method's settings and the plan's shape parameters (a top-k's k, a
 page size): a new value of these compiles a new graph, which the record counts (`decode_compiles`).
 
-The greedy choice stays in the decode loop, which reads the token at every step anyway for its stop rules (EOS
-masked before `min_new_tokens`, stop strings): one argmax over the returned logits and an 8-byte read. Calls
+The token choice stays in the decode loop, which reads the token at every step anyway for its stop rules (EOS
+masked before `min_new_tokens`, stop strings): one argmax over the returned logits and an 8-byte read, or a
+sampled sample's seeded draw on the host (`kvbench.engine.decoding`), so both decodings share one graph. Calls
 that compiled are timed as `decode_compile_s`, not as decode steps.
 
 `engine.compile`: `auto` compiles on CUDA and stays eager on CPU (where the eager path is the exact default:
@@ -59,6 +60,12 @@ RECOMPILE_LIMIT = 256
 
 # The oldest torch the compiled step runs on (see the module's docstring); only named in the reason a record gives
 MIN_TORCH = "2.5"
+
+# Why a model placed through `model.device_map` decodes eagerly: a step whose layers live on several devices (or are
+# swapped in by accelerate's offload hooks, Python that moves weights) is not shown to trace as one graph, nor a
+# CUDA graph to replay across devices; the record says so (`decode_path_reason`).
+SHARDED_REASON = ("layer-sharded model (model.device_map): the compiled step is not shown to work across devices "
+                  "or offload hooks")
 
 
 def wants_compile(setting: Any, device: torch.device) -> bool:
@@ -182,6 +189,9 @@ class CompiledDecoder:
         self._failures: dict[int, str] = {}  # id(method) -> why its step did not compile (it then decodes eagerly)
         self.cuda_graphs = lm.device.type == "cuda" and backend == "inductor"
         self.unavailable: str | None = None
+        if lm.sharded:
+            self.unavailable = SHARDED_REASON
+            return
         try:
             self._compiled = self._compile(backend)
         except Exception as exc:  # noqa: BLE001 - whatever setting up the compile raises, the run decodes eagerly

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
+
+from kvbench.core.errors import KVBenchError
+from kvbench.engine.decoding import SAMPLING_SETTINGS, protocol_samples
 
 
 @dataclass
@@ -24,3 +28,35 @@ class EngineConfig:
     # the compiled decode step (kvbench.engine.compiled): auto = on CUDA only, true = wherever the method allows,
     # false = never. The eager path stays the exact default on CPU; records say which path ran (`decode_path`)
     compile: "str | bool" = "auto"
+    # how tokens are picked (kvbench.engine.decoding): auto = the task's protocol (greedy, or seeded sampling where
+    # a sample's meta["sampling"] asks for it), greedy = argmax always (records say what was set aside)
+    sampling: str = "auto"
+
+
+def task_samples(task: Any) -> bool:
+    """Whether a task's config asks to sample: a positive `temperature`, or a positive `<part>_temperature` (a
+    suite one of whose subsets samples, e.g. InfiniteBench's En.Sum, `sum_temperature`). The convention every task
+    whose samples carry `meta["sampling"]` keeps: the temperature there comes from such a config key."""
+    keys = [key for key in task.keys() if key == "temperature" or str(key).endswith("_temperature")]
+    return any(protocol_samples({"temperature": task.get(key)}) for key in keys)
+
+
+def point_samples(engine: Any, task: Any) -> bool:
+    """Whether a point decodes by the task's sampling protocol, from its config alone (its identity and checks
+    need it before any sample exists): `engine.sampling` is auto (the default) and the task's config asks to
+    sample (`task_samples`); the engine then samples every sample whose `meta["sampling"]` asks for it."""
+    return engine.get("sampling", "auto") == "auto" and task_samples(task)
+
+
+def check_sampling(engine: Any, task: Any) -> None:
+    """`engine.sampling` is auto or greedy, and a sampled point is not decoded in batched rows: a batched row's
+    logits round otherwise than a lone row's (`batch_rows`), so its draws would depend on which other points and
+    samples happened to share its forward (a resumed sweep batches differently), not on its seed alone."""
+    setting = engine.get("sampling", "auto")
+    if setting not in SAMPLING_SETTINGS:
+        raise KVBenchError(f"engine.sampling must be auto (the task's decoding protocol) or greedy, got {setting!r}")
+    rows = engine.get("batch_rows", 1)
+    if point_samples(engine, task) and rows != 1:
+        raise KVBenchError(f"engine.batch_rows={rows} with sampled decoding (task {task.get('name')}'s protocol "
+                           "samples): batched rows round differently from a lone row, so a sample's draws would "
+                           "depend on its batch; use engine.batch_rows=1, or engine.sampling=greedy")

@@ -11,6 +11,7 @@ import torch
 from kvbench.cache.kvcache import KVBenchCache
 from kvbench.core.budget import CompressionRatio
 from kvbench.core.contract import Plan
+from kvbench.engine.decoding import GREEDY, Decoding
 from kvbench.engine.session import Session
 from kvbench.kernels.decode_attention import decode_attention_kind
 from kvbench.methods.base import Method
@@ -43,6 +44,7 @@ class SampleRun:
     prompt_end: int = 0
     turns_out: list[dict[str, Any]] = field(default_factory=list)
     steps: list[float] = field(default_factory=list)
+    decoding: Decoding = GREEDY  # how its tokens are picked (kvbench.engine.decoding)
 
 
 def _record(lm: LoadedModel, run: SampleRun, wall_s: float, profiler: PhaseProfiler | None) -> dict[str, Any]:
@@ -51,12 +53,14 @@ def _record(lm: LoadedModel, run: SampleRun, wall_s: float, profiler: PhaseProfi
     profile = None
     if profiler is not None:
         new_tokens = sum(t["new_tokens"] for t in turns_out)
-        weights = sum(p.numel() * p.element_size() for p in lm.model.parameters())
+        weights_by_device = lm.weight_bytes_by_device()  # quantised weights at their real size
+        weights = sum(weights_by_device.values())
         profile = {**profiler.latency(run.prefill_s, run.compress_s, run.steps, new_tokens), **profiler.fields(),
                    # exact accounting, no activations: what CPU figures compare (process RSS carries the
                    # allocator's history across the points of one process). Method state (indexes, rows
                    # moved to host memory) only grows, so its end is its peak
                    "weights_bytes": weights,
+                   **({"weights_bytes_by_device": weights_by_device} if len(weights_by_device) > 1 else {}),
                    "state_peak_bytes": weights + cache.kv_peak_bytes + cache.method_state_bytes(),
                    "decode_step_ms": [1e3 * s for s in run.steps]}
     flat_kept = [n for layer in run.kept for n in layer]
@@ -114,6 +118,8 @@ def _record(lm: LoadedModel, run: SampleRun, wall_s: float, profiler: PhaseProfi
         "decode_attention": dense_decode_attention(run.session, lm),
         "decode_compile_s": run.session.compile_s,
         "new_tokens": sum(t["new_tokens"] for t in turns_out),
+        # greedy, or sampled with its temperature, top-p, top-k and seed (the draws are the sample's own)
+        "decoding": run.decoding.record(),
         "wall_s": wall_s,  # the whole sample (a group's wall time split evenly): prefill, NLL, decode, scoring
         **({"profile": profile} if profile is not None else {}),
         "meta": run.sample.meta,

@@ -1,12 +1,13 @@
-"""Running one sample: build the prompt, prefill, compress, decode greedily, score.
+"""Running one sample: build the prompt, prefill, compress, decode (greedily, or by the task's seeded sampling
+protocol: `kvbench.engine.decoding`), score.
 
 The data flow for a single-turn sample, question-aware (`compress_question=true`):
 
-    [context + question + answer prefix] --prefill--> compress (method's prefill hook) --> greedy decode
+    [context + question + answer prefix] --prefill--> compress (method's prefill hook) --> decode
 
 and question-agnostic (`compress_question=false`, the KVPress protocol Ada-KV follows):
 
-    [context] --prefill--> compress --> [question + answer prefix] appended uncompressed --> greedy decode
+    [context] --prefill--> compress --> [question + answer prefix] appended uncompressed --> decode
 
 Later turns of a multi-turn sample roll the cache back to the end of the previous prompt (golden-context
 mode: the gold answer, not the model's reply, becomes the history), append the next chunk uncompressed and
@@ -34,6 +35,7 @@ from kvbench.core.devices import sync
 from kvbench.core.errors import KVBenchError
 from kvbench.engine.compiled import decoder_for, wants_compile
 from kvbench.engine.config import EngineConfig
+from kvbench.engine.decoding import TokenChooser, decoding_for
 from kvbench.engine.prompt import PromptBuilder, fit_to_model, gold_continuation, stop_token_ids
 from kvbench.engine.record import SampleRun, _record
 from kvbench.engine.session import Session, decode_batch, teacher_forced_nll_batch
@@ -98,6 +100,12 @@ def run_group(
         runs = [_start_row(lm, method, budget_cfg, sample, cfg, builder, snapshots)
                 for method, budget_cfg, sample in rows]
     batched = len(runs) > 1 and cfg.batch_rows > 1
+    sampled = [run.sample.id for run in runs if run.decoding.sampled]
+    if batched and sampled:  # engine.config.check_sampling refuses the command first; this guards direct calls
+        raise KVBenchError(f"engine.batch_rows={cfg.batch_rows} would decode sampled sample {sampled[0]} in batched "
+                           "rows, whose rounding makes its draws depend on the batch: use engine.batch_rows=1 or "
+                           "engine.sampling=greedy")
+    choosers = {id(run): TokenChooser(run.decoding) for run in runs}  # one generator per sample, across its turns
     for run in runs:
         _choose_decode_path(lm, run.session, cfg, batched)
     stop_ids = stop_token_ids(lm)
@@ -119,7 +127,8 @@ def run_group(
         min_new = [int(run.sample.meta.get("min_new_tokens", 0)) for run in turn_runs]
         with phase("decode"):
             decoded = decode_batch(sessions, logits, [turn.max_new_tokens for turn in turns], stop_ids,
-                                   [run.sample.stop for run in turn_runs], min_new, cfg.batch_rows)
+                                   [run.sample.stop for run in turn_runs], min_new, cfg.batch_rows,
+                                   choosers=[choosers[id(run)] for run in turn_runs])
         for run, turn, nll, (tokens, steps, reason), least in zip(turn_runs, turns, nlls, decoded, min_new):
             run.steps += steps
             prediction = lm.tokenizer.decode([tk for tk in tokens if tk not in stop_ids], skip_special_tokens=True)
@@ -174,6 +183,7 @@ def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | Compr
     if sample.meta.get("golden_context") is False:
         raise KVBenchError(f"sample {sample.id}: multi-turn with the model's own replies as history "
                            "(golden_context=false) is not implemented; use golden_context=true")
+    decoding = decoding_for(sample, cfg.sampling, cfg.seed)  # a bad protocol value fails before any forward
     multi_request = sample.meta.get("mode") == "multi_request"
     ctx_ids, q_ids = builder.first_turn(sample)
     if multi_request:
@@ -202,7 +212,8 @@ def _start_row(lm: LoadedModel, method: Method, budget_cfg: "float | int | Compr
     cache = session.cache
     session.measure_recall = cfg.topk_recall and method.selects
     run = SampleRun(method, budget_cfg, sample, ctx_ids, q_ids, segment, budget, plan, sequence_length, session, logits,
-               prefill_s, compress_s, reused, cache.kv_bytes(), cache.kept_per_head())
+               prefill_s, compress_s, reused, cache.kv_bytes(), cache.kept_per_head(),
+               decoding=decoding)
     if appended:
         run.logits, appended_s = session.prefill(appended, compress=False)
         run.prefill_s += appended_s

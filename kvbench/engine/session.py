@@ -1,5 +1,5 @@
-"""`Session`: one conversation on one cache (prefill, eviction events, decode, rollback), and greedy decoding
-and teacher-forced NLL of several sessions together."""
+"""`Session`: one conversation on one cache (prefill, eviction events, decode, rollback), and decoding (greedy, or
+each session's seeded sampling: `kvbench.engine.decoding`) and teacher-forced NLL of several sessions together."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from kvbench.cache.kvcache import KVBenchCache
 from kvbench.core.contract import Plan, Step
 from kvbench.core.devices import sync
 from kvbench.engine.compiled import CompiledDecoder, CompileFailed
+from kvbench.engine.decoding import TokenChooser
 from kvbench.methods.base import Method
 from kvbench.models import LoadedModel, cache_kwargs, model_head_dim, rotary_of
 
@@ -233,10 +234,12 @@ class Session:
         stop_ids: set[int],
         stop_strings: list[str],
         min_new_tokens: int = 0,
+        chooser: TokenChooser | None = None,
     ) -> tuple[list[int], list[float], str]:
-        """Greedy decoding (`decode_batch` with this session alone): the new tokens, the wall time of each
-        decode forward, and why it stopped."""
-        return decode_batch([self], [logits], [max_new_tokens], stop_ids, [stop_strings], [min_new_tokens])[0]
+        """Decoding (`decode_batch` with this session alone; greedy without a `chooser`): the new tokens, the wall
+        time of each decode forward, and why it stopped."""
+        return decode_batch([self], [logits], [max_new_tokens], stop_ids, [stop_strings], [min_new_tokens],
+                            choosers=None if chooser is None else [chooser])[0]
 
     def teacher_forced_nll(self, logits: torch.Tensor, target: list[int]) -> float:
         """Mean NLL of `target` continuing the current state (`teacher_forced_nll_batch` alone)."""
@@ -281,10 +284,12 @@ def decode_batch(
     stop_strings: list[list[str]],
     min_new_tokens: list[int],
     max_rows: int = 1,
+    choosers: list[TokenChooser] | None = None,
 ) -> list[tuple[list[int], list[float], str]]:
-    """Greedy decoding of several sessions together, each with its own limits and stopping, `max_rows` per
-    forward. Per session: the new tokens, its share of the wall time of each decode forward it took part in
-    (its own time when it decodes alone), and why it stopped.
+    """Decoding of several sessions together, each with its own limits, stopping and token choice (`choosers`:
+    one per session, its greedy argmax or its own seeded sampling; None: all greedy), `max_rows` per forward. Per
+    session: the new tokens, its share of the wall time of each decode forward it took part in (its own time
+    when it decodes alone), and why it stopped.
 
     Before `min_new_tokens` tokens, EOS is masked and stop strings are not checked (LongBench's samsum
     protocol, which would otherwise stop on an immediate newline). A finished session leaves the batch.
@@ -306,7 +311,7 @@ def decode_batch(
             row_logits = current[r]
             if len(tokens[r]) < min_new_tokens[r] and len(blocked):
                 row_logits = row_logits.index_fill(0, blocked, float("-inf"))
-            token = int(torch.argmax(row_logits))
+            token = int(torch.argmax(row_logits)) if choosers is None else choosers[r](row_logits)
             tokens[r].append(token)
             early = len(tokens[r]) <= min_new_tokens[r]
             if token in stop_ids:

@@ -31,6 +31,16 @@ tokens plus the chunk itself, the others densely. The paper gives neither the ch
 (specs/omnikv.md §3.4): the chunk is a parameter (the spec's 4096; null: the dense prefill) and the softmax runs
 over the past tokens only. Nothing is dropped: the whole prompt is stored, and decoding is OmniKV's.
 
+Ablations (Table 7, App. D.5, `ablation`): `without_selector` removes the Context Selector: every sparse layer
+attends to its whole prompt, which with `offload=true` comes back from the bank at every step (the paper's "Brutal
+Offload": accuracy of full attention, 569 ms/token against OmniKV's 54). `without_bank` removes the inter-layer
+sharing (the paper: "we do not apply inter-layer attention similarity, we can only utilize the Context Selector at
+each layer"): every sparse layer scores its whole prompt with its own query and the configured selector and attends
+to its own top k (184 ms/token: a full score pass per layer). The paper does not say which layers stay dense in
+this ablation; the dense prefix, filter and wait layers are kept as in OmniKV, so the dense share, the memory
+budget and k are the same and only the source of each sparse layer's set changes. With `offload=true` a layer's
+scoring reads its whole prompt keys from the bank.
+
 Budget: by default the budget is k, the prompt tokens each sparse layer attends (spec §3.3 item 7). The
 paper compares with eviction baselines at equal GPU memory instead (§4.1): `budget_unit=memory` reads the
 budget as Mem% of the prompt's KV, dense layers included, so k = N (Mem - f) / (1 - f) with N the prompt and
@@ -65,6 +75,7 @@ class OmniKV(Method):
     window: int | None = None  # queries the uniform and exp selectors weigh; null: the paper's 16
     prefill_chunk: int | None = None  # OmniKV-prefill's chunk (App. D.10); null: the dense prefill
     prefill_ratio: float | None = None  # OmniKV-prefill's r: past tokens kept per chunk token; null: 2
+    ablation: str | None = None  # null | without_selector | without_bank: Table 7's ablations (module doc)
 
     def static_decode_blocker(self) -> str | None:
         if self.offload:
@@ -93,6 +104,8 @@ class OmniKV(Method):
             raise ValueError(f"prefill_chunk must be a positive number of tokens or null, got {self.prefill_chunk!r}")
         if self.prefill_ratio is not None and self.prefill_ratio <= 0:
             raise ValueError(f"prefill_ratio must be a positive number or null, got {self.prefill_ratio!r}")
+        if self.ablation not in (None, "without_selector", "without_bank"):
+            raise ValueError(f"ablation must be without_selector, without_bank or null, not {self.ablation!r}")
 
     @property
     def context_selector(self) -> str:
@@ -153,11 +166,18 @@ class OmniKV(Method):
         if prompt is None or role in ("dense", "wait"):
             return None
         if role == "filter":
-            shared["omnikv_selected"] = self._choose(layer, q, view.keys[:, :prompt], prompt, step, scaling)
+            if self.ablation is None:  # the ablations never read the filter layers' choice
+                shared["omnikv_selected"] = self._choose(layer, q, view.keys[:, :prompt], prompt, step, scaling)
             return None
-        chosen = shared["omnikv_selected"]
         heads, group, _ = q.shape
         bank = layer.derived.get("bank")
+        if self.ablation == "without_selector":  # every prompt token (from the bank: Brutal Offload)
+            chosen = torch.arange(prompt, device=q.device)
+        elif self.ablation == "without_bank":  # this layer's own choice, scored over its whole prompt
+            prompt_keys = bank.keys.to(q.device) if bank is not None else view.keys[:, :prompt]
+            chosen = self._choose(layer, q, prompt_keys, prompt, step, scaling)
+        else:
+            chosen = shared["omnikv_selected"]
         if bank is not None:  # the Context Bank: the selected rows come back from host memory
             keys, values = (t.index_select(1, chosen.to(t.device)).to(q.device) for t in (bank.keys, bank.values))
             tail = torch.arange(view.keys.shape[1], device=q.device)

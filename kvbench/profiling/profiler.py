@@ -73,29 +73,43 @@ def live_tensor_bytes() -> int:
 
 
 class PhaseProfiler:
-    """Peak memory of each phase a sample goes through; a phase entered twice (a later turn) keeps its max."""
+    """Peak memory of each phase a sample goes through; a phase entered twice (a later turn) keeps its max.
 
-    def __init__(self, device: torch.device, warmup_steps: int = 2):
+    `devices`: every GPU a layer-sharded model computes on (`LoadedModel.devices`); each is measured, the peaks
+    and live bytes are their sums, and `peak_bytes_<phase>_by_device` gives each one's peak when there are
+    several."""
+
+    def __init__(self, device: torch.device, warmup_steps: int = 2, devices: list[torch.device] | None = None):
         self.device = device
         self.warmup_steps = warmup_steps
         self.kind = "cuda_allocator" if device.type == "cuda" else "cpu_rss_high_water_mark"
+        self.gpus = [d for d in dict.fromkeys(devices or [device]) if d.type == "cuda"] or [device]
         self.peaks: dict[str, int] = {}
         self.growth: dict[str, int] = {}
         self.live: dict[str, int] = {}
+        self.by_device: dict[str, dict[str, int]] = {}
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            start = torch.cuda.memory_allocated(self.device)
+            start = 0
+            for gpu in self.gpus:
+                torch.cuda.synchronize(gpu)
+                torch.cuda.reset_peak_memory_stats(gpu)
+                start += torch.cuda.memory_allocated(gpu)
         else:
             start = _status_bytes("VmRSS") if _reset_rss_peak() else None
         yield
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-            live = torch.cuda.memory_allocated(self.device)
+            each = {}
+            for gpu in self.gpus:
+                torch.cuda.synchronize(gpu)
+                each[str(gpu)] = torch.cuda.max_memory_allocated(gpu)
+            peak, live = sum(each.values()), sum(torch.cuda.memory_allocated(gpu) for gpu in self.gpus)
+            if len(self.gpus) > 1:
+                held = self.by_device.setdefault(name, {})
+                for gpu, value in each.items():
+                    held[gpu] = max(held.get(gpu, 0), value)
         else:
             peak = _status_bytes("VmHWM") if start is not None else None
             live = live_tensor_bytes()
@@ -113,6 +127,8 @@ class PhaseProfiler:
             out[f"peak_bytes_{name}"] = self.peaks.get(name)
             out[f"peak_growth_bytes_{name}"] = self.growth.get(name)
             out[f"live_tensor_bytes_{name}"] = self.live.get(name)
+            if name in self.by_device:  # a layer-sharded model: each GPU's own allocator peak
+                out[f"peak_bytes_{name}_by_device"] = self.by_device[name]
         return out
 
 

@@ -68,7 +68,7 @@ def build(source: str | Path | Source, out_dir: Path | None = None, overrides: S
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []
     if df.empty:
-        points = pd.DataFrame(columns=["score", "n", *IDENTITY])
+        points = pd.DataFrame(columns=["score", "n", "point_hash", *IDENTITY])  # every expected point missing
         subtasks = pd.DataFrame(columns=["subtask", "score", "n"])
     else:
         points, subtasks = point_scores(df, list(src.grid[0]) if src.grid else ())

@@ -157,7 +157,9 @@ def resolve(source: str | Path, overrides: Sequence[str] = ()) -> Source:
         # the sweep's own overrides: sweeps (budget=64,128) and single values of a swept key replace the
         # preset's axes; every override but a sweep also composes
         parsed = list(zip(overrides, OverridesParser.create().parse_overrides(list(overrides))))
-        fixed = [arg for arg, o in parsed if not o.is_sweep_override()]
+        # a method setting composes in its `++` form, as a run's does (`config.validate.check_settings`): the
+        # preset's base method need not have it
+        fixed = [f"++{arg}" if arg.startswith("method.") else arg for arg, o in parsed if not o.is_sweep_override()]
         cfg = experiment_config(name, fixed)
         block = OmegaConf.to_container(cfg.report, resolve=True) if "report" in cfg else None
         params = (OmegaConf.to_container(cfg.hydra.sweeper.params, resolve=True) if cfg.hydra.sweeper.get("params")

@@ -167,7 +167,11 @@ def norm(value: Any) -> str:
         return str(bool(value)).lower()
     if isinstance(value, (int, float, np.integer, np.floating)):
         return f"{float(value):g}"
+    if isinstance(value, (list, tuple)):  # a list setting (method.filter_layers): as a sweep writes it, "[2,8,18]"
+        return "[" + ",".join(norm(v) for v in value) + "]"
     text = str(value)
+    if text.startswith("[") and text.endswith("]"):  # a sweep's or a record's spelling of that list, spaces or not
+        return text.replace(" ", "")
     try:
         return f"{float(text):g}"
     except ValueError:

@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.core.errors import KVBenchError
+from kvbench.engine.config import point_samples
 from kvbench.methods import METHODS
 from kvbench.results.manifest import MANIFEST_FILE
 from kvbench.results.store import load_records, point_hash
@@ -33,8 +34,9 @@ POINT_KEYS = ("model", "task", "method", "budget", "compress_question", "engine"
 
 # Engine settings that change speed or memory bookkeeping but never a prediction.
 # batch_rows changes rounding, not the experiment: records say `decode_batched_rows` when it was above 1.
+# sampling: what it decides is the `decoding` key below, present only on sampled points.
 NON_IDENTITY_ENGINE_KEYS = ("reuse_prefill", "snapshot_window", "snapshot_cache_mb", "topk_recall", "sample_batch",
-                            "batch_rows", "compile")
+                            "batch_rows", "compile", "sampling")
 
 
 def point_identity(cfg: DictConfig) -> dict[str, Any]:
@@ -61,6 +63,8 @@ def resolved_decode_path(cfg: DictConfig) -> str:
     setting = cfg.engine.get("compile", "auto")
     if setting not in ("auto", True, False) or not wants_compile(setting, resolve_device(cfg.model.device)):
         return "eager"
+    if cfg.model.get("device_map") is not None:  # layer-sharded: eager (kvbench.engine.compiled.SHARDED_REASON)
+        return "eager"
     try:
         method = build_method(cfg.method.name, **method_parameters(cfg.method))
     except KVBenchError:  # a bad method setting is reported when the point is prepared
@@ -75,9 +79,16 @@ def written_point_identity(cfg: DictConfig) -> dict[str, Any]:
     point = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
              for k in POINT_KEYS}
     point["engine"] = {k: v for k, v in point["engine"].items() if k not in NON_IDENTITY_ENGINE_KEYS}
+    if point_samples(cfg.engine, cfg.task):  # a key only when sampled: greedy points keep their hashes
+        point["engine"]["decoding"] = "sampled"
     # a null method parameter means "the method's default behaviour": a point from before the parameter
     # existed is the same point
     point["method"] = {k: v for k, v in point["method"].items() if v is not None}
+    # plain weights on one device (issue 47's defaults) are how every point before them ran: the same point
+    if point["model"].get("quantization", "none") in ("none", None):
+        point["model"].pop("quantization", None)
+    if point["model"].get("device_map") is None:
+        point["model"].pop("device_map", None)
     ratio = cfg.get("compression_ratio")
     if ratio is not None:  # kvpress's convention replaces the budget (a new key only when used: old hashes hold)
         point["compression_ratio"], point["budget"] = ratio, None

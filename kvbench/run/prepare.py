@@ -97,6 +97,7 @@ def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
         "compress_question": cfg.compress_question,
         "dtype": str(lm.dtype).replace("torch.", ""),
         "seed": cfg.seed,
+        **lm.record_fields(),  # quantisation and device map, when not the plain single-device model
     }
     budget = CompressionRatio(point["compression_ratio"]) if point.get("compression_ratio") is not None else cfg.budget
     snapshots = prefill_snapshots(engine_cfg.snapshot_cache_mb) if engine_cfg.reuse_prefill else None

@@ -27,6 +27,29 @@ The few-shot subsets have no separate cue: their test item (`{input}`) already e
 
 Data: `<subset>.jsonl` / `<subset>_e.jsonl` from the `data.zip` of the HF dataset THUDM/LongBench, in
 `data_dir` or `data_dir/data`; without `data_dir`, the HF datasets cache is used if it holds THUDM/LongBench.
+
+OmniKV's multi-step protocol (`protocol`, OmniKV §5.1 / Fig. 3 / App. D.4 Table 6; antgroup/OmniKV
+`benchmark/long_bench/cot_pred.py` and `configs/template_for_chat.py`), for 2wikimqa and hotpotqa only:
+
+- `omnikv_cot`: the user message is cot_pred.py's `data_format` (LongBench's multi-doc QA prompt with the
+  instruction repeated after the passages and without "Only give me the answer and do not output any other
+  words"), the assistant turn is pre-filled with the authors' chain-of-thought lead-in, greedy, 200 new tokens,
+  and a sample is correct when any gold answer, lower-cased, is a substring of the lower-cased output (the
+  paper's "Exact Match"; metric `substring_ci`, the one 2StageRetr uses). `omnikv_direct`: the same prompt and
+  scoring without the lead-in (Table 6's "CoT ✗" row). `official` (default): LongBench's own protocol above.
+- `omnikv_template` picks which of the authors' templates wraps the message, as cot_pred.py picks it by model
+  name: `llama` (default) puts the message in the model's chat template and the lead-in "Evidence (step by step)
+  then answer: 1." after the assistant header (the authors' hand-written Llama-3 string also carries the system
+  prompt "You are a helpful assistant. ": a preset sets it with `engine.system_prompt`); `yi` is the raw string
+  they used for the base model Yi-9B-200K (no chat template): "You are helpful assistant who thinks step by
+  step.\\nYou will give your final answer in less than 80 words.\\n{message}\\nEvidence (less than 5 steps) then
+  final answer: Step 1:" (direct: "You are helpful assistant.\\n{message}").
+- Split: the context part ends after the passages, the question part is the repeated instruction and the
+  question, the lead-in is the answer prefix, so question-agnostic compression sees the passages alone.
+- kvbench choices: prompts over the model's limit are middle-truncated in tokens, as for the official protocol
+  (cot_pred.py truncates the decoded halves of the token ids at the config's `max_context_len`); `num_samples`
+  keeps the first rows (cot_pred.py's `test_num` keeps the last; the paper's numbers are over all 200 rows).
+  `prefix_placement` concerns the official prompt only: the lead-in always follows the assistant header.
 """
 
 from __future__ import annotations
@@ -41,6 +64,7 @@ from kvbench.tasks.longbench_metrics import (
     ALL_SUBSETS,
     ENGLISH_SUBSETS,
     FIRST_LINE_SUBSETS,
+    OMNIKV_MULTISTEP_METRIC,
 )
 
 _CONFIG_DIR = Path(__file__).parent / "data" / "longbench"
@@ -93,6 +117,25 @@ _BASE_METRIC = {
 
 _ROW_KEYS = ("input", "context", "answers", "length", "language", "all_classes", "_id")
 _HF_REPO = "THUDM/LongBench"
+
+PROTOCOLS = ("official", "omnikv_cot", "omnikv_direct")
+OMNIKV_SUBSETS = ("2wikimqa", "hotpotqa")  # the LongBench datasets of OmniKV's multi-step runs
+OMNIKV_TEMPLATES = ("llama", "yi")
+# cot_pred.py's `data_format`, split after the passages (context | question); the two parts concatenate to it.
+OMNIKV_CONTEXT = ("Answer the question based on the given passages. \n\nThe following are given passages.\n"
+                  "{context}")
+OMNIKV_QUESTION = "\n\nAnswer the question based on the given passages. \n\nQuestion: {input}\n"
+OMNIKV_MAX_NEW_TOKENS = 200  # cot_pred.py's GenerationConfig(do_sample=False, max_new_tokens=200)
+# configs/template_for_chat.py: what the authors' templates put around the message, per template and protocol:
+# (text before the message, answer prefix after it). The Llama templates' chat markup is the engine's.
+OMNIKV_WRAPPERS: dict[tuple[str, str], tuple[str, str]] = {
+    ("llama", "omnikv_cot"): ("", "Evidence (step by step) then answer: 1."),  # llama_cot
+    ("llama", "omnikv_direct"): ("", ""),  # llama
+    ("yi", "omnikv_cot"): ("You are helpful assistant who thinks step by step.\n"
+                           "You will give your final answer in less than 80 words.\n",
+                           "\nEvidence (less than 5 steps) then final answer: Step 1:"),  # yi_cot
+    ("yi", "omnikv_direct"): ("You are helpful assistant.\n", ""),  # yi
+}
 
 
 def split_template(subset: str) -> tuple[str, str, str]:
@@ -171,7 +214,8 @@ class LongBench(Task):
     `num_samples` keeps the first N rows of each subset in file order (all when None); the order is the
     dataset's, so every seed and method sees the same rows. LongBench is fixed data: `samples` ignores the
     seed and the meter (lengths are the data's, and truncation is the engine's job). `seq_len` is only
-    recorded.
+    recorded. `protocol` / `omnikv_template`: OmniKV's multi-step protocol (module docstring).
+    `max_new_tokens` (null: the protocol's own) caps generation for quick runs; such points are not the paper's.
     """
 
     name = "longbench"
@@ -185,6 +229,9 @@ class LongBench(Task):
         data_dir: str | None = None,
         e: bool = False,
         prefix_placement: str = "user",
+        protocol: str = "official",
+        omnikv_template: str = "llama",
+        max_new_tokens: int | None = None,
     ) -> None:
         self.name = name
         self.e = bool(e)
@@ -198,6 +245,20 @@ class LongBench(Task):
             raise ValueError("num_samples must be >= 1 or null")
         if prefix_placement not in ("user", "assistant"):
             raise ValueError("prefix_placement must be 'user' (official LongBench) or 'assistant' (KVPress)")
+        if protocol not in PROTOCOLS:
+            raise ValueError(f"protocol must be one of {list(PROTOCOLS)}, not {protocol!r}")
+        if omnikv_template not in OMNIKV_TEMPLATES:
+            raise ValueError(f"omnikv_template must be one of {list(OMNIKV_TEMPLATES)}, not {omnikv_template!r}")
+        if protocol != "official" and any(s not in OMNIKV_SUBSETS for s in self.subsets):
+            raise ValueError(f"protocol {protocol} is OmniKV's multi-step protocol for {list(OMNIKV_SUBSETS)}; "
+                             f"task.subsets has {[s for s in self.subsets if s not in OMNIKV_SUBSETS]}")
+        if max_new_tokens is not None and (isinstance(max_new_tokens, bool) or int(max_new_tokens) != max_new_tokens
+                                           or max_new_tokens < 1):
+            raise ValueError(f"max_new_tokens must be a positive number of tokens or null, got {max_new_tokens!r}")
+        self.protocol = protocol
+        self.omnikv_template = omnikv_template
+        # null: the protocol's own (dataset2maxlen, or OmniKV's 200); a number caps quick runs and tests
+        self.max_new_tokens = None if max_new_tokens is None else int(max_new_tokens)
         self.num_samples = num_samples
         self.seq_len = seq_len
         self.data_dir = Path(data_dir).expanduser() if data_dir is not None else None
@@ -238,6 +299,8 @@ class LongBench(Task):
 
     def build_sample(self, subset: str, row: dict[str, Any]) -> Sample:
         """One sample from one LongBench row (the jsonl/HF row format)."""
+        if self.protocol != "official":
+            return self.build_omnikv_sample(subset, row)
         context_t, question_t, cue = TEMPLATE_PARTS[subset]
         # `.format(**row)` as in pred.py; each piece holds only its own placeholders.
         context = context_t.format(**row)
@@ -245,14 +308,7 @@ class LongBench(Task):
         if self.prefix_placement == "user":
             question, cue = question + cue, ""
         task = f"longbench_e_{subset}" if self.e else f"longbench_{subset}"
-        meta: dict[str, Any] = {
-            "subset": subset,
-            "longbench_e": self.e,
-            "length": row["length"],
-            "language": row["language"],
-            "all_classes": row["all_classes"],
-            "source_id": row["_id"],
-        }
+        meta = self._meta(subset, row)
         if subset == "samsum":
             meta["min_new_tokens"] = 1
         metric, metric_args = metric_for(subset, row["all_classes"])
@@ -264,7 +320,7 @@ class LongBench(Task):
                 Turn(
                     question=question,
                     answers=list(row["answers"]),
-                    max_new_tokens=MAX_NEW_TOKENS[subset],
+                    max_new_tokens=self.max_new_tokens or MAX_NEW_TOKENS[subset],
                     metric=metric,
                     answer_prefix=cue,
                     metric_args=metric_args,
@@ -272,6 +328,39 @@ class LongBench(Task):
             ],
             chat_template=subset not in NO_CHAT_TEMPLATE,
             stop=["\n"] if subset == "samsum" else [],
+            truncation="middle",
+            meta=meta,
+        )
+
+    def _meta(self, subset: str, row: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "subset": subset,
+            "longbench_e": self.e,
+            "length": row["length"],
+            "language": row["language"],
+            "all_classes": row["all_classes"],
+            "source_id": row["_id"],
+        }
+
+    def build_omnikv_sample(self, subset: str, row: dict[str, Any]) -> Sample:
+        """One sample of OmniKV's multi-step protocol (module docstring) from one 2wikimqa/hotpotqa row."""
+        before, lead_in = OMNIKV_WRAPPERS[(self.omnikv_template, self.protocol)]
+        task = f"longbench_e_{subset}" if self.e else f"longbench_{subset}"
+        meta = {**self._meta(subset, row), "protocol": self.protocol, "omnikv_template": self.omnikv_template}
+        return Sample(
+            id=f"{task}/{row['_id']}",
+            task=task,
+            context=before + OMNIKV_CONTEXT.format(**row),
+            turns=[
+                Turn(
+                    question=OMNIKV_QUESTION.format(**row),
+                    answers=list(row["answers"]),
+                    max_new_tokens=self.max_new_tokens or OMNIKV_MAX_NEW_TOKENS,
+                    metric=OMNIKV_MULTISTEP_METRIC,
+                    answer_prefix=lead_in,
+                )
+            ],
+            chat_template=self.omnikv_template == "llama",
             truncation="middle",
             meta=meta,
         )

@@ -15,6 +15,13 @@ the same words for different computations, e.g. SCBench's ROUGE comes from `roug
   list, which the sample carries in `Turn.metric_args = {"all_classes": [...]}` (so saved or exported samples
   score anywhere, with no registration step).
 
+OmniKV's multi-step protocol (`LongBench(protocol="omnikv_cot" | "omnikv_direct")`, OmniKV §5.1) scores 2wikimqa
+and hotpotqa with `OMNIKV_MULTISTEP_METRIC`: the registered `substring_ci` of `kvbench.tasks.metrics`, which is
+cot_pred.py's rule (`any(ans.lower() in llm_out.lower() for ans in answers)`, the paper's "Exact Match: as long
+as the standard answer appears in the model's output"). There is no answer extraction: the authors match the
+whole generated text, chain of thought included, so neither does kvbench; the name is the very scorer 2StageRetr
+uses, not a copy of it.
+
 Libraries are the ones LongBench uses, pinned because they change numbers: `rouge==1.0.1` (pltrdy; not
 `rouge-score`), `jieba==0.42.1`, `fuzzywuzzy==0.18.0` with `python-Levenshtein==0.27.5` as its matcher
 (without it fuzzywuzzy falls back to difflib, which gives different ratios).
@@ -71,6 +78,8 @@ CHINESE_SUBSETS = ("multifieldqa_zh", "dureader", "vcsum", "lsht", "passage_retr
 ALL_SUBSETS = tuple(s for members in CATEGORIES.values() for s in members)
 ENGLISH_SUBSETS = tuple(s for s in ALL_SUBSETS if s not in CHINESE_SUBSETS)  # the "16 English" set
 FIRST_LINE_SUBSETS = ("trec", "triviaqa", "samsum", "lsht")
+# OmniKV's multi-step scoring (module docstring): registered in kvbench.tasks.metrics, named here by its name.
+OMNIKV_MULTISTEP_METRIC = "substring_ci"
 
 _CN_PUNCTUATION = (
     "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."

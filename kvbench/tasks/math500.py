@@ -3,8 +3,10 @@ as used by KeyDiff (App. E) to test KV eviction during long reasoning generation
 
 Data: `<data_dir>/test.jsonl` in the layout of the HF dataset `HuggingFaceH4/MATH-500` (`problem`, `solution`,
 `answer`, `subject`, `level`, `unique_id`), or, with `data_dir` null, through
-`load_dataset("HuggingFaceH4/MATH-500", split="test")` (the Hub, or its cache when offline). Problems are taken in file order; `num_samples` keeps the
-first N.
+`load_dataset("HuggingFaceH4/MATH-500", split="test")` (the Hub, or its cache when offline). Problems are taken in
+file order; `num_samples` keeps the first N. A relative `data_dir` that is no folder from the working directory
+names one of kvbench's packaged data folders (`kvbench/tasks/data/`): `math500_arith` holds six arithmetic problems
+written for kvbench in this layout, the offline stand-in of `keydiff_math500_cpu`.
 
 Prompt (KeyDiff gives none; this is DeepSeek's documented usage for its R1-distilled models, which KeyDiff
 evaluates): one user message, chat template on, no system prompt:
@@ -12,12 +14,18 @@ evaluates): one user message, chat template on, no system prompt:
 context part and the instruction the question part. Generation stops at EOS or `max_new_tokens`. The prompt is
 short, so a method only compresses during decoding here.
 
-Decoding: KeyDiff samples 5 responses per problem and averages accuracy over them. The sampling temperature is
-lost in the paper text; temperature 0.6 / top-p 0.95 are DeepSeek's recommended R1 settings (kvbench spec §6.2).
-The kvbench engine decodes greedily for now, so these values are recorded per sample in
-`meta["sampling"]` (with a per-sample seed) for the engine to honour once it samples; under greedy decoding
-`samples_per_problem > 1` only repeats identical work, hence the default of 1. KeyDiff's generation limits are
-4K, 8K and 32K tokens (its text says 4096, 6144 and "32,786"; its tables say 4K/8K/32K).
+Decoding: KeyDiff samples 5 responses per problem ("We randomly sample 5 responses", App. E) and reports the mean
+accuracy over them, i.e. pass@1 estimated from 5 samples: each response is its own sample (id
+`math500/<unique_id>/<k>`) and a point's score is the mean over all of them, which with the same 5 per problem is
+the mean over problems of each problem's mean accuracy. The sampling temperature is lost in the paper text;
+temperature 0.6 / top-p 0.95 are DeepSeek's recommended R1 settings (kvbench spec §6.2), with no top-k. Each
+sample carries its protocol in `meta["sampling"]` (temperature, top-p and a seed of its own, drawn from the run's
+seed, the problem and the response index), and the engine samples with it (`kvbench.engine.decoding`; records say
+`decoding`); `engine.sampling=greedy` decodes greedily instead, and `temperature: null` (or 0) makes the protocol
+greedy (no `meta["sampling"]`), where `samples_per_problem > 1` would only repeat identical work. The default is
+KeyDiff's 5 samples per problem; the greedy points of earlier kvbench versions (one greedy response per problem)
+are `task.samples_per_problem=1 engine.sampling=greedy`, which keeps their directories. KeyDiff's generation
+limits are 4K, 8K and 32K tokens (its text says 4096, 6144 and "32,786"; its tables say 4K/8K/32K).
 
 Scoring (`kvbench.tasks.math_metrics`): the turn's metric is `math_equiv` (KeyDiff "Flex Match");
 `meta["extra_metrics"]` names `math_exact` (KeyDiff "Exact Match"), to be scored on the same prediction.
@@ -33,12 +41,16 @@ from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, T
 
 HF_DATASET = "HuggingFaceH4/MATH-500"
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+PACKAGED_DATA = Path(__file__).resolve().parent / "data"  # stand-in problem sets shipped with kvbench
 
 
 def load_rows(data_dir: str | None) -> list[dict[str, Any]]:
     """All 500 problems, from `data_dir/test.jsonl` when given, else from the Hugging Face Hub (or its cache)."""
     if data_dir is not None:
-        path = Path(data_dir) / "test.jsonl"
+        folder = Path(data_dir).expanduser()
+        if not folder.is_absolute() and not folder.is_dir() and (PACKAGED_DATA / folder).is_dir():
+            folder = PACKAGED_DATA / folder
+        path = folder / "test.jsonl"
         if path.is_file():
             with path.open(encoding="utf-8") as f:
                 return [json.loads(line) for line in f if line.strip()]
@@ -65,9 +77,10 @@ class Math500(Task):
         seq_len: must be null (real data; the prompt is short and generation is what grows the cache).
         num_samples: first N problems; null = all 500.
         data_dir: folder with `test.jsonl`; null = the Hugging Face Hub (or its cache).
-        samples_per_problem: responses per problem (KeyDiff: 5, with sampling); each is its own sample.
+        samples_per_problem: responses per problem (KeyDiff: 5, sampled); each is its own sample.
         max_new_tokens: generation limit (KeyDiff: 4096, 8192, 32768).
-        temperature, top_p: the sampling settings of the protocol, recorded in `meta["sampling"]`.
+        temperature, top_p: the protocol's sampling settings, in `meta["sampling"]` with each sample's seed;
+            temperature null or 0: greedy decoding (no `meta["sampling"]`).
     """
 
     def __init__(
@@ -76,15 +89,18 @@ class Math500(Task):
         seq_len: int | None = None,
         num_samples: int | None = None,
         data_dir: str | None = None,
-        samples_per_problem: int = 1,
+        samples_per_problem: int = 5,
         max_new_tokens: int = 4096,
-        temperature: float = 0.6,
+        temperature: float | None = 0.6,
         top_p: float = 0.95,
     ) -> None:
         if seq_len is not None:
             raise ValueError("Math-500 is real data: task.seq_len must be null")
         if samples_per_problem < 1 or max_new_tokens < 1:
             raise ValueError("samples_per_problem and max_new_tokens must be positive")
+        if temperature is not None and not temperature >= 0 or not 0 < top_p <= 1:
+            raise ValueError(f"temperature must be >= 0 (or null: greedy) and top_p in (0, 1], got {temperature!r}, "
+                             f"{top_p!r}")
         self.name = name
         self.num_samples = num_samples
         self.data_dir = data_dir
@@ -98,6 +114,7 @@ class Math500(Task):
         rows = load_rows(self.data_dir)
         if self.num_samples is not None:
             rows = rows[: self.num_samples]
+        sampled = self.temperature is not None and self.temperature > 0
         out = []
         for row in rows:
             for k in range(self.samples_per_problem):
@@ -124,7 +141,8 @@ class Math500(Task):
                             "level": row["level"],
                             "sample_index": k,
                             "samples_per_problem": self.samples_per_problem,
-                            "sampling": {"temperature": self.temperature, "top_p": self.top_p, "seed": sampling_seed},
+                            **({"sampling": {"temperature": self.temperature, "top_p": self.top_p,
+                                             "seed": sampling_seed}} if sampled else {}),
                             "extra_metrics": ["math_exact"],
                         },
                     )

@@ -19,6 +19,7 @@ SCORER_MODULES = [
     "kvbench.tasks.scbench_metrics",
     "kvbench.tasks.math_metrics",
     "kvbench.tasks.generic_metrics",
+    "kvbench.tasks.infinitebench_metrics",
 ]
 
 

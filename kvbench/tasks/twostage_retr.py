@@ -66,11 +66,15 @@ class TwoStageRetr(Task):
         answer_prefix: assistant lead-in; null means OmniKV's lead-in for the chosen mode.
         max_new_tokens: generation budget.
         chat_template: whether the engine wraps the prompt in the model's chat template.
+        preamble: text before the instruction: the head of OmniKV's raw Yi template ("You are helpful assistant
+            who thinks step by step. ...", configs/template_for_chat.py), which wraps 2StageRetr for Yi-9B-200K
+            (Table 6) since that base model has no chat template; "" (default): nothing.
     """
 
     def __init__(self, name: str = "twostage_retr", seq_len: int = 4096, num_samples: int = 100,
                  sizes: Sequence[int] | None = PAPER_SIZES, cot: bool = True, quote_values: bool = True,
-                 answer_prefix: str | None = None, max_new_tokens: int = 200, chat_template: bool = True):
+                 answer_prefix: str | None = None, max_new_tokens: int = 200, chat_template: bool = True,
+                 preamble: str = ""):
         self.name = name
         self.seq_len = int(seq_len)
         self.num_samples = int(num_samples)
@@ -80,6 +84,7 @@ class TwoStageRetr(Task):
         self.answer_prefix = answer_prefix if answer_prefix is not None else (COT_LEAD_IN if cot else DIRECT_LEAD_IN)
         self.max_new_tokens = int(max_new_tokens)
         self.chat_template = chat_template
+        self.preamble = preamble
 
     def _build(self, rng: random.Random, n: int) -> tuple[str, str, str, dict[str, Any]]:
         colours = [rng.choice(COLOURS) for _ in range(n)]
@@ -90,10 +95,10 @@ class TwoStageRetr(Task):
             table = str(dict(enumerate(colours)))
         else:
             table = "{" + ", ".join(f"{i}: {c}" for i, c in enumerate(colours)) + "}"
-        context = INSTRUCTION + f" The Dict is {table}\n"
+        context = self.preamble + INSTRUCTION + f" The Dict is {table}\n"
         question = f"The equation is {a} + {b} = ?\n" + (COT_TAIL if self.cot else DIRECT_TAIL)
         lead = "{" if key == 0 else ", "
-        entry = context.index(f"{lead}{key}: ", len(INSTRUCTION)) + len(lead)
+        entry = context.index(f"{lead}{key}: ", len(self.preamble) + len(INSTRUCTION)) + len(lead)
         return context, question, colours[key], {"dict_size": n, "key": key, "a": a, "b": b, "key_char_offset": entry}
 
     def _tokens(self, meter: PromptMeter, context: str, question: str) -> int:

