@@ -37,18 +37,12 @@ Choices where the reference is ambiguous or breaks on some input:
 from __future__ import annotations
 
 import re
-import string
-from collections import Counter
 from functools import lru_cache
 from typing import Any
 
+# the benchmark's normalisation and F1 are LongBench's, character for character (its compute_scores.py copies them)
+from kvbench.tasks.longbench_metrics import normalize_answer, normalize_zh_answer, token_f1
 from kvbench.tasks.scoring import register
-
-_CN_PUNCTUATION = (
-    "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
-)
-_EN_PUNCTUATION = frozenset(string.punctuation)
-_ALL_PUNCTUATION = frozenset(string.punctuation + _CN_PUNCTUATION)
 
 
 def _label(answers: list[str], label: Any) -> Any:
@@ -57,28 +51,6 @@ def _label(answers: list[str], label: Any) -> Any:
             raise ValueError("an InfiniteBench scorer got neither a label nor answers; the sample is malformed")
         return list(answers)
     return label
-
-
-def normalize_answer(text: str) -> str:
-    """Lower-case, drop ASCII punctuation, replace a/an/the by a space, squeeze whitespace (`normalize_answer`)."""
-    text = "".join(ch for ch in text.lower() if ch not in _EN_PUNCTUATION)
-    text = re.sub(r"\b(a|an|the)\b", " ", text)
-    return " ".join(text.split())
-
-
-def normalize_zh_answer(text: str) -> str:
-    """Lower-case, drop ASCII and Chinese punctuation, drop all whitespace (`normalize_zh_answer`)."""
-    text = "".join(ch for ch in text.lower() if ch not in _ALL_PUNCTUATION)
-    return "".join(text.split())
-
-
-def _f1(prediction: list[str], gold: list[str]) -> float:
-    common = Counter(prediction) & Counter(gold)
-    same = sum(common.values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(prediction), same / len(gold)
-    return 2 * precision * recall / (precision + recall)
 
 
 def first_int_match(prediction: str) -> str:
@@ -240,7 +212,7 @@ def longbook_qa_eng(prediction: str, answers: list[str], label: Any = None) -> f
     """En.QA: word-level F1 after `normalize_answer`, the best gold."""
     gold = _label(answers, label)
     pred_tokens = normalize_answer(prediction).split()
-    return max((_f1(pred_tokens, normalize_answer(g).split()) for g in gold), default=0.0)
+    return max((token_f1(pred_tokens, normalize_answer(g).split()) for g in gold), default=0.0)
 
 
 @register("infinitebench_longbook_qa_chn")
@@ -248,7 +220,7 @@ def longbook_qa_chn(prediction: str, answers: list[str], label: Any = None) -> f
     """Zh.QA: character-level F1 after `normalize_zh_answer`, the best gold (no word segmentation)."""
     gold = _label(answers, label)
     pred_chars = list(normalize_zh_answer(prediction))
-    return max((_f1(pred_chars, list(normalize_zh_answer(g))) for g in gold), default=0.0)
+    return max((token_f1(pred_chars, list(normalize_zh_answer(g))) for g in gold), default=0.0)
 
 
 @lru_cache(maxsize=None)
