@@ -66,7 +66,8 @@ DEFAULT_METHODS = "full,stock,snapkv,quest,adakv,rocketkv,sparq,hsa,exact_topk,f
 DEFAULT_METHODS_AT = ["131072=full,stock,snapkv,quest"]
 # labels that are not a method's registered name: (method, settings)
 LABELS = {"full_repeated_kv": ("full", {"repeat_kv": True})}
-COLUMNS = ["length", "method", "status", "eager_ms", "compiled_ms", "compile_s", "compiles", "path", "weights_mb",
+COLUMNS = ["length", "method", "status", "eager_ms", "compiled_ms", "compile_s", "compiles", "replayed", "path",
+           "weights_mb",
            "kv_aux_mb", "bytes_mb", "floor_ms", "eager_over_floor", "compiled_over_floor", "compiled_over_stock",
            "speedup_vs_full", "full_bytes_over_bytes", "eager_p90_ms", "compiled_p90_ms", "prefill_s", "seconds",
            "note"]
@@ -158,7 +159,7 @@ CHECK_HEADER = re.compile(r"^(\S+) \((.*), backend (.+), (\d+) steps\)$")
 def static_check(args: argparse.Namespace, time_left: float) -> bool:
     """Run check_static_decode.py in `--check-shards` processes side by side and print their rows merged.
     True when every shard exited 0 (every method as expected)."""
-    from check_static_decode import STATIC
+    from check_static_decode import HEADER, STATIC
 
     labels = [label for label, *_ in STATIC]
     if args.check_methods != "all":
@@ -205,7 +206,7 @@ def static_check(args: argparse.Namespace, time_left: float) -> bool:
                 rows.setdefault(model, {})[line.split(" ", 1)[0]] = line
     for model in args.check_models.split(","):
         print(f"\n{headers.get(model, model + ' (no output)')}")
-        print(f"{'method':22} {'path':10} {'graphs':>6} {'recompiles':>10} {'2nd':>4} {'tokens':>7} {'max dlogit':>10}")
+        print(HEADER)
         for label in labels:
             print(rows.get(model, {}).get(label, f"{label:22} NO RESULT (its process crashed or timed out)"))
     failed = []
@@ -316,13 +317,16 @@ class Bench:
         session.begin_decode(self.new_tokens)
         compiled, _ = time_decode(self.lm, session, logits, args.warmup, args.steps)
         session.end_decode()
-        row.values.update(path=session.decode_path, compile_s=session.compile_s, compiles=session.compiles)
+        row.values.update(path=session.decode_path, compile_s=session.compile_s, compiles=session.compiles,
+                          replayed=session.replayed_steps)
         if session.decode_path == "compiled":
             row.values.update(compiled_ms=statistics.median(compiled), compiled_p90_ms=percentile(compiled, 90))
             if session.compiles:
                 self.compile_seen.append(session.compile_s)
-            if session.compiles > 1:
-                row.values["note"] = f"{session.compiles} graphs compiled"
+            notes = [f"{session.compiles} graphs compiled"] if session.compiles > 1 else []
+            if session.replayed_steps == 0:  # kvbench.engine.replay: the steps went through dynamo's guards
+                notes.append("not replayed")
+            row.values["note"] = ", ".join(notes) or None
         else:
             row.values["note"] = session.decode_path_reason or "ran eagerly"
         del session, logits

@@ -147,7 +147,7 @@ def refuse_to_compile(monkeypatch, lm):
 FAILURES = {
     # while constructing the decoder
     "torch.compile raises": refuse_to_compile,
-    "torch below 2.5": lambda mp, lm: mp.delattr(torch.compiler, "cudagraph_mark_step_begin"),
+    "torch below 2.5": lambda mp, lm: mp.delattr(torch.library, "custom_op"),
     # while tracing the step
     "graph break": break_the_trace,
     "dynamo's own AssertionError": fail_dynamo_internally,
@@ -160,7 +160,7 @@ FAILURES = {
 }
 REASONS = {
     "torch.compile raises": "TypeError: compile() got an unexpected keyword argument 'isolate_recompiles'",
-    "torch below 2.5": "lacks torch.compiler.cudagraph_mark_step_begin (the compiled decode step needs torch >= 2.5)",
+    "torch below 2.5": "lacks torch.library.custom_op (the compiled decode step needs torch >= 2.5)",
     "graph break": "Unsupported",
     "dynamo's own AssertionError": "AssertionError: an internal check of dynamo's failed",
     "InductorError": "InductorError: ValueError: Scalar 4294967295 is out of range for type int32",

@@ -17,6 +17,7 @@ import kvbench.engine.compiled as compiled
 from kvbench.cache.static import CAPACITY_BUCKET
 from kvbench.core.errors import KVBenchError
 from kvbench.engine.config import EngineConfig
+from kvbench.engine.replay import GraphCall, LoopReplays, StepInputs
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
 from kvbench.kernels.decode_attention import decode_attention_reference, static_decode_attention
@@ -165,6 +166,62 @@ def test_each_decoder_compiles_and_runs_its_own_graphs(tiny_llama):
     assert first[1] == second[1]
 
 
+def test_a_decode_loop_replays_its_graph_after_two_guarded_calls_and_keeps_nothing_after_it(tiny_llama):
+    """The first step compiles, the next two go through dynamo's guards (noted, then compared), every later
+    step of the loop replays the graph; the tokens are the eager path's. After the loop neither the session nor
+    the decoder holds the loop's tensors (a replay keeps the cache's buffers alive)."""
+    decoder = compiled.CompiledDecoder(tiny_llama, "eager")
+    ids = random_ids(120, seed=6)
+    eager, eager_token = greedy_decode(tiny_llama, build_method("quest"), 32, ids, 10, None)
+    session, token = greedy_decode(tiny_llama, build_method("quest"), 32, ids, 10, decoder)
+    assert token == eager_token and session.static_steps == 10 and session.static_loop.replayed == 7
+    session.end_decode()
+    assert session.static_loop is None and session.replayed_steps == 7 and decoder._recorder.last is None
+    again, _ = greedy_decode(tiny_llama, build_method("quest"), 32, ids, 10, decoder)  # compiled: 2 guarded calls
+    assert again.compiles == 0 and again.static_loop.replayed == 8
+
+
+def test_a_step_that_reads_a_new_tensor_every_step_is_not_replayed_and_warns_once(tiny_llama, monkeypatch, caplog):
+    """A replay reads the tensors its graph was first handed: a step that reads a tensor made anew at every step
+    (here: the token, were it not written in place) must keep its guarded calls, with one warning line per
+    method, and the eager tokens."""
+
+    def new_token_tensor(self, token, position):
+        self.token = torch.tensor([[token]])
+        self.position.fill_(position)
+
+    monkeypatch.setattr(StepInputs, "set", new_token_tensor)
+    decoder = compiled.CompiledDecoder(tiny_llama, "eager")
+    ids = random_ids(120, seed=6)
+    _, eager_token = greedy_decode(tiny_llama, build_method("snapkv", window=8), 32, ids, 8, None)
+    method = build_method("snapkv", window=8)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            session, token = greedy_decode(tiny_llama, method, 32, ids, 8, decoder)
+            session.end_decode()
+            assert token == eager_token and session.replayed_steps == 0 and session.static_steps == 8
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "reads tensors that change from step to step" in warnings[0], warnings
+
+
+def test_a_replay_that_is_not_the_same_graph_or_returns_no_output_of_it_is_refused():
+    graph, other = (lambda *args: (args[0] + 1,)), (lambda *args: (args[0] + 1,))
+    buffer, logits = torch.zeros(2), torch.ones(2)
+    for first, second, why in (
+        (GraphCall(graph, (buffer,), (logits,)), GraphCall(other, (buffer,), (logits,)), "change from step to step"),
+        (GraphCall(graph, (buffer, 3), (logits,)), GraphCall(graph, (buffer, 4), (logits,)), "change from step"),
+        (GraphCall(graph, (buffer,), (logits,)), GraphCall(graph, (buffer,), (torch.ones(2),)), "not one of its"),
+    ):
+        loop = LoopReplays(torch.device("cpu"))
+        assert loop.note(False, first, logits, compiled=False) is None
+        assert why in loop.note(False, second, logits, compiled=False) and loop.replay(False) is None
+    loop = LoopReplays(torch.device("cpu"))
+    call = GraphCall(graph, (buffer,), (logits,))
+    assert loop.note(True, call, logits, compiled=True) is None and loop.note(True, call, logits, False) is None
+    assert loop.note(True, call, logits, compiled=False) is None  # the same graph on the same tensors: replayed
+    assert torch.equal(loop.replay(True), buffer + 1) and loop.replay(False) is None and loop.replayed == 1
+
+
 def test_top_page_tokens_with_device_lengths_over_the_capacity_are_the_eager_tokens():
     gen = torch.Generator().manual_seed(0)
     for length, page, k in ((103, 8, 40), (96, 8, 40), (50, 16, 49)):
@@ -191,6 +248,7 @@ def test_records_say_which_path_ran_and_why(tiny_llama, eager_backend):
     assert (auto["decode_path"], auto["decode_path_reason"], auto["decode_compiles"]) == ("eager", None, 0)
     on = run_sample(tiny_llama, build_method("quest"), 64, sample, EngineConfig(compile=True))
     assert on["decode_path"] == "compiled" and on["decode_compiles"] >= 1 and on["decode_compile_s"] > 0
+    assert on["decode_replayed_steps"] > 0 and auto["decode_replayed_steps"] == 0
     assert [t["prediction"] for t in on["turns"]] == [t["prediction"] for t in auto["turns"]]
     host = run_sample(tiny_llama, build_method("infllm"), 64, sample, EngineConfig(compile=True))
     assert host["decode_path"] == "eager" and "host" in host["decode_path_reason"]

@@ -18,6 +18,7 @@ from kvbench.results.stats import (
     estimate,
     frame_estimate,
     paired_estimate,
+    sample_cluster,
     z_detect,
 )
 
@@ -105,3 +106,43 @@ def test_detectable_difference_by_hand() -> None:
     # weights: a subtask weighing 3/4 carries (3/4)^2 of its variance into the number's
     weighted = detectable_difference([([0.0, 10.0, 0.0, 10.0, 5.0, 5.0], list("aaaabb"), {"a": 3, "b": 1})])
     assert weighted.difference == pytest.approx(z * math.sqrt(0.75**2 * 100 / 3 / 4))
+
+
+def test_sampled_responses_to_one_problem_are_resampled_together() -> None:
+    """Math-500's protocol: five sampled responses per problem. A problem's responses share its difficulty, so
+    the bootstrap draws problems (each as the mean of its responses), not responses: with every problem's
+    responses alike, the interval is the one over the problems' single scores, wider than the one that would
+    count each response as a problem. The printed mean stays the mean over responses."""
+    problems = [100.0, 0.0, 100.0, 0.0, 0.0, 100.0, 100.0, 100.0]
+    values = [score for score in problems for _ in range(5)]
+    meta = [{"unique_id": f"p{i}", "samples_per_problem": 5} for i in range(len(problems)) for _ in range(5)]
+    clusters = [sample_cluster(f"math500/p{i // 5}/{i % 5}", m) for i, m in enumerate(meta)]
+    assert len(set(clusters)) == len(problems)
+    by_problem = estimate(values, clusters=clusters)
+    assert by_problem.value == pytest.approx(62.5) and by_problem.n == 40
+    assert (by_problem.low, by_problem.high) == bootstrap_interval(problems)
+    responses = bootstrap_interval(values)
+    assert by_problem.high - by_problem.low > 1.5 * (responses[1] - responses[0])
+    # one response per problem (greedy points), or a task without problems: every sample its own cluster
+    assert sample_cluster("math500/p0/0", {"unique_id": "p0", "samples_per_problem": 1}) == "sample:math500/p0/0"
+    assert sample_cluster("niah/3", {"depth": 0.5}) == "sample:niah/3"
+
+
+def test_reports_and_summaries_resample_problems_where_records_are_responses(tmp_path) -> None:
+    from kvbench.results.summary import summarize
+
+    records = [{"task": "math500", "sample_id": f"math500/p{p}/{k}", "score": float((p * 7 + k) % 3 == 0),
+                "meta": {"unique_id": f"p{p}", "samples_per_problem": 4}} for p in range(6) for k in range(4)]
+    clusters = [sample_cluster(r["sample_id"], r["meta"]) for r in records]
+    values = [100.0 * r["score"] for r in records]
+    expected = bootstrap_interval(values, ["math500"] * len(values), clusters=clusters)
+    assert summarize(records)["score_ci"] == pytest.approx(list(expected))
+    frame = pd.DataFrame({"subtask": "math500", "sample_id": [r["sample_id"] for r in records],
+                          "score": values, "cluster": clusters})
+    found = frame_estimate(frame)
+    assert (found.low, found.high) == expected and found.n == 24
+    # a frame whose clusters are its samples is the plain bootstrap, bitwise
+    plain = frame.assign(cluster=[f"sample:{s}" for s in frame["sample_id"]])
+    assert frame_estimate(plain) == frame_estimate(plain.drop(columns="cluster"))
+    paired = paired_estimate(frame, frame.assign(score=0.0))
+    assert (paired.low, paired.high) == expected

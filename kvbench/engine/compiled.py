@@ -1,13 +1,16 @@
 """The compiled decode step (`engine.compile`): one decode step of a session on the static layout, compiled once
-per point with `torch.compile(fullgraph=True, dynamic=False)` and replayed at every step (CUDA graphs on a GPU).
+per point with `torch.compile(fullgraph=True, dynamic=False)`, then replayed without dynamo (a CUDA graph on a GPU).
 
 On the static layout (`kvbench.cache.static`) a step reads no Python number that changes from one step to the
 next: the token and its position come in as tensors, the cache's buffers are written in place at device
 positions, its counters are device tensors. So the first step traces the model's forward with the method's
 hooks (selection, eviction, accounting) into one graph, and every later step of the sample, and every sample
-whose capacity falls in the same bucket, replays it. What a graph depends on is the layout's shape (the
+whose capacity falls in the same bucket, runs it. What a graph depends on is the layout's shape (the
 bucketed capacity, uniform or ragged), the method's settings and the plan's shape parameters (a top-k's k, a
-page size): a new value of these compiles a new graph, which the record counts (`decode_compiles`).
+page size): a new value of these compiles a new graph, which the record counts (`decode_compiles`). Within a
+decode loop, once two guarded calls have shown that the loop's steps run one graph on the same tensors, the
+later steps call that graph directly, skipping dynamo's guards: on CUDA as one CUDA graph captured per loop and
+replayed (`kvbench.engine.replay`; records count them, `decode_replayed_steps`).
 
 The token choice stays in the decode loop, which reads the token at every step anyway for its stop rules (EOS
 masked before `min_new_tokens`, stop strings): one argmax over the returned logits and an 8-byte read, or a
@@ -23,17 +26,18 @@ record says which path ran (`decode_path`) and, when it is not the compiled one 
 for, why (`decode_path_reason`).
 
 Which torch: the step needs torch >= 2.5 (`MIN_TORCH`): inductor's `emulate_precision_casts` came in 2.5, and
-`torch.compiler.is_compiling`, `cudagraph_mark_step_begin` and `torch.library.custom_op` before it. Below it
-`engine.compile` decodes eagerly (one warning line). What came later is used where this torch has it and
-replaced where it has not, found by looking (never by version number): dynamo's `guard_filter_fn` (2.8) drops
-the guards on the model's modules, without it a step checks them too (the same graphs, ~1.5 ms more per step on
-two CPU cores); `torch.compile`'s own `recompile_limit` (2.12) sets each decoder's limit, without it dynamo's
-global limit is raised. Each decoder's graphs are kept apart on every torch by a code object of its own
-(`_own_step`), not by 2.12's `isolate_recompiles`.
+`torch.compiler.is_compiling` and `torch.library.custom_op` before it. Below it `engine.compile` decodes eagerly
+(one warning line). What came later is used where this torch has it and replaced where it has not, found by
+looking (never by version number): dynamo's `guard_filter_fn` (2.8) drops the guards on the model's modules,
+without it a guarded step checks them too (the same graphs, ~1.5 ms more per step on two CPU cores);
+`torch.compile`'s own `recompile_limit` (2.12) sets each decoder's limit, without it dynamo's global limit is
+raised. Each decoder's graphs are kept apart on every torch by a code object of its own (`_own_step`), not by
+2.12's `isolate_recompiles`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import logging
@@ -47,6 +51,7 @@ import torch
 
 from kvbench.core.devices import sync
 from kvbench.core.errors import KVBenchError
+from kvbench.engine.replay import GraphRecorder, LoopReplays
 from kvbench.models import LoadedModel, cache_kwargs
 
 log = logging.getLogger("kvbench")
@@ -81,8 +86,8 @@ def missing_features(backend: Any) -> list[str]:
     needed = {
         # kvbench's kernels trace their references when compiling, and call their own kernels eagerly
         "torch.compiler.is_compiling": hasattr(torch.compiler, "is_compiling"),
-        # a CUDA-graph step marks its start (`step`), so that the next replay may overwrite the last one's output
-        "torch.compiler.cudagraph_mark_step_begin": hasattr(torch.compiler, "cudagraph_mark_step_begin"),
+        # the split-K decode attention is one operator of the graph, with a fake implementation for tracing
+        "torch.library.custom_op": hasattr(torch.library, "custom_op"),
     }
     if backend == "inductor":
         import torch._inductor.config as inductor_config
@@ -187,7 +192,8 @@ class CompiledDecoder:
     def __init__(self, lm: LoadedModel, backend: Any = "inductor"):
         self.lm = lm
         self._failures: dict[int, str] = {}  # id(method) -> why its step did not compile (it then decodes eagerly)
-        self.cuda_graphs = lm.device.type == "cuda" and backend == "inductor"
+        self._unreplayed: set[int] = set()  # id(method) of the methods whose loops kept guarded calls (warned once)
+        self.cuda_graphs = lm.device.type == "cuda"
         self.unavailable: str | None = None
         if lm.sharded:
             self.unavailable = SHARDED_REASON
@@ -197,6 +203,10 @@ class CompiledDecoder:
         except Exception as exc:  # noqa: BLE001 - whatever setting up the compile raises, the run decodes eagerly
             self.unavailable = f"compile failed: {describe(exc)}"
             log.warning("kvbench: the compiled decode step could not be set up (%s); decoding eagerly", describe(exc))
+            return
+        if self.cuda_graphs:  # every loop's CUDA graphs in one memory pool, captured on one side stream
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(lm.device)
 
     def _compile(self, backend: Any) -> Any:
         missing = missing_features(backend)
@@ -212,20 +222,22 @@ class CompiledDecoder:
         options: dict[str, Any] = {}
         if hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"):  # 2.8, with the guard_filter_fn option
             # A decoder steps one model whose modules nothing changes after loading, and its graphs are its own
-            # (`_own_step`). The ~7,000 guards dynamo would check on those modules at every step (of ~9,000 on
-            # SmolLM2; 1.4-1.9 ms of a step on two CPU cores) are dropped; the guards on the cache, the method and
-            # the plan, which tell points apart, stay.
+            # (`_own_step`). The ~7,000 guards dynamo would check on those modules at every guarded step (of
+            # ~9,000 on SmolLM2; 1.4-1.9 ms of a step on two CPU cores) are dropped; the guards on the cache, the
+            # method and the plan, which tell points apart, stay.
             options["guard_filter_fn"] = torch.compiler.skip_guard_on_all_nn_modules_unsafe
+        inner = backend
         if backend == "inductor":
             # Eager rounds every bf16/fp16 op's result; inductor's fused kernels keep float32 between ops unless
             # told to round as eager does. Without it a bf16 SparQ step picks other tokens than the eager step
             # (its approximate scores tie differently); with it the tiny models' bf16 steps are bitwise eager's.
-            # On CUDA, `triton.cudagraphs` is what mode="reduce-overhead" sets (a mode and options exclude
-            # each other in torch.compile).
-            options.update({"emulate_precision_casts": True, "triton.cudagraphs": self.cuda_graphs})
+            # No `triton.cudagraphs` (inductor's CUDA-graph trees, which check the graph's inputs at every call):
+            # a decode loop's steps are captured and replayed by `kvbench.engine.replay` instead.
+            inner = torch._TorchCompileInductorWrapper(None, {"emulate_precision_casts": True}, False)
+        self._recorder = GraphRecorder(inner)
         self.cache_argument = next(iter(cache_kwargs(self.lm.model, None)))  # found once, outside the trace
         step, self.step_code = _own_step(self)
-        return torch.compile(step, fullgraph=True, dynamic=False, backend=backend, options=options, **limit)
+        return torch.compile(step, fullgraph=True, dynamic=False, backend=self._recorder, options=options, **limit)
 
     def failure(self, method: Any) -> str | None:
         return self.unavailable or self._failures.get(id(method))
@@ -233,29 +245,47 @@ class CompiledDecoder:
     def record_failure(self, method: Any, reason: str) -> None:
         self._failures[id(method)] = reason
 
+    def new_loop(self) -> LoopReplays:
+        """The replay state of a session's decode loop on a new static layout (see `kvbench.engine.replay`)."""
+        return LoopReplays(self.lm.device)
+
     @torch.inference_mode()
     def step(self, session: Any, token: int, step_context: Any) -> tuple[torch.Tensor, float]:
-        """One compiled decode step: the logits and the seconds spent compiling in this call (0 when it replayed
-        a graph). Raises `CompileFailed` (the cache untouched) when the step fails to trace or compile."""
+        """One compiled decode step of `session`'s loop (`session.static_loop`): the logits and the seconds spent
+        compiling in this call (0 when it ran a graph already compiled). A step whose graph the loop replays
+        skips dynamo; others are guarded calls. Raises `CompileFailed` (the cache untouched) when the step fails
+        to trace or compile."""
+        loop = session.static_loop
+        loop.inputs.set(token, session.position)
+        key = step_context.evict  # an evicting step is another graph
+        logits = loop.replay(key)
+        if logits is not None:
+            return logits, 0.0
         device = self.lm.device
-        token_t = torch.tensor([[token]], device=device)
-        position_t = torch.tensor([[session.position]], device=device)
         graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        if self.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
+        self._recorder.take()
         sync(device)
         start = time.perf_counter()
         try:
-            logits = self._compiled(session.cache, step_context, token_t, position_t)
+            with torch.cuda.stream(self._stream) if self.cuda_graphs else contextlib.nullcontext():
+                if self.cuda_graphs:  # guarded calls on the capture stream: lazy set-up happens before capture
+                    self._stream.wait_stream(torch.cuda.current_stream(device))
+                logits = self._compiled(session.cache, step_context, loop.inputs.token, loop.inputs.position)
         except Exception as exc:
+            self._recorder.take()  # a failed call's tensors are not kept
             if not raised_compiling(exc):
                 raise
             raise CompileFailed(describe(exc)) from exc
         sync(device)
+        compile_s = time.perf_counter() - start
         compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
-        if self.cuda_graphs:
-            logits = logits.clone()  # a CUDA-graph output is overwritten by the next replay
-        return logits, (time.perf_counter() - start) if compiled else 0.0
+        why = loop.note(key, self._recorder.take(), logits, compiled, *((self._pool, self._stream)
+                                                                         if self.cuda_graphs else ()))
+        if why is not None and id(session.method) not in self._unreplayed:
+            self._unreplayed.add(id(session.method))
+            log.warning("kvbench: the compiled decode step of %s is not replayed (%s); its steps go through "
+                        "dynamo's guards", getattr(session.method, "name", "full"), why)
+        return logits, compile_s if compiled else 0.0
 
 
 class CompileFailed(RuntimeError):

@@ -115,6 +115,8 @@ def _record(lm: LoadedModel, run: SampleRun, wall_s: float, profiler: PhaseProfi
         "decode_path": run.session.decode_path,
         "decode_path_reason": run.session.decode_path_reason,
         "decode_compiles": run.session.compiles,
+        # compiled steps that ran their graph without dynamo's guards (a CUDA-graph replay on a GPU)
+        "decode_replayed_steps": run.session.replayed_steps,
         "decode_attention": dense_decode_attention(run.session, lm),
         "decode_compile_s": run.session.compile_s,
         "new_tokens": sum(t["new_tokens"] for t in turns_out),

@@ -16,6 +16,7 @@ from kvbench.core.contract import Plan, Step
 from kvbench.core.devices import sync
 from kvbench.engine.compiled import CompiledDecoder, CompileFailed
 from kvbench.engine.decoding import TokenChooser
+from kvbench.engine.replay import LoopReplays
 from kvbench.methods.base import Method
 from kvbench.models import LoadedModel, cache_kwargs, model_head_dim, rotary_of
 
@@ -78,6 +79,8 @@ class Session:
         self.static_flash_decode = False  # the static layout's dense attention was the split-K kernel (CUDA)
         self.compile_s = 0.0  # seconds of the calls that compiled (not decode steps' time)
         self.compiles = 0
+        self.static_loop: LoopReplays | None = None  # the current static decode loop's replays (compiled path)
+        self.replayed_steps = 0  # compiled steps that replayed their graph without dynamo (kvbench.engine.replay)
         self.last_step_compiled = False
         self._static_left = 0  # steps the current decode loop may still take on the static layout
         self._eager_first = False
@@ -163,6 +166,13 @@ class Session:
     def end_decode(self) -> None:
         """After a decode loop: the cache back in the eager layout, its device counters read once."""
         self._static_left, self._eager_first = 0, False
+        self._end_static_loop()
+
+    def _end_static_loop(self) -> None:
+        """The cache back in the eager layout; the loop's replays (and the tensors they hold) dropped."""
+        if self.static_loop is not None:
+            self.replayed_steps += self.static_loop.replayed
+            self.static_loop = None
         if self.cache.is_static:
             self.cache.make_dynamic()
 
@@ -171,6 +181,7 @@ class Session:
             self.cache.make_static(self._static_left + 1, self.query_window, self.lm.model.config.num_attention_heads,
                                    ragged=self.method is not None and self.method.ragged_layers)
             self.static_flash_decode = self.cache.layers[0].static.flash_decode
+            self.static_loop = self.decoder.new_loop()
         try:
             logits, compile_s = self.decoder.step(self, token, self.step_context(evict))
         except CompileFailed as exc:  # nothing ran: the same step eagerly, and the point decodes eagerly from now
@@ -179,7 +190,7 @@ class Session:
             log.warning("kvbench: the compiled decode step of %s failed to compile (%s); decoding eagerly",
                         getattr(self.method, "name", "full"), exc)
             self._static_left = 0
-            self.cache.make_dynamic()
+            self._end_static_loop()
             return self.forward([token], evict=evict)[-1]
         self.cache.static_advance(1)
         self.position += 1
@@ -365,4 +376,5 @@ def teacher_forced_nll_batch(sessions: list[Session], logits: list[torch.Tensor]
         session.compile_s, session.compiles = session.compile_s + fork.compile_s, session.compiles + fork.compiles
         session.static_steps, session.steps_taken = session.static_steps + fork.static_steps, \
             session.steps_taken + fork.steps_taken
+        session.replayed_steps += fork.replayed_steps + (fork.static_loop.replayed if fork.static_loop else 0)
     return [total / len(target) if target else float("nan") for total, target in zip(totals, targets)]

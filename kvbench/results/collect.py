@@ -17,7 +17,7 @@ from pathlib import Path
 from kvbench.config.paths import POINT_GROUPS, experiment_config, experiments
 from kvbench.core.errors import KVBenchError
 from kvbench.results.manifest import MANIFEST_FILE
-from kvbench.results.stats import frame_estimate
+from kvbench.results.stats import frame_estimate, sample_cluster
 from kvbench.results.store import RECORDS_FILE, load_records
 from kvbench.results.summary import _is_number
 
@@ -121,6 +121,7 @@ def collect(results_root: Path) -> "pd.DataFrame":
             meta = rec.get("meta") or {}
             row.update({f"meta.{k}": meta[k] for k in META_COLUMNS if k in meta})
             row["subtask"] = rec.get("task")
+            row["cluster"] = sample_cluster(rec.get("sample_id"), meta)  # what the bootstrap resamples
             row["n_turns"] = len(rec.get("turns") or [])
             point: dict[str, Any] = {}
             _flatten("", rec.get("point") or {}, point)

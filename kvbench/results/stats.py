@@ -9,6 +9,13 @@ Stratifying by subtask keeps each subtask's weight fixed, so the interval is of 
 pooled sample mean. The generator is seeded with `SEED` on every call and the samples are taken in (subtask,
 sample id) order, so an interval depends on the records alone: re-running a report gives the same numbers.
 
+Several sampled responses to one prompt (Math-500's five per problem, KeyDiff's protocol) are not independent
+samples: the problem's difficulty is shared by its responses. Such records form one cluster (`sample_cluster`:
+a sample whose meta says `samples_per_problem` > 1 belongs to its `unique_id`), and the bootstrap resamples
+clusters, each standing for the mean of its responses (a cluster bootstrap): resampling the responses one by one
+would treat five correlated draws as five problems and give too narrow an interval. The printed number is
+still the mean over responses (pass@1), the mean of the clusters' means when every problem has its responses.
+
 An interval needs at least two samples in every subtask: a subtask with one sample has no spread to resample
 (a bootstrap over it would report zero width, a certainty the data cannot give), so such a cell has none.
 A cell whose samples all score alike gets a zero-width interval: the bootstrap sees no variation, which with
@@ -112,11 +119,39 @@ def mean_of_strata(values: Sequence[float], strata: Sequence[Any] | None = None,
     return float(np.dot(_weights(names, weights), [g.mean() for g in groups]))
 
 
+def sample_cluster(sample_id: Any, meta: Mapping[str, Any] | None) -> str:
+    """What the bootstrap resamples a record as part of: the problem a sampled response answers, where a task
+    draws several responses per problem (its meta's `samples_per_problem` > 1 and `unique_id`: Math-500), else
+    the sample itself."""
+    meta = meta or {}
+    if (meta.get("samples_per_problem") or 1) > 1 and meta.get("unique_id") is not None:
+        return f"problem:{meta['unique_id']}"
+    return f"sample:{sample_id}"
+
+
+def cluster_means(values: Sequence[float], strata: Sequence[Any] | None,
+                  clusters: Sequence[Any]) -> tuple[np.ndarray, np.ndarray | None]:
+    """One value per (stratum, cluster), the mean of its values, in the order the clusters first appear, and
+    their strata (None without strata): what a cluster bootstrap resamples."""
+    values = np.asarray(values, dtype=float)
+    labels = [""] * len(values) if strata is None else [str(x) for x in strata]
+    if len(clusters) != len(values) or len(labels) != len(values):
+        raise ValueError(f"{len(values)} values but {len(clusters)} clusters and {len(labels)} strata")
+    groups: dict[tuple[str, str], list[float]] = {}
+    for value, label, cluster in zip(values, labels, clusters):
+        groups.setdefault((label, str(cluster)), []).append(value)
+    means = np.asarray([np.mean(group) for group in groups.values()])
+    return means, None if strata is None else np.asarray([label for label, _ in groups])
+
+
 def bootstrap_interval(values: Sequence[float], strata: Sequence[Any] | None = None, *,
                        weights: Mapping[str, float] | None = None, seed: int = SEED, resamples: int = RESAMPLES,
-                       level: float = CONFIDENCE) -> tuple[float, float] | None:
+                       level: float = CONFIDENCE, clusters: Sequence[Any] | None = None) -> tuple[float, float] | None:
     """Percentile-bootstrap interval of `mean_of_strata`, resampling within each stratum; None when a stratum
-    has fewer than two values."""
+    has fewer than two values. With `clusters` (one per value, `sample_cluster`), the clusters are resampled,
+    each as the mean of its values; None when a stratum has fewer than two clusters."""
+    if clusters is not None:
+        values, strata = cluster_means(values, strata, clusters)
     names, groups = _strata(values, strata)
     if not groups or any(len(g) < 2 for g in groups):
         return None
@@ -134,9 +169,10 @@ def bootstrap_interval(values: Sequence[float], strata: Sequence[Any] | None = N
 
 
 def estimate(values: Sequence[float], strata: Sequence[Any] | None = None, *,
-             weights: Mapping[str, float] | None = None, seed: int = SEED) -> Estimate:
-    """`mean_of_strata` with its sample count and `bootstrap_interval`."""
-    interval = bootstrap_interval(values, strata, weights=weights, seed=seed)
+             weights: Mapping[str, float] | None = None, seed: int = SEED,
+             clusters: Sequence[Any] | None = None) -> Estimate:
+    """`mean_of_strata` with its sample count and `bootstrap_interval` (over `clusters` where given)."""
+    interval = bootstrap_interval(values, strata, weights=weights, seed=seed, clusters=clusters)
     low, high = interval if interval is not None else (None, None)
     return Estimate(mean_of_strata(values, strata, weights), len(values), low, high)
 
@@ -154,7 +190,18 @@ def frame_estimate(frame: "pd.DataFrame", value: str = "score", stratum: str = "
     """The `estimate` of one cell's records (a frame of `kvbench.results.load`, `value` in the units shown),
     stratified by subtask, samples in (subtask, sample id) order; None when no record has a value."""
     rows = _sorted_scores(frame, value, stratum, sample)
-    return estimate(rows[value].to_numpy(), rows["_stratum"].to_numpy(), weights=weights) if len(rows) else None
+    if not len(rows):
+        return None
+    return estimate(rows[value].to_numpy(), rows["_stratum"].to_numpy(), weights=weights, clusters=_clusters(rows))
+
+
+def _clusters(rows: "pd.DataFrame") -> list[str] | None:
+    """The frame's `cluster` column (`kvbench.results.collect.load` writes it: `sample_cluster`) where it groups
+    records, else None (every record its own cluster: the plain bootstrap, bitwise)."""
+    if "cluster" not in rows.columns:
+        return None
+    clusters = rows["cluster"].astype(str).tolist()
+    return clusters if len(set(clusters)) < len(clusters) else None
 
 
 # What makes two records the same sample: a sample id names a prompt only together with its subtask, and the
@@ -166,6 +213,7 @@ def paired_differences(frame: "pd.DataFrame", reference: "pd.DataFrame", value: 
     """The records of `frame` and `reference` on the samples they share (`SAMPLE_KEYS`), with `diff` = the
     frame's value minus the reference's, in (subtask, sample id) order."""
     keys = [k for k in SAMPLE_KEYS if k in frame.columns and k in reference.columns]
+    keys += ["cluster"] if "cluster" in frame.columns and "cluster" in reference.columns else []
     mine = _sorted_scores(frame, value, "subtask", "sample_id")[[*keys, value]]
     theirs = _sorted_scores(reference, value, "subtask", "sample_id")[[*keys, value]]
     both = mine.merge(theirs, on=keys, suffixes=("", "_reference"))  # NaN digests (old records) pair alike
@@ -180,7 +228,8 @@ def paired_estimate(frame: "pd.DataFrame", reference: "pd.DataFrame", value: str
     both = paired_differences(frame, reference, value)
     if both.empty:
         return None
-    return estimate(both["diff"].to_numpy(), both["subtask"].astype(str).to_numpy(), weights=weights)
+    return estimate(both["diff"].to_numpy(), both["subtask"].astype(str).to_numpy(), weights=weights,
+                    clusters=_clusters(both))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvbench.results.stats import bootstrap_interval
+from kvbench.results.stats import bootstrap_interval, sample_cluster
 from kvbench.results.store import _atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -61,11 +61,14 @@ def _score_pct(records: list[dict[str, Any]]) -> float | None:
 
 
 def _score_ci(records: list[dict[str, Any]]) -> list[float] | None:
-    """The 95% bootstrap interval of the score x100 (stratified by subtask: `kvbench.results.stats`), as [low,
-    high]; None with fewer than two scored samples in a subtask."""
-    scored = sorted((rec["task"], str(rec["sample_id"]), 100.0 * float(rec["score"])) for rec in records
-                    if _is_number(rec.get("score")))
-    interval = bootstrap_interval([v for _, _, v in scored], [t for t, _, _ in scored]) if scored else None
+    """The 95% bootstrap interval of the score x100 (stratified by subtask, sampled responses to one problem
+    resampled together: `kvbench.results.stats`), as [low, high]; None with fewer than two scored samples (or
+    problems) in a subtask."""
+    scored = sorted((rec["task"], str(rec["sample_id"]), 100.0 * float(rec["score"]),
+                     sample_cluster(rec["sample_id"], rec.get("meta"))) for rec in records if _is_number(rec.get("score")))
+    clusters = [c for *_, c in scored]  # several sampled responses to one problem are resampled as one
+    interval = bootstrap_interval([v for _, _, v, _ in scored], [t for t, *_ in scored],
+                                  clusters=clusters if len(set(clusters)) < len(clusters) else None) if scored else None
     return None if interval is None else list(interval)
 
 
