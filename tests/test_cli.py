@@ -178,6 +178,26 @@ def test_a_parameter_shared_by_swept_methods_applies_to_each(tmp_path):
     assert all(recs[0]["method_params"]["pooling"] == "avg" for recs in points.values())
 
 
+def test_a_method_setting_the_preset_sweeps_narrows_its_sweep_instead_of_running_each_job_twice():
+    """`experiment=keydiff_table12_cpu method.block_size=64`: the preset sweeps block sizes 64 and 256; the
+    command's value replaces that sweep (as `budget=256` replaces its budgets), so each (method, budget) is one
+    job, at block size 64, not two jobs both forced to 64 (the second resuming the first)."""
+    from kvbench.config.command import _compose, _jobs, check_command
+
+    argv = check_command(["-m", "experiment=keydiff_table12_cpu", "method=keydiff,snapkv_block", "budget=256",
+                          "method.block_size=64"])
+    assert "method.block_size=choice(64)" in argv and not any(a.startswith("++") for a in argv)
+    overrides = [a for a in argv if not a.startswith("-")]
+    jobs = _jobs(overrides, _compose(overrides, True))
+    assert sorted(j for job in jobs for j in job if j.startswith("method")) == [
+        "method.block_size=64", "method.block_size=64", "method=keydiff", "method=snapkv_block"]
+    swept = check_command(["-m", "experiment=keydiff_table12_cpu", "method.block_size=32,64"])
+    assert "method.block_size=32,64" in swept
+    # without a preset, a shared setting stays `++` (the base config's default method lacks it)
+    assert "++method.window=8" in check_command(["-m", "model=tiny_llama", "method=snapkv,adakv",
+                                                 "method.window=8"])
+
+
 def test_compression_ratio_follows_kvpress_rounding(tmp_path):
     result = kvbench(*TINY, "task.num_samples=2", "method=snapkv", "compression_ratio=0.3", f"results_dir={tmp_path}",
                      cwd=tmp_path)

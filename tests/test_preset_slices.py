@@ -135,6 +135,15 @@ def test_omnikv_table8_filter_layers(tmp_path: Path):
     _scores(table, ["Retrieval", "Aggregation"])
 
 
+def test_omnikv_table14_prefill_ratios(tmp_path: Path):
+    """OmniKV-prefill's r as methods (r = 1 and "all"), beside full attention, by RULER category; the twin's prompt
+    chunks of 512 tokens make a 1K prompt two chunks, so the second chooses among the first's tokens."""
+    table = _table(run_preset_slice("omnikv_table14_cpu", tmp_path, *SHORT,
+                                    "method=full,omnikv_prefill_mem_r1,omnikv_prefill_mem_all"))
+    assert list(table["method"]) == ["full", "omnikv_prefill_mem_all", "omnikv_prefill_mem_r1"]
+    _scores(table, ["Retrieval"])
+
+
 @pytest.mark.parametrize("preset", ["adakv_table2_cpu", "adakv_fig6_cpu"])
 def test_adakv_longbench_layouts(tmp_path: Path, preset: str):
     report = run_preset_slice(preset, tmp_path, *SHORT, "method=snapkv,adakv", "budget=64", "compress_question=true")

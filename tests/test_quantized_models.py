@@ -56,6 +56,27 @@ def test_quantised_weights_are_counted_at_their_real_size(nf4):
     assert saved == pytest.approx(linear * (2 - 0.5 - 4 / 64), rel=0.02)
 
 
+def test_the_roofline_reads_quantised_weights_at_their_real_size(nf4):
+    """A profiled NF4 record's decode bytes per step count the packed weights a step reads (the config's count at
+    bfloat16 would make its bandwidth use look four times better than it is); a plain model's stay the config's."""
+    from omegaconf import OmegaConf
+
+    from kvbench.engine.config import EngineConfig
+    from kvbench.profiling.roofline import decode_weight_bytes, phase_costs
+    from kvbench.run.policy import run_or_oom
+    from tests.test_engine import kv_sample
+
+    plain = load_model(model_cfg("tiny_llama", dtype="bfloat16"))
+    by_config = phase_costs(plain.model.config, 0, 0.0, 2)["decode_bytes_per_step"]
+    assert decode_weight_bytes(plain) == pytest.approx(by_config, rel=0.01)  # the norms' weights differ
+    saved = sum(plain.weight_bytes_by_device().values()) - sum(nf4.weight_bytes_by_device().values())
+    assert decode_weight_bytes(plain) - decode_weight_bytes(nf4) == saved
+    cfg = OmegaConf.create({"profile": True, "profiler": {"warmup_steps": 0, "repeats": 1}})
+    record = run_or_oom(cfg, nf4, build_method("full"), 32, kv_sample(1), EngineConfig())
+    assert record["roofline"]["decode_bytes_per_step"] == pytest.approx(
+        decode_weight_bytes(nf4) + record["decode_read_bytes_per_step"])
+
+
 def test_a_missing_bitsandbytes_is_one_line_naming_what_to_install(tmp_path, monkeypatch):
     blocked = tmp_path / "blocked" / "bitsandbytes"
     blocked.mkdir(parents=True)

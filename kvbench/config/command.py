@@ -46,6 +46,9 @@ def check_command(argv: Sequence[str]) -> list[str]:
     check_keys(overrides)
     base = _compose(overrides, multirun)
     _check_launcher(base)
+    if multirun:
+        argv = narrowed_preset_sweeps(argv, base)
+        overrides = [arg for arg in argv if not arg.startswith("-")]
     jobs = _jobs(overrides, base) if multirun else [overrides]
     for job in jobs:
         cfg = _compose(job, multirun=False)
@@ -155,6 +158,26 @@ def _check_launcher(base: DictConfig) -> None:
         value = launcher.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise KVBenchError(f"hydra.launcher.{key} must be a positive integer, got {value!r}")
+
+
+def narrowed_preset_sweeps(argv: Sequence[str], base: DictConfig) -> list[str]:
+    """A method setting that the preset sweeps, given on the command line, replaces the preset's values, as any
+    swept key given there does. `check_settings` writes `method.block_size=64` as `++method.block_size=64`, so
+    that the sweep's base config, composed with the default method, takes it; but to Hydra's sweeper that is a
+    key of its own beside the preset's `method.block_size: 64,256`, and every job would run twice (the second
+    resuming the first). A sweep over its one value, `method.block_size=choice(64)`, stays out of the base
+    config and replaces the preset's key (every method the preset sweeps it with has the setting)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    swept = {str(key) for key in (base.hydra.sweeper.get("params") or {})}
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key.startswith("++") and key[2:] in swept:
+            sweep = OverridesParser.create().parse_override(f"{key[2:]}={value}").is_sweep_override()
+            arg = f"{key[2:]}={value}" if sweep else f"{key[2:]}=choice({value})"
+        out.append(arg)
+    return out
 
 
 def _jobs(overrides: Sequence[str], base: DictConfig) -> list[list[str]]:

@@ -80,12 +80,14 @@ def machine_peaks(device: torch.device) -> dict[str, Any]:
 
 
 def phase_costs(config: Any, prompt_tokens: int, decode_read_bytes_per_step: float | None,
-                dtype_bytes: int) -> dict[str, float]:
+                dtype_bytes: int, weight_bytes: float | None = None) -> dict[str, float]:
     """FLOPs of the prefill and bytes one decode step moves, from the model config and the method's reads.
 
     Dense layers: 2 FLOPs per parameter per token (embeddings excluded, the LM head counted once per prefill:
     only the last position's logits are computed). Causal attention: QK^T and PV over half the L x L square,
-    2 * 2 * L^2 / 2 * heads * head_dim per layer. Decode bytes: every weight once, plus what the method reads.
+    2 * 2 * L^2 / 2 * heads * head_dim per layer. Decode bytes: every weight once, plus what the method reads;
+    the weights' bytes from the config at `dtype_bytes` each, or `weight_bytes` where the stored weights are
+    counted instead (quantised weights: `decode_weight_bytes`).
     """
     layers, hidden = config.num_hidden_layers, config.hidden_size
     heads = config.num_attention_heads
@@ -96,20 +98,35 @@ def phase_costs(config: Any, prompt_tokens: int, decode_read_bytes_per_step: flo
     body = layers * per_layer
     head = config.vocab_size * hidden
     prefill_flops = 2 * body * prompt_tokens + 2 * head + 2 * layers * prompt_tokens**2 * heads * head_dim
-    weight_bytes = (body + head) * dtype_bytes
+    if weight_bytes is None:
+        weight_bytes = (body + head) * dtype_bytes
     return {
         "prefill_flops": float(prefill_flops),
         "decode_bytes_per_step": float(weight_bytes + (decode_read_bytes_per_step or 0.0)),
     }
 
 
-def roofline(record: dict[str, Any], config: Any, dtype: str, peaks: dict[str, Any]) -> dict[str, Any] | None:
-    """Achieved and peak rates of one profiled record (None without a profile)."""
+def decode_weight_bytes(lm: Any) -> int:
+    """The weight bytes one decode step reads, as stored: every parameter (a quantised weight at its packed size
+    plus its quantisation state: `LoadedModel.weight_bytes_by_device`) but the input embedding table, of which a
+    step reads one row; a table tied to the output head is counted, since the head reads it whole."""
+    total = sum(lm.weight_bytes_by_device().values())
+    embedding = lm.model.get_input_embeddings().weight
+    head = lm.model.get_output_embeddings()
+    if head is None or head.weight is not embedding:
+        total -= embedding.numel() * embedding.element_size()
+    return total
+
+
+def roofline(record: dict[str, Any], config: Any, dtype: str, peaks: dict[str, Any],
+             weight_bytes: float | None = None) -> dict[str, Any] | None:
+    """Achieved and peak rates of one profiled record (None without a profile); `weight_bytes`: the weights a
+    decode step reads, where the config's count at the dtype's size would be wrong (quantised weights)."""
     profile = record.get("profile")
     if not profile or record.get("oom"):
         return None
     costs = phase_costs(config, record["prompt_tokens"], record.get("decode_read_bytes_per_step"),
-                        DTYPES[dtype].itemsize)
+                        DTYPES[dtype].itemsize, weight_bytes)
     out: dict[str, Any] = dict(costs)
     peak_tflops = peaks["matmul_tflops"][dtype]
     if profile.get("prefill_s"):

@@ -15,7 +15,7 @@ from kvbench.engine.sample import run_group, run_sample
 from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.models import LoadedModel
 from kvbench.profiling.profiler import PhaseProfiler, combine_repeats, is_out_of_memory
-from kvbench.profiling.roofline import machine_peaks, roofline
+from kvbench.profiling.roofline import decode_weight_bytes, machine_peaks, roofline
 from kvbench.run.prepare import PreparedPoint
 from kvbench.tasks.base import Sample
 
@@ -35,7 +35,9 @@ def run_or_oom(cfg: DictConfig, lm: "LoadedModel", method: Any, budget: Any, sam
                 for _ in range(max(1, cfg.profiler.repeats))]
         record = combine_repeats(runs, cfg.profiler.warmup_steps)
         dtype = str(lm.dtype).replace("torch.", "")
-        record["roofline"] = roofline(record, lm.model.config, dtype, machine_peaks(lm.device))
+        # a plain model's weights as the config counts them (records as before), quantised ones as stored
+        weights = decode_weight_bytes(lm) if lm.quantization != "none" else None
+        record["roofline"] = roofline(record, lm.model.config, dtype, machine_peaks(lm.device), weights)
         return record
     except Exception as exc:  # noqa: BLE001 - only allocation failures are caught, the rest re-raised
         if not is_out_of_memory(exc):
