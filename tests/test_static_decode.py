@@ -22,7 +22,7 @@ from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
 from kvbench.kernels.decode_attention import decode_attention_reference, static_decode_attention
 from kvbench.methods import build_method
-from kvbench.methods.common.pages import top_page_tokens
+from kvbench.methods.common.pages import held_first, top_page_tokens
 from kvbench.methods.keydiff import ANCHORS, keydiff_scores
 from tests.conftest import random_ids
 from tests.test_engine import kv_sample
@@ -297,3 +297,13 @@ def test_the_latency_benchmark_decodes_every_method_on_both_paths(eager_backend,
     ran = {(row[0], row[1]) for row in rows if len(row) > 2 and row[1] in ("eager", "compiled")
            and row[2].replace(".", "").isdigit()}
     assert ran == {(m, p) for m in ("full", "quest", "exact_topk") for p in ("eager", "compiled")}, rows
+
+
+def test_held_tokens_first_is_the_stable_sort_of_the_past_mask():
+    gen = torch.Generator().manual_seed(3)
+    for heads, n in ((1, 1), (3, 17), (4, 64)):
+        tokens = torch.randint(0, 1000, (heads, n), generator=gen)
+        for share in (0.0, 0.3, 1.0):
+            past = torch.rand(heads, n, generator=gen) < share
+            stable = tokens.gather(-1, torch.sort(past.to(torch.uint8), dim=-1, stable=True).indices)
+            assert torch.equal(held_first(tokens, past), stable)

