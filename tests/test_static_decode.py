@@ -181,6 +181,64 @@ def test_a_decode_loop_replays_its_graph_after_two_guarded_calls_and_keeps_nothi
     assert again.compiles == 0 and again.static_loop.replayed == 8
 
 
+class CapturedOnCpu:
+    """A CUDA graph's semantics on a CPU, for `kvbench.engine.replay.CudaGraphCapture`'s place: capturing runs
+    nothing (the graph runs once to learn its outputs, then every tensor it was handed is put back as it was), and
+    each replay writes the graph's outputs into the same tensors, which the caller must copy before the next."""
+
+    stream = None  # guarded calls on the current stream
+
+    def __init__(self):
+        self.captures = self.replays = 0
+
+    def __call__(self, graph, args):
+        self.captures += 1
+        saved = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        outputs = [o.clone() for o in graph(*args)]
+        for arg, before in zip(args, saved):
+            if isinstance(arg, torch.Tensor):
+                arg.copy_(before)
+        capture = self
+
+        class Graph:
+            def replay(self):
+                capture.replays += 1
+                for fixed, new in zip(outputs, graph(*args)):
+                    fixed.copy_(new)
+
+        return Graph(), outputs
+
+
+def test_a_loop_replays_a_captured_graph_as_cuda_does(tiny_llama, monkeypatch):
+    """The CUDA path's bookkeeping on a CPU (`CapturedOnCpu` for the CUDA graph): one capture per loop after two
+    guarded calls, the cache untouched by the capture, and every replayed step's logits its own (the captured
+    output is overwritten by the next replay): each step's logits and the tokens are the eager path's."""
+    decoder = compiled.CompiledDecoder(tiny_llama, "eager")
+    capture = CapturedOnCpu()
+    monkeypatch.setattr(decoder, "_capture", capture)
+    ids = random_ids(120, seed=6)
+
+    def decode(decoder):
+        session = Session(tiny_llama, build_method("snapkv", window=8), 32)
+        logits, _ = session.prefill(ids, compress=True)
+        session.decoder = decoder
+        session.begin_decode(10)
+        steps = [logits]
+        for _ in range(10):
+            steps.append(session.step(int(steps[-1].argmax())))
+        return session, steps
+
+    eager, eager_steps = decode(None)
+    session, steps = decode(decoder)
+    assert (capture.captures, capture.replays, session.static_loop.replayed) == (1, 7, 7)
+    for mine, theirs in zip(steps, eager_steps):
+        torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=0)
+    session.end_decode()
+    eager.end_decode()
+    assert session.cache.kv_bytes() == eager.cache.kv_bytes()
+    assert session.cache.stats.read_elements == eager.cache.stats.read_elements
+
+
 def test_a_step_that_reads_a_new_tensor_every_step_is_not_replayed_and_warns_once(tiny_llama, monkeypatch, caplog):
     """A replay reads the tensors its graph was first handed: a step that reads a tensor made anew at every step
     (here: the token, were it not written in place) must keep its guarded calls, with one warning line per

@@ -51,7 +51,7 @@ import torch
 
 from kvbench.core.devices import sync
 from kvbench.core.errors import KVBenchError
-from kvbench.engine.replay import GraphRecorder, LoopReplays
+from kvbench.engine.replay import CudaGraphCapture, GraphRecorder, LoopReplays
 from kvbench.models import LoadedModel, cache_kwargs
 
 log = logging.getLogger("kvbench")
@@ -193,8 +193,8 @@ class CompiledDecoder:
         self.lm = lm
         self._failures: dict[int, str] = {}  # id(method) -> why its step did not compile (it then decodes eagerly)
         self._unreplayed: set[int] = set()  # id(method) of the methods whose loops kept guarded calls (warned once)
-        self.cuda_graphs = lm.device.type == "cuda"
         self.unavailable: str | None = None
+        self._capture: CudaGraphCapture | None = None
         if lm.sharded:
             self.unavailable = SHARDED_REASON
             return
@@ -204,9 +204,8 @@ class CompiledDecoder:
             self.unavailable = f"compile failed: {describe(exc)}"
             log.warning("kvbench: the compiled decode step could not be set up (%s); decoding eagerly", describe(exc))
             return
-        if self.cuda_graphs:  # every loop's CUDA graphs in one memory pool, captured on one side stream
-            self._pool = torch.cuda.graph_pool_handle()
-            self._stream = torch.cuda.Stream(lm.device)
+        # on CUDA a loop's replayed steps are one captured CUDA graph; elsewhere the backend's graph called directly
+        self._capture = CudaGraphCapture(lm.device) if lm.device.type == "cuda" else None
 
     def _compile(self, backend: Any) -> Any:
         missing = missing_features(backend)
@@ -247,7 +246,7 @@ class CompiledDecoder:
 
     def new_loop(self) -> LoopReplays:
         """The replay state of a session's decode loop on a new static layout (see `kvbench.engine.replay`)."""
-        return LoopReplays(self.lm.device)
+        return LoopReplays(self.lm.device, self._capture)
 
     @torch.inference_mode()
     def step(self, session: Any, token: int, step_context: Any) -> tuple[torch.Tensor, float]:
@@ -267,9 +266,10 @@ class CompiledDecoder:
         sync(device)
         start = time.perf_counter()
         try:
-            with torch.cuda.stream(self._stream) if self.cuda_graphs else contextlib.nullcontext():
-                if self.cuda_graphs:  # guarded calls on the capture stream: lazy set-up happens before capture
-                    self._stream.wait_stream(torch.cuda.current_stream(device))
+            stream = self._capture.stream if self._capture is not None else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if stream is not None:  # guarded calls on the capture stream: lazy set-up happens before capture
+                    stream.wait_stream(torch.cuda.current_stream(device))
                 logits = self._compiled(session.cache, step_context, loop.inputs.token, loop.inputs.position)
         except Exception as exc:
             self._recorder.take()  # a failed call's tensors are not kept
@@ -279,8 +279,7 @@ class CompiledDecoder:
         sync(device)
         compile_s = time.perf_counter() - start
         compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] > graphs
-        why = loop.note(key, self._recorder.take(), logits, compiled, *((self._pool, self._stream)
-                                                                         if self.cuda_graphs else ()))
+        why = loop.note(key, self._recorder.take(), logits, compiled)
         if why is not None and id(session.method) not in self._unreplayed:
             self._unreplayed.add(id(session.method))
             log.warning("kvbench: the compiled decode step of %s is not replayed (%s); its steps go through "

@@ -89,30 +89,48 @@ class StepInputs:
 
 
 class StepReplay:
-    """One graph of a decode loop called without dynamo: on CUDA, a CUDA graph captured from it (in `pool`, on
-    `stream`: capture cannot run on the default stream); elsewhere the compiled graph called with the same
-    tensors. `output`: which of the graph's outputs is the step's logits."""
+    """One graph of a decode loop called without dynamo: with a `capture` (on CUDA, `CudaGraphCapture`), the
+    graph's kernels captured once and replayed, the step's logits read from the captured output (`output`: which of
+    the graph's outputs it is) and cloned, since the next replay overwrites it; without, the compiled graph called
+    with the same tensors."""
 
-    def __init__(self, call: GraphCall, output: int, device: torch.device, pool: Any = None, stream: Any = None):
+    def __init__(self, call: GraphCall, output: int, capture: "Callable[..., tuple[Any, Any]] | None" = None):
         self.call, self.output = call, output
-        self.cuda_graph = None
-        if device.type == "cuda":
-            self.cuda_graph = torch.cuda.CUDAGraph()
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                self.cuda_graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                try:
-                    outputs = call.graph(*call.args)
-                finally:
-                    self.cuda_graph.capture_end()
-            torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = None
+        if capture is not None:
+            self.graph, outputs = capture(call.graph, call.args)
             self.captured = outputs[output]  # written by each replay; nothing ran while capturing
 
     def __call__(self) -> torch.Tensor:
-        if self.cuda_graph is None:
+        if self.graph is None:
             return self.call.graph(*self.call.args)[self.output]
-        self.cuda_graph.replay()
+        self.graph.replay()
         return self.captured.clone()  # the next replay overwrites the captured output
+
+
+class CudaGraphCapture:
+    """Captures a compiled graph's kernels, called on its tensors, as one CUDA graph: on a side `stream` (capture
+    cannot run on the default stream), in one memory `pool` for all of a decoder's loops (a graph's intermediates
+    are dead between replays, and each output is cloned right after its replay). Nothing runs while capturing.
+    The decoder's guarded calls run on the same stream, so lazy set-up (cuBLAS handles, workspaces) happens before
+    the first capture, as CUDA graphs require."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
+
+    def __call__(self, graph: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, Any]:
+        cuda_graph = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            cuda_graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                outputs = graph(*args)
+            finally:
+                cuda_graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        return cuda_graph, outputs
 
 
 def _same_inputs(first: GraphCall, second: GraphCall) -> bool:
@@ -133,8 +151,8 @@ class LoopReplays:
     """The replays of one session's static decode loop: its `StepInputs`, and per graph key the first guarded
     call (`noted`), the replay, or why its steps stay guarded (`refused`)."""
 
-    def __init__(self, device: torch.device):
-        self.device = device
+    def __init__(self, device: torch.device, capture: "Callable[..., tuple[Any, Any]] | None" = None):
+        self.capture = capture
         self.inputs = StepInputs(device)
         self.noted: dict[Any, GraphCall] = {}
         self.replays: dict[Any, StepReplay] = {}
@@ -149,8 +167,7 @@ class LoopReplays:
         self.replayed += 1
         return replay()
 
-    def note(self, key: Any, call: GraphCall | None, logits: torch.Tensor, compiled: bool, pool: Any = None,
-             stream: Any = None) -> str | None:
+    def note(self, key: Any, call: GraphCall | None, logits: torch.Tensor, compiled: bool) -> str | None:
         """After a guarded call of `key` that returned `logits`: note it, or, on the second call that ran a graph
         already compiled, make the replay of the key's next steps. Why not, when it cannot be (warn once)."""
         if key in self.refused or key in self.replays:
@@ -169,7 +186,7 @@ class LoopReplays:
             self.refused[key] = why
             return why
         try:
-            self.replays[key] = StepReplay(call, output, self.device, pool, stream)
+            self.replays[key] = StepReplay(call, output, self.capture)
         except Exception as exc:  # noqa: BLE001 - an op CUDA graphs refuse: the guarded calls still work
             why = f"capturing its CUDA graph failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}"
             self.refused[key] = why
