@@ -30,13 +30,10 @@ steps guarded, with one warning line.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-
-log = logging.getLogger("kvbench")
 
 
 @dataclass
