@@ -54,7 +54,6 @@ class GraphRecorder:
         from torch._dynamo.backends.registry import lookup_backend
 
         self.inner = lookup_backend(inner) if isinstance(inner, str) else inner
-        self.compiler_name = getattr(self.inner, "compiler_name", None) or getattr(self.inner, "__name__", "backend")
         self.last: GraphCall | None = None
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:

@@ -149,8 +149,9 @@ def bootstrap_interval(values: Sequence[float], strata: Sequence[Any] | None = N
                        level: float = CONFIDENCE, clusters: Sequence[Any] | None = None) -> tuple[float, float] | None:
     """Percentile-bootstrap interval of `mean_of_strata`, resampling within each stratum; None when a stratum
     has fewer than two values. With `clusters` (one per value, `sample_cluster`), the clusters are resampled,
-    each as the mean of its values; None when a stratum has fewer than two clusters."""
-    if clusters is not None:
+    each as the mean of its values; None when a stratum has fewer than two clusters. Clusters that each hold one
+    value change nothing: the plain bootstrap, bitwise."""
+    if clusters is not None and len({str(c) for c in clusters}) < len(clusters):
         values, strata = cluster_means(values, strata, clusters)
     names, groups = _strata(values, strata)
     if not groups or any(len(g) < 2 for g in groups):
@@ -196,12 +197,8 @@ def frame_estimate(frame: "pd.DataFrame", value: str = "score", stratum: str = "
 
 
 def _clusters(rows: "pd.DataFrame") -> list[str] | None:
-    """The frame's `cluster` column (`kvbench.results.collect.load` writes it: `sample_cluster`) where it groups
-    records, else None (every record its own cluster: the plain bootstrap, bitwise)."""
-    if "cluster" not in rows.columns:
-        return None
-    clusters = rows["cluster"].astype(str).tolist()
-    return clusters if len(set(clusters)) < len(clusters) else None
+    """The frame's `cluster` column (`kvbench.results.collect.load` writes it: `sample_cluster`), if it has one."""
+    return rows["cluster"].astype(str).tolist() if "cluster" in rows.columns else None
 
 
 # What makes two records the same sample: a sample id names a prompt only together with its subtask, and the

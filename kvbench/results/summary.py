@@ -66,9 +66,8 @@ def _score_ci(records: list[dict[str, Any]]) -> list[float] | None:
     problems) in a subtask."""
     scored = sorted((rec["task"], str(rec["sample_id"]), 100.0 * float(rec["score"]),
                      sample_cluster(rec["sample_id"], rec.get("meta"))) for rec in records if _is_number(rec.get("score")))
-    clusters = [c for *_, c in scored]  # several sampled responses to one problem are resampled as one
     interval = bootstrap_interval([v for _, _, v, _ in scored], [t for t, *_ in scored],
-                                  clusters=clusters if len(set(clusters)) < len(clusters) else None) if scored else None
+                                  clusters=[c for *_, c in scored]) if scored else None
     return None if interval is None else list(interval)
 
 

@@ -21,7 +21,9 @@ import dataclasses
 import hashlib
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from kvbench.core.errors import KVBenchError
@@ -121,6 +123,22 @@ def load_hf_rows(path: str, name: str | None, split: str) -> list[dict[str, Any]
     except (ConnectionError, FileNotFoundError, OSError, ValueError):
         return None
     return [dict(row) for row in dataset]
+
+
+def read_jsonl(path: Path, required: Sequence[str], benchmark: str) -> list[dict[str, Any]]:
+    """The rows of a benchmark's JSON-lines file (blank lines skipped); a row without one of the `required` keys
+    is a ValueError naming the file, the line and the keys."""
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            missing = [k for k in required if k not in row]
+            if missing:
+                raise ValueError(f"{path}:{lineno}: {benchmark} row lacks {missing}")
+            rows.append(row)
+    return rows
 
 
 class DatasetMissingError(KVBenchError):

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn, sample_rng
+from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn, read_jsonl, sample_rng
 
 HF_REPO = "xinrongzhang2022/InfiniteBench"
 
@@ -173,18 +173,7 @@ def _missing_message(names: Sequence[str], where: str) -> str:
     )
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            missing = [k for k in ("context", "answer") if k not in row]
-            if missing:
-                raise ValueError(f"{path}:{lineno}: InfiniteBench row lacks {missing}")
-            rows.append(row)
-    return rows
+ROW_KEYS = ("context", "answer")  # what every InfiniteBench row has
 
 
 def _hub_file(subset: str) -> Path:
@@ -257,7 +246,7 @@ class InfiniteBench(Task):
         if not subsets:
             return {}
         if self.data_dir is None:
-            return {s: read_jsonl(_hub_file(s)) for s in subsets}
+            return {s: read_jsonl(_hub_file(s), ROW_KEYS, "InfiniteBench") for s in subsets}
         paths = {}
         for subset in subsets:
             candidates = [self.data_dir / f"{subset}.jsonl", self.data_dir / "data" / f"{subset}.jsonl"]
@@ -268,7 +257,7 @@ class InfiniteBench(Task):
         if missing:
             files = ", ".join(f"{m}.jsonl" for m in missing)
             raise DatasetMissingError(_missing_message(missing, f"no {files} in {self.data_dir} or {self.data_dir / 'data'}"))
-        return {s: read_jsonl(p) for s, p in paths.items()}
+        return {s: read_jsonl(p, ROW_KEYS, "InfiniteBench") for s, p in paths.items()}
 
     def samples(self, meter: PromptMeter, seed: int) -> list[Sample]:
         rows = self.load_rows([s for s in self.subsets if not self.generated(s)])

@@ -59,7 +59,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn
+from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn, read_jsonl
 from kvbench.tasks.longbench_metrics import (
     ALL_SUBSETS,
     ENGLISH_SUBSETS,
@@ -177,20 +177,6 @@ def _missing_message(names: Sequence[str], where: str) -> str:
     )
 
 
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            missing = [k for k in _ROW_KEYS if k not in row]
-            if missing:
-                raise ValueError(f"{path}:{lineno}: LongBench row lacks {missing}")
-            rows.append(row)
-    return rows
-
-
 def _hf_cache_has_longbench() -> bool:
     import datasets  # slow to import; only needed without data_dir
 
@@ -282,7 +268,7 @@ class LongBench(Task):
                 files = ", ".join(f"{m}.jsonl" for m in missing)
                 where = f"no {files} in {self.data_dir} or {self.data_dir / 'data'}"
                 raise DatasetMissingError(_missing_message(missing, where))
-            return {s: _read_jsonl(p) for s, p in paths.items()}
+            return {s: read_jsonl(p, _ROW_KEYS, "LongBench") for s, p in paths.items()}
         if not _hf_cache_has_longbench():
             raise DatasetMissingError(
                 _missing_message(list(names.values()), "task.data_dir is not set and the HF datasets cache lacks it")
