@@ -333,15 +333,32 @@ def test_a_category_average_weighs_its_subtasks_like_the_number_it_shows(tmp_pat
     assert out["stats"]["detectable"] is not None and out["stats"]["detectable"].comparisons == 1
 
 
-def test_a_preset_with_no_records_yet_reports_every_point_missing(tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize(("preset", "points", "labels"), [
+    ("adakv_fig4_cpu", 42, ["compress_question", "method"]),  # one column per budget
+    ("ctkvr_table4_cpu", 4, ["method.centroid_positions", "method"]),  # one column per subtask
+])
+def test_a_preset_with_no_records_yet_reports_every_point_missing(tmp_path: Path, capsys, preset, points,
+                                                                  labels) -> None:
     """Before its sweep has written anything, a preset's report is its grid, every cell `missing` (not a crash),
     and the exit status says there were no records."""
     results = tmp_path / "results"
     results.mkdir()
-    assert main(["experiment=adakv_fig4_cpu", f"results_dir={results}", "--out", str(tmp_path / "r")]) == 1
-    assert "42 expected points have no records" in capsys.readouterr().out
+    assert main([f"experiment={preset}", f"results_dir={results}", "--out", str(tmp_path / "r")]) == 1
+    assert f"{points} expected points have no records" in capsys.readouterr().out
     table = pd.read_csv(tmp_path / "r" / "table.csv")
-    assert len(table) and (table.drop(columns=["compress_question", "method"]) == MISSING).all().all()
+    assert len(table) and (table.drop(columns=labels) == MISSING).all().all()
+
+
+def test_an_x_of_names_draws_one_evenly_spaced_tick_per_name(tmp_path: Path) -> None:
+    """A swept setting whose values are names (CTKVR's centroid rules) is the figure's x as categories."""
+    for rule, scores in (("init", [0.0, 1.0]), ("final", [1.0, 1.0]), ("equi", [1.0, 0.0])):
+        write_point(tmp_path, "ctkvr", 64, {"a": scores}, task=rule)
+    src = source(tmp_path, x="task", panels=("model",))
+    points, _ = point_scores(select_points(src, collect(tmp_path))[0])
+    ax = accuracy_figure(src, points).axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["equi", "final", "init"]
+    line = next(line for line in ax.get_lines() if line.get_label() == "ctkvr")
+    assert list(line.get_xdata()) == [0.0, 1.0, 2.0] and list(line.get_ydata()) == [50.0, 100.0, 50.0]
 
 
 def test_a_single_value_of_a_swept_method_setting_narrows_the_reports_grid() -> None:

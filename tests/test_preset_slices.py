@@ -126,6 +126,14 @@ def test_ctkvr_centroid_sweeps(tmp_path: Path, preset: str, setting: str, values
     _scores(table, values)
 
 
+def test_ctkvr_table4_centroid_rules(tmp_path: Path):
+    table = _table(run_preset_slice("ctkvr_table4_cpu", tmp_path, *SHORT, "method.centroid_positions=init,final"))
+    assert list(table.columns[:4]) == ["method.centroid_positions", "method", "ruler_niah_single_2", "avg"], list(
+        table.columns)
+    assert sorted(table["method.centroid_positions"]) == ["final", "init"] and set(table["method"]) == {"ctkvr"}
+    _scores(table, ["ruler_niah_single_2"])
+
+
 def test_omnikv_table8_filter_layers(tmp_path: Path):
     table = _table(run_preset_slice("omnikv_table8_cpu", tmp_path, "task.seq_len=1024", "task.num_samples=1",
                                     "task.subtasks=[niah_single_2,vt]", "engine.nll=false",

@@ -11,6 +11,7 @@ from conftest import model_cfg, random_ids
 from reference import reference_chunks
 
 from kvbench.attention.hooks import evict_layer
+from kvbench.core.errors import KVBenchError
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
@@ -362,3 +363,62 @@ def test_omnikv_exp_selector_halves_each_older_querys_weight():
     score = _window_score(queries, keys, 1, 1.0, "exp")
     torch.testing.assert_close(score[:3], torch.tensor([0.25, 0.5, 1.0]), atol=1e-6, rtol=0)
     torch.testing.assert_close(_window_score(queries, keys, 1, 1.0, "uniform")[:3], torch.ones(3), atol=1e-6, rtol=0)
+
+
+def _ctkvr_index_and_prompt_queries(lm, rule, seed=0):
+    """A CTKVR session over a 400-token prompt with `centroid_positions=rule`: its layers, the queries each layer
+    attended the prompt with (as the method observed them), and the rows it drew."""
+    method = build_method("ctkvr", **SMALL_CTKVR, centroid_positions=rule)
+    seen = {}
+    observe = method.observe
+
+    def spy(layer, queries, step):
+        seen[layer.layer_idx] = queries.clone()
+        observe(layer, queries, step)
+
+    method.observe = spy
+    session = Session(lm, method, 32, sequence_length=PROMPT + 10, generator=torch.Generator().manual_seed(seed))
+    session.prefill(random_ids(PROMPT, seed=68), compress=True)
+    drawn = session.shared.get("ctkvr_centroid_rows")
+    return session.cache.layers, seen, None if drawn is None else drawn[1]
+
+
+@pytest.mark.parametrize("rule", ["init", "equi", "random"])
+def test_ctkvr_centroid_positions_take_the_rule_s_prompt_queries_in_every_layer(tiny_llama, rule):
+    """CTKVR Table 4: INIT the first C prompt queries, EQUI C evenly spaced from the first to the last, RANDOM C
+    distinct positions drawn once from the sample's generator; the same positions in every layer, indexed
+    causally, the pool freed once the index is built, and the lists still point into the host rows only (M4)."""
+    layers, queries, rows = _ctkvr_index_and_prompt_queries(tiny_llama, rule)
+    count = min(SMALL_CTKVR["max_centroids"], PROMPT // 16)
+    expected = {"init": torch.arange(count),
+                "equi": torch.tensor([round(i * (PROMPT - 1) / (count - 1)) for i in range(count)])}.get(rule)
+    assert rows.shape == (count,) and torch.equal(rows, rows.unique())  # ascending, distinct
+    if expected is not None:
+        assert torch.equal(rows, expected)
+    else:
+        assert int(rows[-1]) < PROMPT and not torch.equal(rows, torch.arange(PROMPT - count, PROMPT))
+    assert len(queries) == len(layers)
+    for layer in layers:
+        index, host = layer.derived["index"], layer.derived["host"]
+        assert "centroid_pool" not in layer.derived
+        assert torch.equal(index.centroids, queries[layer.layer_idx][:, rows])
+        assert int(index.lists.min()) >= 0 and int(index.lists.max()) < host.keys.shape[1]
+    again = _ctkvr_index_and_prompt_queries(tiny_llama, rule)[2]
+    other = _ctkvr_index_and_prompt_queries(tiny_llama, rule, seed=1)[2]
+    assert torch.equal(again, rows) and torch.equal(other, rows) == (rule != "random")
+
+
+def test_ctkvr_final_centroid_positions_are_the_default_index(tiny_llama):
+    default, _, _ = _ctkvr_index_and_prompt_queries(tiny_llama, None)
+    final, observed, _ = _ctkvr_index_and_prompt_queries(tiny_llama, "final")
+    assert not observed  # the last C queries come from the layer's query window, as by default
+    for ours, theirs in zip(final, default):
+        assert torch.equal(ours.derived["index"].centroids, theirs.derived["index"].centroids)
+        assert torch.equal(ours.derived["index"].lists, theirs.derived["index"].lists)
+
+
+def test_ctkvr_centroid_positions_reject_unknown_rules_and_rebuilt_turns():
+    with pytest.raises(KVBenchError, match="centroid_positions must be one of final, init, equi, random"):
+        build_method("ctkvr", centroid_positions="middle")
+    with pytest.raises(KVBenchError, match="need turn_index=dcu"):
+        build_method("ctkvr", centroid_positions="equi", turn_index="rebuild")

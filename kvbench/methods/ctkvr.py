@@ -2,7 +2,9 @@
 
 Nothing is dropped. When the prompt's prefill ends, per layer (Algorithm 1, specs/ctkvr.md §2.2):
 
-- the last C post-RoPE queries become centroids, C = min(`max_centroids`, s // 16);
+- the last C post-RoPE queries become centroids, C = min(`max_centroids`, s // 16) (`centroid_positions`:
+  final; Table 4's ablation takes them from the start (init), evenly spaced (equi) or at random positions drawn
+  from the sample's generator (random) instead);
 - each centroid's top-rho keys (rho = 2.5 rho') by the max over its GQA group of each query head's own softmax
   probability (fp32, causal: a centroid never indexes its future), initial and local tokens excluded, form
   its inverted list (the qcIVF); built in chunks of `build_chunk` centroids so memory stays bounded;
@@ -30,7 +32,11 @@ Choices where the paper is silent (spec §8): n_init 64; n_local null = 5% of th
 paper's only hint is "about 5% of the KV stays on the GPU" at 128K, which this reproduces at every length;
 the spec's fixed 1024 would keep a 2K prompt nearly dense), a number fixes it; the records' read traffic
 counts the resident tokens next to rho'. Indices only point into the host segment, so the sets merge
-disjointly; all layers use CTKVR (`dense_layers` keeps some dense).
+disjointly; all layers use CTKVR (`dense_layers` keeps some dense). Table 4's rules (§4.3.1) say only "from
+the beginning", "evenly spaced", "random": INIT takes queries 0..C-1, EQUI rounds C points spaced evenly from
+the first query to the last, RANDOM draws C distinct positions once per prompt (the same in every layer and
+head); a centroid still indexes only keys at or before its position, so an INIT centroid among the first
+n_init queries sees no host key and lists host rows at random, until DCU replaces it.
 """
 
 from __future__ import annotations
@@ -83,6 +89,44 @@ class QueryIndex:
         return 0
 
 
+CENTROID_POSITIONS = ("final", "init", "equi", "random")
+
+
+@dataclass
+class CentroidPool:
+    """The C prompt queries [H_q, C, D] (post-RoPE) and positions [C] that a `centroid_positions` other than
+    final picks while the prompt is attended (`CTKVR.observe`); the index build right after consumes it."""
+
+    queries: torch.Tensor
+    positions: torch.Tensor
+    on_host = False
+    paper_elements = 0
+
+    def kept(self, layer) -> "CentroidPool":
+        return self
+
+    def append(self, layer, n: int) -> "CentroidPool":
+        return self
+
+    def truncate(self, layer) -> "CentroidPool":
+        return self
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.queries, self.positions))
+
+
+def centroid_rows(rule: str, queries: int, count: int, generator: torch.Generator | None) -> torch.Tensor:
+    """Which `count` of a segment's `queries` rows become centroids, ascending (Table 4: FINAL, the last;
+    INIT, the first; EQUI, evenly spaced from the first to the last; RANDOM, uniform without replacement)."""
+    if rule == "final":
+        return torch.arange(queries - count, queries)
+    if rule == "init":
+        return torch.arange(count)
+    if rule == "equi":
+        return torch.linspace(0, queries - 1, count, dtype=torch.float64).round().long()
+    return torch.randperm(queries, generator=generator)[:count].sort().values
+
+
 def build_index(
     centroids: torch.Tensor,
     centroid_positions: torch.Tensor,
@@ -130,6 +174,7 @@ class CTKVR(Method):
     n_local: int | None = None  # null: 5% of the prompt, at least C
     turn_index: str = "dcu"  # dcu: turn tokens enter the index through DCU; rebuild: Algorithm 1 at each turn end
     build_chunk: int = 256  # centroids scored at once while building the qcIVF
+    centroid_positions: str | None = None  # the prompt queries that become centroids: final (None), init, equi, random
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -146,10 +191,33 @@ class CTKVR(Method):
             raise ValueError(f"list_ratio (rho / rho') must be a number >= 1, got {self.list_ratio!r}")
         if self.turn_index not in ("dcu", "rebuild"):
             raise ValueError(f"turn_index must be dcu or rebuild, not {self.turn_index!r}")
+        if self.centroid_positions is not None and self.centroid_positions not in CENTROID_POSITIONS:
+            raise ValueError(f"centroid_positions must be one of {', '.join(CENTROID_POSITIONS)} (null: final), "
+                             f"not {self.centroid_positions!r}")
+        if self.observes and self.turn_index == "rebuild":
+            raise ValueError("centroid_positions other than final need turn_index=dcu (a rebuild indexes the turn's "
+                             "last queries)")
+
+    @property
+    def observes(self) -> bool:  # the rules other than final pick their centroids while the prompt is attended
+        return self.centroid_positions not in (None, "final")
 
     @property
     def obs_window(self) -> int:
-        return self.max_centroids
+        return 0 if self.observes else self.max_centroids
+
+    def observe(self, layer, queries, step):
+        """Keep the C queries [H_q, q, D] of the segment just attended that `centroid_positions` names: the same
+        positions in every layer (random: one draw per segment, the first layer's, shared through `step.shared`)."""
+        count = min(self.max_centroids, max(1, layer.seen // 16), queries.shape[1])
+        segment = (layer.seen, queries.shape[1], count)
+        drawn = step.shared.get("ctkvr_centroid_rows")
+        if drawn is None or drawn[0] != segment:
+            drawn = step.shared["ctkvr_centroid_rows"] = (
+                segment, centroid_rows(self.centroid_positions, queries.shape[1], count, step.generator))
+        rows = drawn[1].to(queries.device)
+        first = layer.seen - queries.shape[1]
+        layer.derived["centroid_pool"] = CentroidPool(queries.index_select(1, rows), (first + rows).to(torch.int32))
 
     def schedule(self) -> Schedule:
         # the "eviction" events move the prompt's middle to host memory (nothing is dropped) and build the index
@@ -167,6 +235,7 @@ class CTKVR(Method):
 
     # -- prefill end (and turn ends with turn_index=rebuild): offload the middle, build the qcIVF -------------
     def keep(self, layer, budget, step):
+        pool = layer.derived.pop("centroid_pool", None)
         view = layer.head_view()
         positions = view.positions
         first_local = layer.seen - step.plan.derived["n_local"]
@@ -174,8 +243,11 @@ class CTKVR(Method):
         moving = (positions >= self.n_init) & (positions < first_local)
         if (old is None or old.positions.shape[1] == 0) and not bool(moving.any()):
             return None  # the prompt is all initial and local tokens: nothing to retrieve
-        centroids = min(self.max_centroids, max(1, layer.seen // 16), layer.queries.shape[1])
-        queries, query_positions = layer.queries[:, -centroids:], layer.query_positions[-centroids:]
+        if pool is not None:
+            queries, query_positions = pool.queries, pool.positions
+        else:
+            centroids = min(self.max_centroids, max(1, layer.seen // 16), layer.queries.shape[1])
+            queries, query_positions = layer.queries[:, -centroids:], layer.query_positions[-centroids:]
         keys, values = view.keys, view.values
         all_keys, all_positions = keys, positions
         if old is not None:  # a rebuild indexes every key: the earlier host rows come first in position order

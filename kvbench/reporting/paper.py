@@ -69,7 +69,7 @@ def build(source: str | Path | Source, out_dir: Path | None = None, overrides: S
     written: list[Path] = []
     if df.empty:
         points = pd.DataFrame(columns=["score", "n", "point_hash", *IDENTITY])  # every expected point missing
-        subtasks = pd.DataFrame(columns=["subtask", "score", "n"])
+        subtasks = pd.DataFrame(columns=["point_hash", "subtask", "score", "n"])
     else:
         points, subtasks = point_scores(df, list(src.grid[0]) if src.grid else ())
         # the figures draw records: each under its point's name (a method variant's own), split by dtype

@@ -141,7 +141,9 @@ def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
     xs_all = sorted({norm(v) for v in compressed[x]} | {p.get(x, "-") for p in source.grid or []} - {"-"},
                     key=_sort_key)
     numeric_x = [float(v) for v in xs_all if _sort_key(v)[0] == 0]
-    log_x = bool(numeric_x) and min(numeric_x) >= 1
+    categorical = len(numeric_x) < len(xs_all)  # a setting's names (CTKVR's centroid rules): evenly spaced, in order
+    place = {v: float(i) if categorical else float(v) for i, v in enumerate(xs_all)}
+    log_x = not categorical and bool(numeric_x) and min(numeric_x) >= 1
     for ax, pid in zip(axes, panel_ids):
         mask = (ident == list(pid)).all(axis=1) if panel_fields else pd.Series(True, index=points.index)
         here = points[mask]
@@ -149,20 +151,20 @@ def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
             line = here[here[spec.series].map(norm) == series]
             by_x = {norm(v): s for v, s in zip(line[x], line["score"])}
             ys = [by_x.get(v, np.nan) for v in xs_all]
-            xv = [float(v) for v in xs_all]
+            xv = [place[v] for v in xs_all]
             # each series a few points aside, so error bars at one x do not cover each other
             dodged = offset_copy(ax.transData, fig=fig, x=3.0 * (i - (len(series_values) - 1) / 2), units="points")
             ax.plot(xv, ys, color=colors[series], label=series, transform=dodged, **styles[series])
-            _error_bars(ax, line[x].map(norm).astype(float), line, colors[series], transform=dodged)
+            _error_bars(ax, line[x].map(norm).map(place), line, colors[series], transform=dodged)
             # a shifted transform keeps its artists out of autoscaling: the limits from the data themselves
             bounds = [c for c in ("score", "ci_low", "ci_high") if c in line.columns]
-            ax.update_datalim([(float(norm(v)), float(y)) for v, row in zip(line[x], line[bounds].values)
+            ax.update_datalim([(place[norm(v)], float(y)) for v, row in zip(line[x], line[bounds].values)
                                for y in row if pd.notna(y)])
             for v in xs_all:
                 gone = any(p.get(spec.series) == series and p.get(x) == v
                            and all(p.get(f, "-") == i for f, i in zip(panel_fields, pid)) for p in missing)
                 if gone:
-                    ax.plot([float(v)], [0.02], marker="x", color=colors[series], transform=ax.get_xaxis_transform(),
+                    ax.plot([place[v]], [0.02], marker="x", color=colors[series], transform=ax.get_xaxis_transform(),
                             clip_on=False)
         ref = here[here[spec.series] == spec.reference]
         if len(ref):
@@ -175,6 +177,8 @@ def accuracy_figure(source: Source, points: pd.DataFrame) -> plt.Figure | None:
             ax.set_xscale("log", base=2)
             ax.set_xticks(numeric_x, [f"{v:g}" for v in numeric_x])
             ax.minorticks_off()
+        elif categorical:
+            ax.set_xticks(list(place.values()), xs_all)
         _label_panel(ax, x, panel_fields, pid, spec)
     return _finish(fig, axes, spec.title + (f"  (x: {MISSING} point)" if missing else ""))
 
