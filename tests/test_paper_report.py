@@ -349,6 +349,24 @@ def test_a_preset_with_no_records_yet_reports_every_point_missing(tmp_path: Path
     assert len(table) and (table.drop(columns=labels) == MISSING).all().all()
 
 
+def test_turn_columns_show_a_conversation_s_accuracy_per_round(tmp_path: Path) -> None:
+    """`columns: turn` (CTKVR Table 5): a column per round holding the mean of that turn's scores over the
+    conversations, the average over rounds, and an interval per round from resampling conversations."""
+    point = {"model": "m", "task": "mt", "method": "ctkvr", "budget": 64, "compress_question": True, "seq_len": 2048}
+    store = RecordStore(tmp_path / "ctkvr")
+    rounds = [[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 0.0, 1.0]]  # four conversations, three turns
+    for i, turns in enumerate(rounds):
+        store.append({"sample_id": f"mt-{i}", "task": "mt", "score": sum(turns) / 3, "point": point,
+                      "point_hash": point_hash(point), "turns": [{"score": t} for t in turns]})
+    build(source(tmp_path, columns="turn", rows=("method",)), tmp_path / "r")
+    table = pd.read_csv(tmp_path / "r" / "table.csv").set_index("method")
+    assert [c for c in table.columns if c.startswith("round") and c.count(" ") == 1] == ["round 1", "round 2",
+                                                                                        "round 3"]
+    assert table.loc["ctkvr", ["round 1", "round 2", "round 3"]].tolist() == [100.0, 50.0, 50.0]
+    assert table.loc["ctkvr", "avg"] == pytest.approx(200 / 3)
+    assert table.loc["ctkvr", "round 1 n"] == 4 and table.loc["ctkvr", "round 2 ci_low"] < 50.0
+
+
 def test_an_x_of_names_draws_one_evenly_spaced_tick_per_name(tmp_path: Path) -> None:
     """A swept setting whose values are names (CTKVR's centroid rules) is the figure's x as categories."""
     for rule, scores in (("init", [0.0, 1.0]), ("final", [1.0, 1.0]), ("equi", [1.0, 0.0])):

@@ -134,6 +134,14 @@ def test_ctkvr_table4_centroid_rules(tmp_path: Path):
     _scores(table, ["ruler_niah_single_2"])
 
 
+def test_ctkvr_table5_rounds_with_and_without_dcu(tmp_path: Path):
+    table = _table(run_preset_slice("ctkvr_table5_cpu", tmp_path, "task.seq_len=1536", "task.num_samples=1",
+                                    "task.needles=2", "task.turns=2", "task.max_new_tokens=8", "engine.nll=false"))
+    assert list(table.columns[:5]) == ["method.dcu", "method", "round 1", "round 2", "avg"], list(table.columns)
+    assert sorted(table["method.dcu"]) == ["false", "true"] and set(table["method"]) == {"ctkvr"}
+    _scores(table, ["round 1", "round 2"])
+
+
 def test_omnikv_table8_filter_layers(tmp_path: Path):
     table = _table(run_preset_slice("omnikv_table8_cpu", tmp_path, "task.seq_len=1024", "task.num_samples=1",
                                     "task.subtasks=[niah_single_2,vt]", "engine.nll=false",

@@ -28,7 +28,7 @@ REPORT_KEYS = {"title", "kind", "x", "series", "panels", "rows", "columns", "cat
                "not_in_kvbench", "efficiency_layout",  # efficiency_layout: a kvbench.figures layout (profiled presets)
                "compare"}  # compare: [series, against] pairs compared like each series with the reference
 KINDS = {"accuracy", "storage_traffic", "math", "claims"}
-COLUMNS = {"budget", "subtask", "category"}
+COLUMNS = {"budget", "subtask", "category", "turn"}
 POINT_FIELDS = {"model", "task", "method", "budget", "compress_question", "seq_len"}
 
 

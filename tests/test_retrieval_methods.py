@@ -422,3 +422,23 @@ def test_ctkvr_centroid_positions_reject_unknown_rules_and_rebuilt_turns():
         build_method("ctkvr", centroid_positions="middle")
     with pytest.raises(KVBenchError, match="need turn_index=dcu"):
         build_method("ctkvr", centroid_positions="equi", turn_index="rebuild")
+
+
+@pytest.mark.parametrize("dcu", [None, False])
+def test_ctkvr_without_dcu_keeps_the_prompt_s_index_through_decode_and_new_turns(tiny_llama, dcu):
+    """CTKVR Table 5's ablation: `dcu: false` decodes (and steps a new turn's tokens) over the index the prompt
+    built; by default every step's query replaces the oldest centroid."""
+    method = build_method("ctkvr", **SMALL_CTKVR, dcu=dcu)
+    session = Session(tiny_llama, method, 32, sequence_length=PROMPT + 10)
+    logits, _ = session.prefill(random_ids(PROMPT, seed=69), compress=True)
+    built = [(layer.derived["index"].centroids.clone(), layer.derived["index"].lists.clone())
+             for layer in session.cache.layers]
+    decode(session, logits, 3)
+    session.prefill(random_ids(5, seed=70), compress=False)  # a new turn: token by token through the index
+    for layer, (centroids, lists) in zip(session.cache.layers, built):
+        index = layer.derived["index"]
+        if dcu is False:
+            assert index.pointer == 0 and torch.equal(index.centroids, centroids) and torch.equal(index.lists, lists)
+        else:
+            assert index.pointer == 3 + 5 and not torch.equal(index.centroids, centroids)
+            assert torch.equal(index.centroids[:, 8:], centroids[:, 8:])  # the oldest eight were replaced

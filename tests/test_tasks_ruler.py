@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from kvbench.tasks import haystack as hs
 from kvbench.tasks.base import DatasetMissingError, Sample, whitespace_meter
 from kvbench.tasks.niah import Niah
-from kvbench.tasks.ruler import DEPTHS, RULER_TASKS, Ruler, RulerSuite
+from kvbench.tasks.ruler import DEPTHS, RULER_TASKS, Ruler, RulerMultiTurnNiah, RulerSuite
 from kvbench.tasks.scoring import score
 
 CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "task"
@@ -411,3 +411,31 @@ def test_configs_instantiate():
         assert suite.name == f"ruler_{label}" and suite.skip_missing
     niah = hydra.utils.instantiate(OmegaConf.load(CONF / "ruler_niah.yaml"))
     assert niah.subtasks == [t for t in RULER_TASKS if t.startswith("niah")]
+
+
+def test_multi_turn_niah_asks_every_needle_once_over_one_context_sized_for_every_turn():
+    """CTKVR Table 5's task: one context with 8 needles (niah_multikey_1's haystack), turn r asks for one key's
+    value in RULER's single-value wording, each key once; the length counts every turn's question and tokens to
+    generate; fewer turns keep the same contexts and first turns; the samples are a multi-turn conversation."""
+    seq_len = 4096
+    eight = RulerMultiTurnNiah("ruler_niah_multiturn", seq_len, 3).samples(whitespace_meter, 0)
+    two = RulerMultiTurnNiah("ruler_niah_multiturn", seq_len, 3, turns=2).samples(whitespace_meter, 0)
+    for sample, short in zip(eight, two):
+        needles = {n["key"]: n["value"] for n in sample.meta["needles"]}
+        assert len(needles) == 8 and len(sample.turns) == 8 and sample.meta["mode"] == "multi_turn"
+        assert sorted(sample.meta["turn_keys"]) == sorted(needles)  # every key asked exactly once
+        for i, (key, turn) in enumerate(zip(sample.meta["turn_keys"], sample.turns)):
+            assert turn.answers == [needles[key]] and needles[key] in sample.context
+            assert turn.question.startswith("\n" if i == 0 else "What") and f"number for {key} " in turn.question
+            assert turn.answer_prefix == f" The special magic number for {key} mentioned in the provided text is"
+            assert turn.max_new_tokens == 128 and turn.metric == "string_match_all"
+        later = sum(len(f"{t.question} {t.answer_prefix}".split()) + 128 for t in sample.turns[1:])
+        assert sample.meta["length"] <= seq_len and sample.meta["length"] - later - 128 > 0.8 * (seq_len - 8 * 128)
+        assert short.context == sample.context and short.turns == sample.turns[:2]
+        assert short.meta["turn_keys"] == sample.meta["turn_keys"][:2]
+    assert len({s.context for s in eight}) == 3  # each sample its own needles
+    with pytest.raises(ValueError, match="turns must be between 1 and needles"):
+        RulerMultiTurnNiah("x", seq_len, 1, turns=9)
+    cfg = OmegaConf.load(CONF / "ruler_niah_multiturn.yaml")
+    task = hydra.utils.instantiate(cfg)
+    assert isinstance(task, RulerMultiTurnNiah) and (task.turns, task.needles) == (8, 8)

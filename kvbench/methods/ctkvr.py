@@ -18,14 +18,15 @@ Every decode step, per layer (Algorithm 2, §2.3):
 2. rerank: softmax of the query over the recalled keys only, max over the group, the top rho' (= budget);
 3. attention over those rho' host rows, merged exactly by log-sum-exp with attention over the resident set
    (initial + local + generated): the two sets are disjoint;
-4. DCU: the query and its top-rho reranked keys replace the oldest centroid (a FIFO of capacity C).
+4. DCU: the query and its top-rho reranked keys replace the oldest centroid (a FIFO of capacity C);
+   `dcu: false` leaves the index as the prompt built it (Table 5's "w/o DCU").
 
 Placement: the host segment lives on the CPU; with CUDA the resident set stays on the GPU and only the query,
 the host side's partial output and its log-sum-exp cross. The paper's co-execution (the resident attention on
 the GPU while the CPU recalls and reranks) is not reproduced: recall and rerank run first, then both
 attentions, one after the other, so a CUDA decode time here is an upper bound of the paper's. On a CPU-only
 machine both sides are the same device and no second copy exists: the record's bytes say which. Later chunks (the question, a new turn) go token by token through this decode path
-(`turn_index=dcu`, spec §8.8: each token also enters the index), or are attended the same way and the index
+(`turn_index=dcu`, spec §8.8: each token also enters the index, unless `dcu` is false), or are attended the same way and the index
 is rebuilt from the turn's last C queries when it ends (`turn_index=rebuild`).
 
 Choices where the paper is silent (spec §8): n_init 64; n_local null = 5% of the prompt, at least C (the
@@ -175,6 +176,7 @@ class CTKVR(Method):
     turn_index: str = "dcu"  # dcu: turn tokens enter the index through DCU; rebuild: Algorithm 1 at each turn end
     build_chunk: int = 256  # centroids scored at once while building the qcIVF
     centroid_positions: str | None = None  # the prompt queries that become centroids: final (None), init, equi, random
+    dcu: bool | None = None  # dynamic centroid update at every decode step (None: on); false: Table 5's w/o DCU
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -283,11 +285,11 @@ class CTKVR(Method):
         chosen, chosen_valid = ranked_rows[:, :rho_prime], ranked_valid[:, :rho_prime]
         gather = chosen.clamp(min=0).to(host.keys.device)[..., None].expand(-1, -1, dim)
         external = (host.keys.gather(1, gather), host.values.gather(1, gather), chosen_valid.to(host.keys.device))
-        # DCU: this query and its top-rho reranked rows replace the oldest centroid
-        dcu = torch.where(ranked_valid[:, :rho], ranked_rows[:, :rho], -1)
-        if dcu.shape[1] < rho:
-            dcu = F.pad(dcu, (0, rho - dcu.shape[1]), value=-1)
-        index.push(q.reshape(heads * group, dim).to(index.centroids.dtype), dcu)  # in place: clones fork it
+        if self.dcu is not False:  # DCU: this query and its top-rho reranked rows replace the oldest centroid
+            dcu = torch.where(ranked_valid[:, :rho], ranked_rows[:, :rho], -1)
+            if dcu.shape[1] < rho:
+                dcu = F.pad(dcu, (0, rho - dcu.shape[1]), value=-1)
+            index.push(q.reshape(heads * group, dim).to(index.centroids.dtype), dcu)  # in place: clones fork it
         recall = None
         if step.measure_recall:  # over every token: resident and host
             everything = torch.cat([view.keys, host.keys.to(q.device)], dim=1)

@@ -34,6 +34,7 @@ from kvbench.reporting.paper_tables import (
     missing_points,
     point_scores,
     resolve,
+    rounds_as_subtasks,
     storage_traffic_table,
 )
 from kvbench.reporting.preset_points import left_out_lines, select_points
@@ -64,6 +65,8 @@ def build(source: str | Path | Source, out_dir: Path | None = None, overrides: S
     takes); returns what was written and found."""
     src = source if isinstance(source, Source) else resolve(source, overrides)
     df, left_out = select_points(src, collect(src.root))
+    if src.spec.columns == "turn":
+        df = rounds_as_subtasks(df)
     out = Path(out_dir) if out_dir is not None else src.root / "report"
     out.mkdir(parents=True, exist_ok=True)
     written: list[Path] = []

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -51,7 +52,7 @@ ABSENT = "n/a"  # a point that ran but has no value for this cell (a subtask wit
 KINDS = ("accuracy", "storage_traffic", "math", "claims")  # claims: `kvbench analyze` verdicts
 
 
-COLUMN_KINDS = ("budget", "subtask", "category")
+COLUMN_KINDS = ("budget", "subtask", "category", "turn")  # turn: a conversation's rounds (`rounds_as_subtasks`)
 
 
 # point fields a sweep varies (results.collect.POINT_FIELDS) in a paper's row order, not the record's: the mode
@@ -197,6 +198,20 @@ def expected_grid(params: Mapping[str, Any], base: Mapping[str, Any]) -> list[di
     return list(grid.values())
 
 
+def rounds_as_subtasks(df: pd.DataFrame) -> pd.DataFrame:
+    """`report.columns: turn`: one row per sample and turn, its subtask the round ("round 1", ...) and its score
+    that turn's (a record without `turn_scores` is one round), so a multi-turn task's table shows its accuracy
+    per round (CTKVR Table 5) and intervals resample samples within each round."""
+    rows = []
+    for record in df.to_dict("records"):
+        turns = record.get("turn_scores")
+        scores = json.loads(turns) if isinstance(turns, str) else [record["score"]]
+        rows += [{**record, "subtask": f"round {i}", "score": score} for i, score in enumerate(scores, 1)]
+    out = pd.DataFrame(rows, columns=df.columns)
+    out.attrs = dict(df.attrs)
+    return out
+
+
 def _point_key(df: pd.DataFrame) -> str:
     """The column naming a point: its hash, or its run directory for records that predate hashes."""
     return "point_hash" if "point_hash" in df.columns and df["point_hash"].notna().all() else "run_dir"
@@ -317,7 +332,7 @@ def main_table(source: Source, points: pd.DataFrame, subtasks: pd.DataFrame) -> 
                                                                        points[key])}
     else:
         per = (subtasks.assign(weights=[{str(name): 1.0} for name in subtasks["subtask"]])
-               if spec.columns == "subtask" else _categories_of(subtasks, spec))
+               if spec.columns in ("subtask", "turn") else _categories_of(subtasks, spec))
         names = list(dict.fromkeys(per["subtask"]))
         columns = [*names, "avg"]
         row_of = dict(zip(points[key], map(tuple, ident.values)))

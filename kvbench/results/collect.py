@@ -123,6 +123,8 @@ def collect(results_root: Path) -> "pd.DataFrame":
             row["subtask"] = rec.get("task")
             row["cluster"] = sample_cluster(rec.get("sample_id"), meta)  # what the bootstrap resamples
             row["n_turns"] = len(rec.get("turns") or [])
+            if row["n_turns"] > 1:  # a conversation: each round's score (a report's `columns: turn`)
+                row["turn_scores"] = json.dumps([turn.get("score") for turn in rec["turns"]])
             point: dict[str, Any] = {}
             _flatten("", rec.get("point") or {}, point)
             point_columns.update(dict.fromkeys(point))

@@ -171,6 +171,7 @@ class _Built:
     answer_prefix: str
     answers: list[str]
     meta: dict[str, Any] = field(default_factory=dict)
+    follow_ups: list[tuple[str, str, list[str]]] = field(default_factory=list)  # later turns: question, prefix, answers
 
 
 def _three_parts(template: str, answer_prefix: str, context: str, **fields: Any) -> tuple[str, str, str]:
@@ -493,6 +494,29 @@ class _Qa(_Family):
                       {"haystack_size": n, "dataset": self.spec.dataset, "question_index": index})
 
 
+class _MultiTurnNiah(_Niah):
+    """CTKVR's multi-turn NIAH (Table 5): niah_multikey_1's sample with `needles` keys, then every key asked in
+    its own turn, in an order drawn per sample (after everything `_Niah` draws, so the haystack is its own)."""
+
+    def __init__(self, needles: int, seq_len: int):
+        super().__init__(NiahSpec("essay", "words", "numbers", num_keys=needles), seq_len)
+
+    def build(self, rng: random.Random, n: int, index: int) -> _Built:
+        built = super().build(rng, n, index)
+        needles = built.meta["needles"]
+        order = rng.sample(range(len(needles)), len(needles))
+        turns = []
+        for i in order:
+            _, question, prefix = _three_parts(_singular(NIAH_TEMPLATE), _singular(NIAH_ANSWER_PREFIX), "",
+                                               type_needle_v="number", query=needles[i]["key"])
+            turns.append((question if not turns else question.lstrip("\n"), prefix, [needles[i]["value"]]))
+        built.question, built.answer_prefix, built.answers = turns[0]
+        built.follow_ups = turns[1:]
+        built.meta["turn_keys"] = [needles[i]["key"] for i in order]
+        built.meta["answer_char_offset"] = built.context.find(built.answers[0])
+        return built
+
+
 class Ruler(Task):
     """One RULER task at one sequence length.
 
@@ -540,7 +564,12 @@ class Ruler(Task):
         family = self._family(meter, seed)
 
         def total_tokens(built: _Built) -> int:
-            return meter(built.context, built.question, built.answer_prefix, self.chat_template) + family.max_new_tokens
+            later = sum(meter("", q, p, self.chat_template) - empty_turn + family.max_new_tokens
+                        for q, p, _ in built.follow_ups)
+            return (meter(built.context, built.question, built.answer_prefix, self.chat_template)
+                    + family.max_new_tokens + later)
+
+        empty_turn = meter("", "", "", self.chat_template)
 
         def probe_length(n: int) -> int:
             return total_tokens(family.build(sample_rng(seed, self.sample_task, self.seq_len, "probe"), n, 0))
@@ -570,12 +599,50 @@ class Ruler(Task):
                 id=f"{self.sample_task}-{self.seq_len}-{index}",
                 task=self.sample_task,
                 context=built.context,
-                turns=[Turn(question=built.question, answers=built.answers,
+                turns=[Turn(question=question, answers=answers,
                             max_new_tokens=self.max_new_tokens or family.max_new_tokens, metric=family.metric,
-                            answer_prefix=built.answer_prefix)],
+                            answer_prefix=prefix)
+                       for question, prefix, answers in [(built.question, built.answer_prefix, built.answers),
+                                                         *built.follow_ups]],
                 chat_template=self.chat_template,
                 meta=meta,
             ))
+        return out
+
+
+class RulerMultiTurnNiah(Ruler):
+    """CTKVR's multi-turn NIAH (§4.3.2, Table 5; footnote 11: "modifying the dataset generation script from RULER,
+    generating multiple question-answer pairs for each context"). The context is niah_multikey_1's (essay
+    haystack, `needles` word keys with 7-digit values); turn r of the conversation asks for the value of one key
+    (RULER's single-value question), keys in an order drawn per sample, and the history holds the gold answers
+    (golden context, as the engine runs every multi-turn task). The paper gives neither the needle count nor
+    the prompt: kvbench's choice is 8 needles and 8 turns (Table 5's rounds go to 8).
+
+    The haystack is sized for all `needles` turns (each later turn's question, answer prefix and tokens to
+    generate count in `seq_len`), so `turns` < needles keeps the same contexts and their first turns; the
+    record's `turns` hold each round's score (`report.columns: turn` lays them out per round).
+    """
+
+    def __init__(self, name: str, seq_len: int, num_samples: int, turns: int = 8, needles: int = 8,
+                 chat_template: bool = True, max_new_tokens: int | None = None):
+        super().__init__(name, seq_len, num_samples, "niah_multikey_1", chat_template=chat_template,
+                         max_new_tokens=max_new_tokens)
+        if not 1 <= int(turns) <= int(needles):
+            raise ValueError(f"turns must be between 1 and needles ({needles}), got {turns}")
+        self.turns, self.needles = int(turns), int(needles)
+
+    @property
+    def sample_task(self) -> str:
+        return "ruler_niah_multiturn"
+
+    def _family(self, meter: PromptMeter, seed: int) -> _Family:
+        return _MultiTurnNiah(self.needles, self.seq_len)
+
+    def samples(self, meter: PromptMeter, seed: int) -> list[Sample]:
+        out = super().samples(meter, seed)
+        for sample in out:
+            sample.turns = sample.turns[:self.turns]
+            sample.meta.update(mode="multi_turn", turn_keys=sample.meta["turn_keys"][:self.turns])
         return out
 
 
