@@ -195,3 +195,29 @@ def test_report_collects_the_verdicts_into_one_table(tmp_path):
         assert claim in table
     assert "2.26" in table and (tmp_path / "report" / "adakv_toy.png").exists()
     assert "Claims about attention" in (tmp_path / "report" / "index.html").read_text()
+
+
+def test_keydiff_key_volume_policies_and_volume(tiny_llama_deep):
+    """Fig. 12's three caches: Sink keeps 4 sinks and the most recent rows; one block over the whole prompt is
+    one top-B choice by KeyDiff's score or by the last query's group-mean attention; every policy holds exactly
+    B distinct rows per head; spread unit keys span more volume than nearly collinear ones."""
+    from kvbench.analysis.claims.keydiff_key_volume import block_eviction, key_volume
+    from kvbench.methods.keydiff import keydiff_scores
+
+    trace = capture(tiny_llama_deep, random_ids(200, seed=5), new_tokens=0)
+    layer, n, budget = trace.layers[1], trace.prompt_len, 48
+    sink = block_eviction(layer, n, budget, 32, "sink")
+    assert sink[0].tolist() == [0, 1, 2, 3, *range(n - budget + 4, n)]
+    whole = {policy: block_eviction(layer, n, budget, n, policy) for policy in ("keydiff", "tova")}
+    top = keydiff_scores(layer.keys[:, :n]).topk(budget, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(whole["keydiff"], top)
+    q = layer.queries[:, n - 1].view(layer.keys.shape[0], layer.group, -1)
+    attention = torch.softmax(torch.einsum("hgd,hld->hgl", q, layer.keys[:, :n]) * layer.scaling, -1).mean(1)
+    assert torch.equal(whole["tova"], attention.topk(budget, dim=-1).indices.sort(dim=-1).values)
+    for policy in ("keydiff", "tova", "sink"):
+        held = block_eviction(layer, n, budget, 32, policy)
+        assert held.shape == (layer.keys.shape[0], budget)
+        assert all(len(set(row.tolist())) == budget and int(row.max()) < n for row in held)
+    spread = torch.eye(16)[None].repeat(1, 4, 1)  # every direction, four times
+    collinear = torch.ones(1, 64, 16) + 0.01 * torch.randn(1, 64, 16, generator=torch.Generator().manual_seed(0))
+    assert float(key_volume(spread)) > float(key_volume(collinear))

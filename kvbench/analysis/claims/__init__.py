@@ -8,6 +8,7 @@ from kvbench.analysis.claims import (  # noqa: F401
     ctkvr_topk_overlap,
     keydiff_dissimilarity,
     keydiff_geometry,
+    keydiff_key_volume,
     omnikv_interlayer,
     omnikv_sparsity,
     omnikv_static_set,
