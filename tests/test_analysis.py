@@ -221,3 +221,13 @@ def test_keydiff_key_volume_policies_and_volume(tiny_llama_deep):
     spread = torch.eye(16)[None].repeat(1, 4, 1)  # every direction, four times
     collinear = torch.ones(1, 64, 16) + 0.01 * torch.randn(1, 64, 16, generator=torch.Generator().manual_seed(0))
     assert float(key_volume(spread)) > float(key_volume(collinear))
+
+
+def test_ctkvr_dedup_alpha_is_one_for_one_list_and_at_least_one_over_c_prime(tiny_llama_deep):
+    """alpha counts the distinct rows of C' recalled lists of rho rows each: exactly 1 with C' = 1, and between
+    1/C' (every list the same) and 1 (disjoint lists) otherwise."""
+    trace = capture(tiny_llama_deep, random_ids(400, seed=6), new_tokens=4)
+    one = build_claim("ctkvr_dedup_alpha", {"rho": 40, "retrieved": 1, "new_tokens": 4}).measure(trace, None, 0)
+    assert one["effect"] == pytest.approx(1.0) and one["decode_steps"] == 4
+    four = build_claim("ctkvr_dedup_alpha", {"rho": 40, "new_tokens": 4}).measure(trace, None, 0)
+    assert four["centroids"] == 25 and all(0.25 - 1e-9 <= a <= 1.0 for a in four["alpha_per_layer"])

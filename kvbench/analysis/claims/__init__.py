@@ -4,6 +4,7 @@ from kvbench.analysis.claims import (  # noqa: F401
     adakv_concentration,
     adakv_eviction_loss,
     adakv_toy,
+    ctkvr_dedup_alpha,
     ctkvr_query_similarity,
     ctkvr_topk_overlap,
     keydiff_dissimilarity,
