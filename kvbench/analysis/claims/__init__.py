@@ -10,6 +10,7 @@ from kvbench.analysis.claims import (  # noqa: F401
     keydiff_dissimilarity,
     keydiff_geometry,
     keydiff_key_volume,
+    keydiff_outlier_keys,
     omnikv_interlayer,
     omnikv_sparsity,
     omnikv_static_set,
