@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import html
+import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,7 +35,6 @@ from kvbench.reporting.paper_tables import (
     missing_points,
     point_scores,
     resolve,
-    rounds_as_subtasks,
     storage_traffic_table,
 )
 from kvbench.reporting.preset_points import left_out_lines, select_points
@@ -58,6 +58,20 @@ def _display(table: pd.DataFrame, float_format: str = "{:.1f}") -> pd.DataFrame:
     return table.apply(lambda col: col.map(
         lambda v: float_format.format(v) if isinstance(v, (float, np.floating)) and not np.isnan(v)
         else ("-" if isinstance(v, (float, np.floating)) else str(v))))
+
+
+def rounds_as_subtasks(df: pd.DataFrame) -> pd.DataFrame:
+    """`report.columns: turn`: one row per sample and turn, its subtask the round ("round 1", ...) and its score
+    that turn's (a record without `turn_scores` is one round), so a multi-turn task's table shows its accuracy
+    per round (CTKVR Table 5) and intervals resample samples within each round."""
+    rows = []
+    for record in df.to_dict("records"):
+        turns = record.get("turn_scores")
+        scores = json.loads(turns) if isinstance(turns, str) else [record["score"]]
+        rows += [{**record, "subtask": f"round {i}", "score": score} for i, score in enumerate(scores, 1)]
+    out = pd.DataFrame(rows, columns=df.columns)
+    out.attrs = dict(df.attrs)
+    return out
 
 
 def build(source: str | Path | Source, out_dir: Path | None = None, overrides: Sequence[str] = ()) -> dict[str, Any]:

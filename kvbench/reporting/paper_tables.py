@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -52,7 +51,7 @@ ABSENT = "n/a"  # a point that ran but has no value for this cell (a subtask wit
 KINDS = ("accuracy", "storage_traffic", "math", "claims")  # claims: `kvbench analyze` verdicts
 
 
-COLUMN_KINDS = ("budget", "subtask", "category", "turn")  # turn: a conversation's rounds (`rounds_as_subtasks`)
+COLUMN_KINDS = ("budget", "subtask", "category", "turn")  # turn: a conversation's rounds (paper.rounds_as_subtasks)
 
 
 # point fields a sweep varies (results.collect.POINT_FIELDS) in a paper's row order, not the record's: the mode
@@ -196,20 +195,6 @@ def expected_grid(params: Mapping[str, Any], base: Mapping[str, Any]) -> list[di
             point["budget"] = "-"
         grid[tuple(sorted(point.items()))] = point
     return list(grid.values())
-
-
-def rounds_as_subtasks(df: pd.DataFrame) -> pd.DataFrame:
-    """`report.columns: turn`: one row per sample and turn, its subtask the round ("round 1", ...) and its score
-    that turn's (a record without `turn_scores` is one round), so a multi-turn task's table shows its accuracy
-    per round (CTKVR Table 5) and intervals resample samples within each round."""
-    rows = []
-    for record in df.to_dict("records"):
-        turns = record.get("turn_scores")
-        scores = json.loads(turns) if isinstance(turns, str) else [record["score"]]
-        rows += [{**record, "subtask": f"round {i}", "score": score} for i, score in enumerate(scores, 1)]
-    out = pd.DataFrame(rows, columns=df.columns)
-    out.attrs = dict(df.attrs)
-    return out
 
 
 def _point_key(df: pd.DataFrame) -> str:
