@@ -93,6 +93,16 @@ class QueryIndex:
 CENTROID_POSITIONS = ("final", "init", "equi", "random")
 
 
+def centroid_count(max_centroids: int, prompt: int) -> int:
+    """C = min(max_centroids, s // 16), at least one."""
+    return min(max_centroids, max(1, prompt // 16))
+
+
+def default_local(centroids: int, prompt: int) -> int:
+    """n_local's default (null): 5% of the prompt, at least C."""
+    return max(centroids, round(0.05 * prompt))
+
+
 @dataclass
 class CentroidPool:
     """The C prompt queries [H_q, C, D] (post-RoPE) and positions [C] that a `centroid_positions` other than
@@ -211,7 +221,7 @@ class CTKVR(Method):
     def observe(self, layer, queries, step):
         """Keep the C queries [H_q, q, D] of the segment just attended that `centroid_positions` names: the same
         positions in every layer (random: one draw per segment, the first layer's, shared through `step.shared`)."""
-        count = min(self.max_centroids, max(1, layer.seen // 16), queries.shape[1])
+        count = min(centroid_count(self.max_centroids, layer.seen), queries.shape[1])
         segment = (layer.seen, queries.shape[1], count)
         drawn = step.shared.get("ctkvr_centroid_rows")
         if drawn is None or drawn[0] != segment:
@@ -229,8 +239,8 @@ class CTKVR(Method):
         if budget >= sequence_length:
             return Plan.full_attention()
         prompt = sequence_length - new_tokens
-        centroids = min(self.max_centroids, max(1, prompt // 16))
-        local = self.n_local if self.n_local is not None else max(centroids, round(0.05 * prompt))
+        centroids = centroid_count(self.max_centroids, prompt)
+        local = self.n_local if self.n_local is not None else default_local(centroids, prompt)
         return Plan(evict=budget, select=budget, derived={
             "rho_prime": budget, "rho": int(self.list_ratio * budget), "retrieved_centroids": self.retrieved_centroids,
             "centroids": centroids, "n_init": self.n_init, "n_local": local})
@@ -248,7 +258,7 @@ class CTKVR(Method):
         if pool is not None:
             queries, query_positions = pool.queries, pool.positions
         else:
-            centroids = min(self.max_centroids, max(1, layer.seen // 16), layer.queries.shape[1])
+            centroids = min(centroid_count(self.max_centroids, layer.seen), layer.queries.shape[1])
             queries, query_positions = layer.queries[:, -centroids:], layer.query_positions[-centroids:]
         keys, values = view.keys, view.values
         all_keys, all_positions = keys, positions

@@ -25,7 +25,7 @@ import torch
 from kvbench.analysis.base import Claim, register_claim
 from kvbench.analysis.figures import new_figure
 from kvbench.analysis.trace import Trace
-from kvbench.methods.ctkvr import CTKVR, QueryIndex, build_index
+from kvbench.methods.ctkvr import CTKVR, QueryIndex, build_index, centroid_count, default_local
 from kvbench.tasks.base import Sample
 
 
@@ -48,8 +48,8 @@ class CTKVRDedupAlpha(Claim):
 
     def measure(self, trace: Trace, sample: Sample, seed: int) -> dict[str, Any]:
         n = trace.prompt_len
-        count = min(self.centroids, max(1, n // 16))
-        n_local = max(count, round(0.05 * n))
+        count = centroid_count(self.centroids, n)
+        n_local = default_local(count, n)
         host_rows = n - n_local - self.n_init
         if host_rows < 1:
             raise ValueError(f"a {n}-token prompt is all initial and local tokens: nothing to recall from")
