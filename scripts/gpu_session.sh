@@ -13,6 +13,9 @@
 #   bash scripts/gpu_session.sh kernel  OUT_DIR   # the split-K decode attention (kernels/flash_decode.py): its
 #                                                 # tests compiled on CUDA, against inductor's masked attention,
 #                                                 # flex_attention and SDPA; a compiled step's top kernels (<= 5 min)
+#   bash scripts/gpu_session.sh big     OUT_DIR   # a model larger than one GPU in bf16 (scripts/gpu_big_model.py):
+#                                                 # Llama-3.1-70B's shapes in NF4, random weights, the 70B config's
+#                                                 # placement check, prefill + decode per method, memory per device
 #   bash scripts/gpu_session.sh all     OUT_DIR
 #
 #   DEVICE=cpu bash scripts/gpu_session.sh compiled OUT_DIR   # the same phase at tiny shapes on a CPU (dynamo's
@@ -27,7 +30,7 @@
 # COMPILED_ARGS (appended: e.g. COMPILED_ARGS="--lengths 32768 --methods full,stock,quest"), its limits with
 # COMPILED_LIMIT and COMPILED_DEADLINE.
 set -uo pipefail
-usage="usage: gpu_session.sh check|profile|breakdown|compiled|kernel|all OUT_DIR"
+usage="usage: gpu_session.sh check|profile|breakdown|compiled|kernel|big|all OUT_DIR"
 phase=${1:?$usage}
 out=$(mkdir -p "${2:?$usage}" && cd "$2" && pwd)
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -171,12 +174,26 @@ decode_kernel() {  # the split-K decode attention on this GPU, and where a compi
     grep -v -E "^USDT|Online softmax" "$out/kernel_breakdown.log"
 }
 
+big_model() {  # issue 47: the 70B config's check, then Llama-3.1-70B's shapes in 4-bit on this GPU (<= 4 min)
+    local sizes=()
+    if [ "${DEVICE:-cuda}" = cpu ]; then  # the script's logic at tiny shapes (bitsandbytes' CPU backend)
+        sizes=(--device cpu --layers 4 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --head-dim 16
+               --vocab 260 --length 96 --budget 32 --filter-layers 1 --steps 3 --no-config-check)
+    fi
+    # shellcheck disable=SC2086 # BIG_ARGS: flags, split on spaces
+    step big_model "${BIG_LIMIT:-240}" $py "$repo/scripts/gpu_big_model.py" "${sizes[@]}" ${BIG_ARGS:-}
+    local rc=$?
+    grep -v -E "^USDT" "$out/big_model.log"
+    return $rc
+}
+
 case $phase in
+    big) big_model ;;
     kernel) decode_kernel ;;
     check) check ;;
     profile) profile ;;
     breakdown) breakdown ;;
     compiled) compiled ;;
-    all) check; profile; breakdown; compiled; decode_kernel ;;
+    all) check; profile; breakdown; compiled; decode_kernel; big_model ;;
     *) echo "unknown phase $phase; $usage" >&2; exit 2 ;;
 esac

@@ -15,6 +15,7 @@ from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
 
 REPO = Path(__file__).resolve().parents[1]
@@ -208,8 +209,45 @@ def test_session_kernel_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
     assert text.count("us/step  share launches/step  kernel") == 3
 
 
+@pytest.mark.integration
+def test_session_big_model_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
+    """`DEVICE=cpu gpu_session.sh big`: a tiny Llama built in place in NF4 (bitsandbytes' CPU backend), prefill and
+    decode for full, SnapKV and OmniKV with the weights counted at their real size (~20 s)."""
+    pytest.importorskip("bitsandbytes")
+    text = run_cpu_phase("big", tmp_path / "out", tmp_path)
+    assert re.search(r"^=== big_model: exit 0 after \d+s$", text, re.M), text
+    built = re.search(r"^built 4 layers \(bnb_4bit, bfloat16 compute, random weights\) on cpu .*weights per device: "
+                      r"cpu ([\d.]+) GiB", text, re.M)
+    assert built, text
+    for method in ("full", "snapkv", "omnikv"):  # eager: a placed model is not compiled
+        assert re.search(rf"^\| {method} \| 96 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| eager \| host: ", text, re.M), text
+
+
+def test_big_model_builds_4bit_linear_layers_and_keeps_the_rest_in_the_compute_dtype():
+    """The in-place build quantises exactly the decoder's linear layers, on the device, as transformers' quantizer
+    would (NF4, bf16 compute); the output head, embeddings and norms stay bf16; the weights count at their real
+    size (packed 4-bit data plus the quantisation state), under half the bf16 size of the linear layers."""
+    pytest.importorskip("bitsandbytes")
+    import gpu_big_model
+    from bitsandbytes.nn import Linear4bit
+
+    args = gpu_big_model.parse_args(["--device", "cpu", "--layers", "2", "--hidden", "64", "--intermediate", "128",
+                                     "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--vocab", "260"])
+    lm = gpu_big_model.build(args, torch.device("cpu"), torch.bfloat16)
+    linear = [m for m in lm.model.modules() if isinstance(m, Linear4bit)]
+    assert len(linear) == 2 * 7 and all(m.weight.quant_state.quant_type == "nf4" for m in linear)
+    assert all(m.compute_dtype == torch.bfloat16 for m in linear)
+    assert not isinstance(lm.model.lm_head, Linear4bit) and lm.model.lm_head.weight.dtype == torch.bfloat16
+    assert lm.dtype == torch.bfloat16 and lm.quantization == "bnb_4bit" and lm.sharded
+    assert not any(p.is_meta for p in lm.model.parameters())
+    linear_params = sum(m.in_features * m.out_features for m in linear)
+    other = sum(p.numel() * 2 for n, p in lm.model.named_parameters() if "proj" not in n)
+    counted = sum(lm.weight_bytes_by_device().values())
+    assert linear_params * 0.5 < counted - other < linear_params * 2 * 0.5
+
+
 def test_session_names_its_phases_on_a_wrong_one(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPTS / "gpu_session.sh"), "nope", str(tmp_path)], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable,
                                                        "WHEELS": str(tmp_path / "no-wheels")})
-    assert proc.returncode == 2 and "check|profile|breakdown|compiled|kernel|all" in proc.stderr
+    assert proc.returncode == 2 and "check|profile|breakdown|compiled|kernel|big|all" in proc.stderr

@@ -53,6 +53,25 @@ def test_the_lint_flags_an_out_of_int32_constant_on_an_index_and_nothing_else():
     assert "4294967296" in lint(lambda s: s + torch.arange(1 << 32, (1 << 32) + s.shape[-1]), scores)
 
 
+def old_held_first(tokens: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
+    """`held_first` before the fix: positions by cumulative sums, a scan inductor split on CUDA and failed to
+    generate (torch 2.11, Quest's 640 pages)."""
+    held = ~past
+    position = torch.where(held, held.cumsum(-1), held.sum(-1, keepdim=True) + past.cumsum(-1)) - 1
+    return torch.empty_like(tokens).scatter_(-1, position, tokens)
+
+
+def test_the_lint_flags_a_scan_inductor_would_split_and_not_the_held_first_that_replaced_it():
+    tokens = torch.arange(8 * 640).view(8, 640)
+    past = tokens % 7 == 0
+    error = lint(old_held_first, tokens, past)
+    assert error is not None and "640 (elements scanned" in error and "cumsum" in error
+    assert lint(pages.held_first, tokens, past) is None
+    assert torch.equal(pages.held_first(tokens, past), old_held_first(tokens, past))
+    assert lint(lambda t: t.cumsum(-1), tokens[:, :32]) is None  # 32 elements: never split
+    assert "33 (elements scanned" in lint(lambda t: t.float().cumprod(-1), tokens[:, :33])
+
+
 def test_the_descending_keys_order_is_unchanged_by_the_fix():
     scores = torch.randint(-3, 4, (4, 300)).float()  # many ties
     scores[0, 5] = -0.0

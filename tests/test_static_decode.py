@@ -17,7 +17,7 @@ import kvbench.engine.compiled as compiled
 from kvbench.cache.static import CAPACITY_BUCKET
 from kvbench.core.errors import KVBenchError
 from kvbench.engine.config import EngineConfig
-from kvbench.engine.replay import GraphCall, LoopReplays, StepInputs
+from kvbench.engine.replay import CudaGraphCapture, GraphCall, LoopReplays, StepInputs
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
 from kvbench.kernels.decode_attention import decode_attention_reference, static_decode_attention
@@ -239,6 +239,80 @@ def test_a_loop_replays_a_captured_graph_as_cuda_does(tiny_llama, monkeypatch):
     assert session.cache.stats.read_elements == eager.cache.stats.read_elements
 
 
+class PooledCudaApi:
+    """torch.cuda's graph API as the caching allocator keeps its pools (torch 2.11): a pool lives while a graph
+    captured into it lives; a capture into a pool whose graphs were all freed fails the allocator's assertion (and,
+    on a GPU, leaves it recording into the pool). Capturing runs nothing here: the test's graphs are pure."""
+
+    def __init__(self):
+        self.users: dict[int, int] = {}  # pool -> live graphs captured into it
+        self.freed: set[int] = set()
+        self.next_pool, self.captures = 0, 0
+        api = self
+
+        class Graph:
+            def capture_begin(self, pool=None, capture_error_mode="global"):
+                if pool is None:
+                    api.next_pool += 1
+                    pool = ("private", api.next_pool)
+                elif pool in api.freed:
+                    raise RuntimeError('it->second->use_count > 0 INTERNAL ASSERT FAILED at "CUDACachingAllocator.cpp"')
+                self.pool = pool
+                api.users[pool] = api.users.get(pool, 0) + 1
+
+            def capture_end(self):
+                api.captures += 1
+
+            def __del__(self):
+                api.users[self.pool] -= 1
+                if api.users[self.pool] == 0:
+                    api.freed.add(self.pool)
+
+        class Stream:
+            def __init__(self, device=None):
+                pass
+
+            def wait_stream(self, other):
+                pass
+
+        self.CUDAGraph, self.Stream = Graph, Stream
+        self.current_stream = lambda device=None: Stream()
+        self.graph_pool_handle = lambda: (api.next_pool + 1000,)
+
+    @staticmethod
+    def stream(stream):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+
+def test_a_capture_after_the_last_loops_graphs_were_freed_succeeds(monkeypatch):
+    """Each decode loop's CUDA graph is freed with its loop; the next loop (the next sample, method or length) must
+    capture again. With one pool token shared by every capture, the second capture failed on an H100 (torch 2.11)
+    and every capture, compile and random draw after it in the process (docs/gpu, section 6): each graph now has
+    its own pool. After a failed capture, nothing more is captured (its reason is kept)."""
+    api = PooledCudaApi()
+    for name in ("CUDAGraph", "Stream", "current_stream", "graph_pool_handle", "stream"):
+        monkeypatch.setattr(torch.cuda, name, getattr(api, name))
+    capture = CudaGraphCapture(torch.device("cuda"))
+    x = torch.zeros(3)
+    for _ in range(3):  # three loops one after another, each freeing its graph before the next captures
+        graph, outputs = capture(lambda t: (t + 1,), (x,))
+        assert torch.equal(outputs[0], x + 1)
+        del graph
+    assert api.captures == 3 and capture.failed is None
+
+    def refused(t):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.raises(RuntimeError):
+        capture(refused, (x,))
+    assert api.captures == 4 and "not permitted" in capture.failed  # the capture was ended all the same
+    with pytest.raises(RuntimeError, match="an earlier capture in this process failed"):
+        capture(lambda t: (t + 1,), (x,))
+    assert api.captures == 4
+
+
 def test_a_step_that_reads_a_new_tensor_every_step_is_not_replayed_and_warns_once(tiny_llama, monkeypatch, caplog):
     """A replay reads the tensors its graph was first handed: a step that reads a tensor made anew at every step
     (here: the token, were it not written in place) must keep its guarded calls, with one warning line per
@@ -359,7 +433,7 @@ def test_the_latency_benchmark_decodes_every_method_on_both_paths(eager_backend,
 
 def test_held_tokens_first_is_the_stable_sort_of_the_past_mask():
     gen = torch.Generator().manual_seed(3)
-    for heads, n in ((1, 1), (3, 17), (4, 64)):
+    for heads, n in ((1, 1), (3, 17), (4, 64), (2, 100), (8, 1056)):  # one block, several, a ragged last
         tokens = torch.randint(0, 1000, (heads, n), generator=gen)
         for share in (0.0, 0.3, 1.0):
             past = torch.rand(heads, n, generator=gen) < share

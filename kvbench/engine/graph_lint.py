@@ -22,6 +22,15 @@ The patterns, each one that Triton refuses and the CPU's C++ accepts:
   Triton widens the constant to them (DuoAttention's `where(retrieves, int64 max, sink + recent)` compiles on
   CUDA). So only constants on index-derived values are flagged.
 
+- **A scan over more than 32 elements** (`SPLIT_SCAN`): `cumsum`, `cumprod`, `cummax`, `cummin`,
+  `logcumsumexp`. Inductor splits such a scan across thread blocks on CUDA when few rows run it (`SplitScan`:
+  one pass per block and a decoupled look-back), which its C++ code never does; on an H100 with torch 2.11 the
+  Triton code for Quest's `held.cumsum(-1)` over 8 heads x 640 pages failed to generate (`InductorError:
+  TypeError: list indices must be integers or slices, not NoneType`), so Quest, and every method choosing pages
+  with it, decoded eagerly. 32 is inductor's bound: it splits no reduction or scan of 32 elements or fewer. The
+  step keeps no scan now (`pages.held_first` counts by reductions); a scan over the capacity is flagged whatever
+  its dtype, since whether a split scan generates is the torch version's to decide and CI cannot ask a GPU.
+
 Considered and left out, as Triton accepts them or inductor does not hand them to Triton: complex tensors
 (inductor generates no code for them on any device: it calls ATen's kernels, and warns), uint32/uint64 tensors
 and float64 (Triton has those types; inductor's own kernels use uint32 and uint64 bit patterns).
@@ -50,6 +59,10 @@ FILL_OPS = {aten.scalar_tensor.default: 0, aten.full.default: 1, aten.full_like.
             aten.fill.Scalar: 1}
 
 CONSTANT_ON_INDEX = "integer constant outside int32 on an index"
+SPLIT_SCAN = "elements scanned, which inductor splits across blocks on CUDA"
+SCAN_OPS = {aten.cumsum.default, aten.cumprod.default, aten.cummax.default, aten.cummin.default,
+            aten.logcumsumexp.default}
+UNSPLIT_SCAN = 32  # inductor splits no reduction or scan of this many elements or fewer (min_elements_per_thread)
 
 
 class GraphLintError(KVBenchError):
@@ -124,12 +137,28 @@ def _inputs(node: torch.fx.Node) -> Iterator[Any]:
     yield from node.kwargs.values()
 
 
+def _scan_length(node: torch.fx.Node) -> int | None:
+    """How many elements a scan node runs over (its input's size along its dim), when the graph knows it."""
+    source = node.args[0] if node.args else None
+    val = source.meta.get("val") if isinstance(source, torch.fx.Node) else None
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if not isinstance(val, torch.Tensor) or not _is_int(dim) or val.dim() == 0:
+        return None
+    size = val.shape[dim]
+    return int(size) if isinstance(size, int) else None
+
+
 def lint_graph(graph_module: torch.fx.GraphModule) -> list[Finding]:
     """The patterns of the module's docstring found in an ATen graph (after inductor's decompositions)."""
     findings: list[Finding] = []
     index_like: set[torch.fx.Node] = set()
     for node in graph_module.graph.nodes:
         if node.op != "call_function":
+            continue
+        if node.target in SCAN_OPS:
+            length = _scan_length(node)
+            if length is not None and length > UNSPLIT_SCAN:
+                findings.append(Finding(SPLIT_SCAN, length, str(node.target), _source_line(node)))
             continue
         if node.target in INDEX_SOURCES:
             index_like.add(node)

@@ -106,25 +106,38 @@ class StepReplay:
 
 class CudaGraphCapture:
     """Captures a compiled graph's kernels, called on its tensors, as one CUDA graph: on a side `stream` (capture
-    cannot run on the default stream), in one memory `pool` for all of a decoder's loops (a graph's intermediates
-    are dead between replays, and each output is cloned right after its replay). Nothing runs while capturing.
-    The decoder's guarded calls run on the same stream, so lazy set-up (cuBLAS handles, workspaces) happens before
-    the first capture, as CUDA graphs require."""
+    cannot run on the default stream), each graph in its own memory pool, freed with the graph. Nothing runs
+    while capturing. The decoder's guarded calls run on the same stream, so lazy set-up (cuBLAS handles,
+    workspaces) happens before the first capture, as CUDA graphs require.
+
+    Why not one pool for all of a decoder's graphs (a token from `torch.cuda.graph_pool_handle()`): the allocator
+    frees a pool when the last graph captured into it is freed, and a later capture into the same token then fails
+    an internal assertion (`use_count > 0`, torch 2.11 on an H100; docs/gpu, section 6) and leaves the allocator
+    recording into the pool, so that every later capture, compile or random draw in the process failed too. A
+    graph's own pool costs its intermediates for one token, freed with the loop that replays it. After a failed
+    capture this object captures nothing more (`failed`): the process's CUDA state is not trusted again, and the
+    decoder's later loops keep their guarded calls."""
 
     def __init__(self, device: torch.device):
         self.device = device
-        self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)
+        self.failed: str | None = None
 
     def __call__(self, graph: Callable[..., Any], args: tuple[Any, ...]) -> tuple[Any, Any]:
+        if self.failed is not None:
+            raise RuntimeError(f"an earlier capture in this process failed ({self.failed})")
         cuda_graph = torch.cuda.CUDAGraph()
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.stream):
-            cuda_graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-            try:
-                outputs = graph(*args)
-            finally:
-                cuda_graph.capture_end()
+        try:
+            with torch.cuda.stream(self.stream):
+                cuda_graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    outputs = graph(*args)
+                finally:
+                    cuda_graph.capture_end()
+        except Exception as exc:
+            self.failed = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+            raise
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return cuda_graph, outputs
 

@@ -230,14 +230,18 @@ class DuoAttention(EvictionMethod):
             "pattern": self.pattern, "pattern_sha256": self.pattern_sha256[:16], "tie_break_seed": self.seed,
             "retrieval_head_ids": chosen})
 
-    def retrieval_mask(self, count: int) -> torch.Tensor:
+    def retrieval_mask(self, count: int, device: torch.device | None = None) -> torch.Tensor:
         """Bool `[layers, kv_heads]`: the `count` retrieval heads (dense layers' heads first), the release's choice
-        for this run's seed: one fixed pattern per run, every sample the same."""
+        for this run's seed: one fixed pattern per run, every sample the same. On `device` (default the host), kept
+        there: the compiled step reads it where it is, since a copy from pageable host memory inside a captured
+        CUDA graph is refused (`Cannot copy between CPU and CUDA tensors during CUDA graph capture`, an H100:
+        docs/gpu, section 6), and `keep` puts it there before any decode step."""
         layers = self.gates.shape[0]
         dense = [i for i in range(layers) if self.is_dense_layer(i)]
-        key = (count, tuple(dense))
+        key = (count, tuple(dense), str(device or "cpu"))
         if key not in self._masks:
-            self._masks[key] = rank_heads(self.gates, count, dense, seed=self.seed)
+            host = rank_heads(self.gates, count, dense, seed=self.seed)
+            self._masks[key] = host if device is None or torch.device(device).type == "cpu" else host.to(device)
         return self._masks[key]
 
     def decode_eviction_scores(self, layer, budget, step):
@@ -246,7 +250,7 @@ class DuoAttention(EvictionMethod):
         derived = step.plan.derived
         positions = layer.head_view().positions.float()
         sinks = torch.arange(positions.shape[1], device=positions.device) < derived["sink"]
-        retrieves = self.retrieval_mask(derived["retrieval_heads"])[layer.layer_idx].to(positions.device)
+        retrieves = self.retrieval_mask(derived["retrieval_heads"], positions.device)[layer.layer_idx]
         keep = torch.where(retrieves, torch.iinfo(torch.int64).max, derived["sink"] + derived["recent"])
         return positions.masked_fill(sinks[None, :], float("inf")), keep
 
@@ -256,6 +260,7 @@ class DuoAttention(EvictionMethod):
         retrieves = self.retrieval_mask(derived["retrieval_heads"])[layer.layer_idx].tolist()
         sink, recent = derived["sink"], derived["recent"]
         device = layer.keys.device
+        self.retrieval_mask(derived["retrieval_heads"], device)  # made on the device now, not in a decode step
         kept, cut = [], False
         for retrieval, n in zip(retrieves, layer.lengths()):
             if retrieval or n <= sink + recent:

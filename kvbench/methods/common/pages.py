@@ -179,12 +179,34 @@ def top_page_tokens(page_scores: torch.Tensor, page_size: int, length: "int | to
     return tokens[:, :k]
 
 
+HELD_FIRST_BLOCK = 32  # held_first's block of entries
+
+
 def held_first(tokens: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
     """`tokens` `[H, n]` with those not `past` first and the `past` ones after, each group in its order: what a
-    stable sort of `past` orders them as, by a scatter to positions counted with two cumulative sums (linear; the
-    stable sort it replaces cost more than the page top-k on an H100: 74 + 32 against 104 us per Quest step)."""
-    held = ~past
-    position = torch.where(held, held.cumsum(-1), held.sum(-1, keepdim=True) + past.cumsum(-1)) - 1
+    stable sort of `past` orders them as, by a scatter to positions (the stable sort it replaces cost more than the
+    page top-k on an H100: 74 + 32 against 104 us per Quest step).
+
+    A position is the count of held entries before it, made without a cumulative sum: a scan over more than 32
+    elements is one inductor splits across blocks on CUDA, and its Triton code for Quest's `held.cumsum(-1)` over
+    640 pages failed to generate on an H100 (torch 2.11; `kvbench.engine.graph_lint`'s `SPLIT_SCAN`). So the entries
+    are cut into blocks of `HELD_FIRST_BLOCK`: the held entries before each one within its block, and the held
+    entries of the blocks before it, are sums of comparisons (reductions, which every backend splits soundly);
+    n B + (n / B)^2 products per head, fused. In int64, padded after the cast: inductor's C++ code (torch 2.13)
+    summed int32 products wrongly, and did not compile a padded bool cast to int64."""
+    heads, n = past.shape
+    block = HELD_FIRST_BLOCK
+    pad = -n % block
+    held = torch.nn.functional.pad((~past).long(), (0, pad)).view(heads, -1, block)  # padding: 0 held
+    blocks = held.shape[1]
+    lane = torch.arange(block, device=past.device)
+    within = (held[:, :, None, :] * (lane[None, :] < lane[:, None])).sum(-1)  # [H, nb, B]
+    counts = held.sum(-1)  # [H, nb]
+    order = torch.arange(blocks, device=past.device)
+    before = (counts[:, None, :] * (order[None, :] < order[:, None])).sum(-1)  # [H, nb]
+    held_before = (before[..., None] + within).view(heads, -1)[:, :n]
+    total = counts.sum(-1, keepdim=True)
+    position = torch.where(past, total + torch.arange(n, device=past.device) - held_before, held_before)
     return torch.empty_like(tokens).scatter_(-1, position, tokens)
 
 
