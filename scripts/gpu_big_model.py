@@ -12,7 +12,7 @@ kvbench's `BitsAndBytesConfig` for `bnb_4bit` (`kvbench.models.placement.quantiz
 bf16), and each weight is drawn on the device and quantised there, layer by layer, so no full-precision copy of
 the model ever exists; embeddings, norms and the output head stay in the compute dtype, as transformers' quantizer
 leaves them. What the load path itself does (`from_pretrained` with the quantisation config and a device map) is
-tested on CPU with tiny models (tests/test_quantized_models.py, tests/test_placement.py); this script checks what
+tested on CPU with tiny models (tests/test_quantized_models.py, tests/test_device_map.py); this script checks what
 only the real size shows: that the config's memory check passes on this GPU, that 70B in NF4 fits one GPU with
 room for a long prompt's K/V, and that kvbench's cache, methods and eager decode run on it (a model placed through
 a device map decodes eagerly: `kvbench.engine.compiled.SHARDED_REASON`).
