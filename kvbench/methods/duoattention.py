@@ -238,10 +238,10 @@ class DuoAttention(EvictionMethod):
         docs/gpu, section 6), and `keep` puts it there before any decode step."""
         layers = self.gates.shape[0]
         dense = [i for i in range(layers) if self.is_dense_layer(i)]
-        key = (count, tuple(dense), str(device or "cpu"))
+        device = torch.device(device or "cpu")
+        key = (count, tuple(dense), str(device))
         if key not in self._masks:
-            host = rank_heads(self.gates, count, dense, seed=self.seed)
-            self._masks[key] = host if device is None or torch.device(device).type == "cpu" else host.to(device)
+            self._masks[key] = rank_heads(self.gates, count, dense, seed=self.seed).to(device)
         return self._masks[key]
 
     def decode_eviction_scores(self, layer, budget, step):
@@ -257,10 +257,10 @@ class DuoAttention(EvictionMethod):
     def keep(self, layer, budget, step):
         derived = step.plan.derived
         self.check_shape(step.num_layers, layer.num_heads)
-        retrieves = self.retrieval_mask(derived["retrieval_heads"])[layer.layer_idx].tolist()
-        sink, recent = derived["sink"], derived["recent"]
         device = layer.keys.device
-        self.retrieval_mask(derived["retrieval_heads"], device)  # made on the device now, not in a decode step
+        # made on the layer's device here, before any decode step reads it
+        retrieves = self.retrieval_mask(derived["retrieval_heads"], device)[layer.layer_idx].tolist()
+        sink, recent = derived["sink"], derived["recent"]
         kept, cut = [], False
         for retrieval, n in zip(retrieves, layer.lengths()):
             if retrieval or n <= sink + recent:
