@@ -12,7 +12,10 @@
 #                                                 # transformers ms/token vs the bandwidth floor, 32K and 128K
 #   bash scripts/gpu_session.sh kernel  OUT_DIR   # the split-K decode attention (kernels/flash_decode.py): its
 #                                                 # tests compiled on CUDA, against inductor's masked attention,
-#                                                 # flex_attention and SDPA; a compiled step's top kernels (<= 5 min)
+#                                                 # flex_attention and SDPA; the selection methods' stable top-k
+#                                                 # (kernels/stable_topk.py) against PyTorch's; a compiled step's
+#                                                 # top kernels (KERNEL_METHODS, default full,snapkv,quest,
+#                                                 # exact_topk,sparq; <= 7 min)
 #   bash scripts/gpu_session.sh big     OUT_DIR   # a model larger than one GPU in bf16 (scripts/gpu_big_model.py):
 #                                                 # Llama-3.1-70B's shapes in NF4, random weights, the 70B config's
 #                                                 # placement check, prefill + decode per method, memory per device
@@ -143,10 +146,11 @@ compiled() {  # the compiled decode step: (a) static-decode check, (b) ms/token 
     return $rc
 }
 
-decode_kernel() {  # the split-K decode attention on this GPU, and where a compiled step's time goes (<= 5.5 min)
-    local tiny=() bench=() prof=()
-    if [ "${DEVICE:-cuda}" = cpu ]; then  # the shell and script logic at tiny shapes (the kernel interpreted)
+decode_kernel() {  # the split-K decode attention and the stable top-k on this GPU, where a compiled step's time goes (<= 7 min)
+    local tiny=() bench=() prof=() topk=()
+    if [ "${DEVICE:-cuda}" = cpu ]; then  # the shell and script logic at tiny shapes (the kernels interpreted)
         bench=(--device cpu --lengths 200 --kv-heads 2 --head-dim 16 --layers 2 --repeats 2 --selected 24)
+        topk=(--device cpu --lengths 300 --kv-heads 2 --group 2 --budget 32 --calls 2 --repeats 2)
         prof=(--device cpu --layers 1 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --head-dim 16
               --length 64 --budget 16 --dtype float32 --backend eager --warmup 2 --steps 2 --profiled 1)
     else  # correctness first, side by side (no timing runs meanwhile): the kernel's unit tests compiled on this
@@ -154,7 +158,7 @@ decode_kernel() {  # the split-K decode attention on this GPU, and where a compi
         local xdist=()
         $py -c "import xdist" 2>/dev/null && xdist=(-n 4)
         KVBENCH_KERNEL_DEVICE=cuda TRITON_INTERPRET=0 step flash_decode_tests 100 $py -m pytest -q -p no:cacheprovider \
-            --rootdir "$repo" -c "$repo/pyproject.toml" "${xdist[@]}" "$repo/tests/test_kernels.py" -k flash_decode &
+            --rootdir "$repo" -c "$repo/pyproject.toml" "${xdist[@]}" "$repo/tests/test_kernels.py" -k "flash_decode or stable_topk" &
         (cd "$repo" && step probe_triton_lint 100 $py scripts/probe_triton_lint.py) &
         (cd "$repo" && step compile_fallback_tests 100 $py -m pytest -q -p no:cacheprovider tests/test_compile_fallback.py) &
         wait
@@ -168,9 +172,12 @@ decode_kernel() {  # the split-K decode attention on this GPU, and where a compi
     # selection's slots by the indexed operator vs inductor's gathered fp32 products
     (cd "$repo/scripts" && step bench_flash_decode 100 $py bench_flash_decode.py "${bench[@]}")
     grep -v -E "^USDT|Online softmax" "$out/bench_flash_decode.log"
+    # the selection methods' stable top-k: the Triton operator vs PyTorch's int64 top-k, eager and by inductor
+    (cd "$repo/scripts" && step bench_stable_topk 120 $py bench_stable_topk.py "${topk[@]}")
+    grep -v -E "^USDT" "$out/bench_stable_topk.log"
     # the compiled step's kernels, by GPU time: what remains outside attention, and what a selection costs
-    (cd "$repo/scripts" && step kernel_breakdown 130 $py gpu_decode_breakdown.py --compile --top 14 \
-        --methods "${KERNEL_METHODS:-full,snapkv,quest}" "${tiny[@]}" "${prof[@]}")
+    (cd "$repo/scripts" && step kernel_breakdown 200 $py gpu_decode_breakdown.py --compile --top 14 \
+        --methods "${KERNEL_METHODS:-full,snapkv,quest,exact_topk,sparq}" "${tiny[@]}" "${prof[@]}")
     grep -v -E "^USDT|Online softmax" "$out/kernel_breakdown.log"
 }
 

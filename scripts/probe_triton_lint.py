@@ -8,6 +8,7 @@ On CPU it runs too (inductor's C++ backend accepts every case: the lint's verdic
 """
 import inspect
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -18,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import check_static_decode  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
-import kvbench.methods.common.pages as pages  # noqa: E402
+import kvbench.kernels.stable_topk as stable_topk  # noqa: E402
 from kvbench.engine.compiled import CompiledDecoder, describe  # noqa: E402
 from kvbench.engine.graph_lint import lint_backend  # noqa: E402
 from kvbench.methods import build_method  # noqa: E402
@@ -46,7 +47,7 @@ def old_keys(scores):
 
 CASES = {
     "old descending_keys + topk": lambda s: old_keys(s).topk(5, dim=-1).indices,
-    "new descending_keys + topk": lambda s: pages.descending_keys(s).topk(5, dim=-1).indices,
+    "new descending_keys + topk": lambda s: stable_topk.descending_keys(s).topk(5, dim=-1).indices,
     "where(mask, |arange-32|, int64 max)": lambda s: torch.where(
         s > 0, (torch.arange(s.shape[-1], device=s.device) - 32).abs()[None], torch.iinfo(torch.int64).max),
     "where(mask, int64 max, 68)": lambda s: torch.where(s > 0, torch.iinfo(torch.int64).max, 68),
@@ -72,7 +73,8 @@ cfg.device = device
 lm = load_model(cfg)
 ids = check_static_decode.prompt(300, seed=1)
 _, eager_tokens, _ = check_static_decode.decode(lm, build_method("quest"), 64, ids, 4, None)
-pages.descending_keys = old_keys
+stable_topk.descending_keys = old_keys
+os.environ["KVBENCH_KERNELS"] = "torch"  # the PyTorch top-k, traced by inductor (CUDA's is the kvbench::stable_topk kernel)
 torch._dynamo.reset()
 start = time.perf_counter()
 session, tokens, _ = check_static_decode.decode(lm, build_method("quest"), 64, ids, 4, CompiledDecoder(lm, "inductor"))

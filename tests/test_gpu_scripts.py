@@ -197,16 +197,21 @@ def test_session_compiled_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
 @pytest.mark.integration
 def test_session_kernel_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
     """`DEVICE=cpu gpu_session.sh kernel`: the split-K decode attention against the masked PyTorch attention
-    (the kernel interpreted), and a compiled step's breakdown with its top-kernels table (~25 s)."""
+    (the kernel interpreted), the stable top-k four ways at each selection's shape, and a compiled step's
+    breakdown with its top-kernels table (~40 s)."""
     text = run_cpu_phase("kernel", tmp_path / "out", tmp_path)
-    for name in ("bench_flash_decode", "kernel_breakdown"):
+    for name in ("bench_flash_decode", "bench_stable_topk", "kernel_breakdown"):
         assert re.search(rf"^=== {name}: exit 0 after \d+s$", text, re.M), text
+    topk = re.findall(r"^\| 300 \| (\w+) \| \d+ x \d+ \| \d+ \| (\w+) \| [\d.]+ \| [\d.]+ \| (yes|no) \|$", text, re.M)
+    assert [case for case, *_ in topk[::4]] == ["quest", "quest_page16", "token_shared", "token_per_query_head"]
+    assert [way for _, way, _ in topk[:4]] == ["keys_topk", "keys_topk_inductor", "float_topk", "stable_topk"]
+    assert all(equal == "yes" for _, way, equal in topk if way != "float_topk"), topk  # the reference's indices
     rows = re.findall(r"^\| 200 \| (\w+) \| ([\d.]+) \| \d+ \| [\d.]+ \| ([\d.e+-]+) \|$", text, re.M)
     assert [way for way, *_ in rows] == ["flash_decode", "padded_inductor", "selected_flash", "selected_inductor"], text
     assert all(float(diff) < 0.02 for *_, diff in rows), rows  # bf16 outputs against the fp32 oracle
-    for method in ("full", "snapkv", "quest"):
+    for method in ("full", "snapkv", "quest", "exact_topk", "sparq"):
         assert re.search(rf"^{method}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+$", text, re.M), text
-    assert text.count("us/step  share launches/step  kernel") == 3
+    assert text.count("us/step  share launches/step  kernel") == 5
 
 
 @pytest.mark.integration

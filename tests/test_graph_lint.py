@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import kvbench.kernels.stable_topk as stable_topk
 import kvbench.methods.common.pages as pages
 from kvbench.engine.compiled import CompiledDecoder
 from kvbench.engine.graph_lint import lint_backend
@@ -41,7 +42,7 @@ def test_the_lint_flags_an_out_of_int32_constant_on_an_index_and_nothing_else():
     scores = torch.randn(3, 50)
     error = lint(old_descending_keys, scores)
     assert error is not None and "4294967295" in error and "pages" not in error  # traced from this file
-    assert lint(pages.descending_keys, scores) is None
+    assert lint(stable_topk.descending_keys, scores) is None
     # an index through views and casts, then a where with int64's maximum (as a masked argmin pads): flagged
     assert "9223372036854775807" in lint(
         lambda s: torch.where(s > 0, (torch.arange(s.shape[-1]) - 32).abs()[None], torch.iinfo(torch.int64).max),
@@ -75,9 +76,9 @@ def test_the_lint_flags_a_scan_inductor_would_split_and_not_the_held_first_that_
 def test_the_descending_keys_order_is_unchanged_by_the_fix():
     scores = torch.randint(-3, 4, (4, 300)).float()  # many ties
     scores[0, 5] = -0.0
-    assert torch.equal(pages.descending_keys(scores).argsort(dim=-1, descending=True),
+    assert torch.equal(stable_topk.descending_keys(scores).argsort(dim=-1, descending=True),
                        old_descending_keys(scores).argsort(dim=-1, descending=True))
-    assert torch.equal(pages.descending_keys(scores) - old_descending_keys(scores),
+    assert torch.equal(stable_topk.descending_keys(scores) - old_descending_keys(scores),
                        torch.full((4, 300), -(1 << 31)))
 
 
@@ -95,7 +96,7 @@ def test_every_static_methods_decode_graph_passes_the_lint(model, request):
 
 
 def test_a_step_with_the_old_descending_keys_fails_the_lint_naming_its_constant(tiny_llama, monkeypatch):
-    monkeypatch.setattr(pages, "descending_keys", old_descending_keys)
+    monkeypatch.setattr(stable_topk, "descending_keys", old_descending_keys)
     decoder = CompiledDecoder(tiny_llama, lint_backend())
     session, _, _ = check_static_decode.decode(tiny_llama, build_method("quest"), 64,
                                                check_static_decode.prompt(300, seed=1), 2, decoder)

@@ -27,7 +27,13 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from kvbench.cache.kvcache import KVBenchCache
-from kvbench.kernels import _flash_decode_kernels, _triton_kernels, ragged_attention, sparse_attention
+from kvbench.kernels import (
+    _flash_decode_kernels,
+    _stable_topk_kernels,
+    _triton_kernels,
+    ragged_attention,
+    sparse_attention,
+)
 from kvbench.kernels._dispatch import ENV_VAR, use_triton
 from kvbench.kernels.decode_attention import decode_attention
 from kvbench.kernels.distinct_rows import distinct_rows
@@ -870,15 +876,17 @@ def test_flash_decode_is_one_operator_in_a_compiled_graph():
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="forces the operator onto CPU tensors (interpreted launch)")
 @pytest.mark.parametrize("method, budget", [("full", 10**6), ("adakv", 48), ("streamingllm_rolling", 40),
-                                            ("quest", 48), ("exact_topk", 40), ("rocketkv", 64)])
+                                            ("quest", 48), ("exact_topk", 40), ("rocketkv", 64), ("sparq", 48)])
 def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_llama, monkeypatch, method, budget):
     """The static layout's dense attention by the operator (uniform, ragged, and a layer that evicts into its
     slots while decoding) and the selection methods' selected slots by its indexed form (a group's pages,
-    Exact-TopK's per-query-head tokens, RocketKV's two stages), as on CUDA, here with the launch interpreted:
-    the compiled step (dynamo's eager backend) gives the eager path's tokens and logits."""
+    Exact-TopK's per-query-head tokens, RocketKV's two stages, SparQ's shared tokens), chosen by the stable top-k
+    operator, as on CUDA, here with the launches interpreted: the compiled step (dynamo's eager backend) gives the
+    eager path's tokens and logits."""
     import kvbench.cache.static as static_layout
     import kvbench.engine.compiled as compiled
     import kvbench.kernels.flash_decode as flash_decode_module
+    import kvbench.kernels.stable_topk as stable_topk_module
     from kvbench.engine.session import Session
     from kvbench.methods import build_method
     from tests.conftest import random_ids
@@ -892,6 +900,12 @@ def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_l
     real_selected = flash_decode_module.flash_decode_selected
     monkeypatch.setattr("kvbench.attention.selected.flash_decode_selected",
                         lambda *a: selected.append(a[-2].shape) or real_selected(*a))
+    tops = []
+    monkeypatch.setattr(stable_topk_module, "triton_launchable", lambda *tensors: True)
+    real_top = _stable_topk_kernels.launch_stable_topk
+    monkeypatch.setattr(_stable_topk_kernels, "launch_stable_topk",
+                        lambda *a, **kw: tops.append(a[1]) or real_top(*a, **kw))
+    monkeypatch.setattr(stable_topk_module, "_kernel_failed", [])  # a launch error would take the reference
     ids = random_ids(150, seed=8)
     settings = {"adakv": {"window": 8}, "streamingllm_rolling": {"decode_every": 1}}.get(method, {})
 
@@ -912,6 +926,119 @@ def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_l
     static, static_tokens, static_logits = run(compiled.CompiledDecoder(tiny_llama, "eager"))
     assert static.decode_path == "compiled" and (calls or selected)  # traced through the operator
     assert bool(selected) == static.method.selects  # a selection's slots by the indexed operator
+    assert bool(tops) == static.method.selects and not stable_topk_module._kernel_failed  # by the operator
     assert static_tokens == eager_tokens
     torch.testing.assert_close(static_logits, eager_logits, atol=1e-4, rtol=1e-4)
     assert [layer.lengths() for layer in static.cache.layers] == [layer.lengths() for layer in eager.cache.layers]
+
+
+# -- the stable top-k of the selection methods (kvbench::stable_topk) -----------------------------------------
+
+launch_stable_topk = _on_device(_stable_topk_kernels.launch_stable_topk)
+
+
+def _scores_with_ties(gen, rows, length, dtype):
+    """Rows of scores with every hard case of an order: many ties (integer values), -0.0 beside 0.0, +-inf, a
+    NaN, runs of -inf (a static layer's unused slots)."""
+    scores = torch.randint(-4, 5, (rows, length), generator=gen).float()
+    scores[:, ::5] += torch.randn(rows, len(range(0, length, 5)), generator=gen)  # and distinct values
+    scores[0, 1::7] = -0.0
+    scores[-1, length // 2:] = float("-inf")
+    scores[0, 3 % length] = float("inf")
+    if rows > 1 and length > 10:
+        scores[1, 10] = float("nan")
+    return scores.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows, length, k, block, segment", [
+    (3, 100, 7, 32, 100),      # one program per row: several blocks, the last one short
+    (2, 50, 50, 16, None),     # every score taken
+    (4, 300, 1, 64, 300),      # the top one only
+    (2, 1000, 129, 256, None),  # k not a power of two
+    (1, 9, 4, 2048, None),     # a row shorter than the block
+    (3, 1000, 10, 64, 128),    # segments of 128: 7, the last one longer, then their 70 candidates
+    (2, 700, 40, 32, 160),     # segments of 160 whose top 40 tie across segments
+    (2, 9000, 3, 1024, None),  # the default: segments of MIN_SEGMENT (2048), 4 of them
+])
+def test_stable_topk_triton_is_the_reference(rows, length, k, block, segment, dtype):
+    """The kernel returns the reference's indices exactly, in its order: ties to the lower index, -0.0 tied with
+    0.0, NaN first, -inf last; a long row by segments, then their candidates, the same."""
+    from kvbench.kernels.stable_topk import stable_topk_reference
+
+    scores = _scores_with_ties(torch.Generator().manual_seed(length + k), rows, length, dtype)
+    assert torch.equal(launch_stable_topk(scores, k, block, segment), stable_topk_reference(scores, k))
+
+
+def test_stable_topk_triton_strided_rows_and_a_row_of_one_value():
+    from kvbench.kernels.stable_topk import stable_topk_reference
+
+    scores = torch.randn(40, 6, generator=torch.Generator().manual_seed(3)).t()  # a column stride
+    scores[2] = 1.5  # one value: the k lowest indices
+    assert torch.equal(launch_stable_topk(scores, 9, 16), stable_topk_reference(scores, 9))
+    assert launch_stable_topk(scores, 9, 16)[2].tolist() == list(range(9))
+
+
+def test_stable_topk_reference_is_a_stable_descending_sort():
+    from kvbench.kernels.stable_topk import stable_topk_reference
+
+    scores = _scores_with_ties(torch.Generator().manual_seed(4), 3, 200, torch.float32)
+    nan = scores.isnan()
+    order = torch.where(nan, float("inf"), scores).sort(dim=-1, descending=True, stable=True).indices
+    # a NaN sorts first, above +inf: the row holding one puts it before its +inf
+    order[1] = torch.cat([nan[1].nonzero()[:, 0], order[1][~nan[1][order[1]]]])
+    assert torch.equal(stable_topk_reference(scores, 37), order[:, :37])
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="traces the operator on CPU tensors (interpreted launch)")
+def test_stable_topk_is_one_operator_in_a_compiled_graph_and_the_reference_on_the_cpu(monkeypatch):
+    import kvbench.kernels.stable_topk as stable_topk_module
+
+    scores = _scores_with_ties(torch.Generator().manual_seed(5), 4, 120, torch.float32)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def ops_in(fn):
+        graphs.clear()
+        torch._dynamo.reset()
+        out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(scores)
+        return out, {n.target for g in graphs for n in g.graph.nodes if n.op in ("call_function", "call_method")}
+
+    fn = lambda s: stable_topk_module.stable_topk(s.view(2, 2, 120), 10)  # noqa: E731 - leading dims kept
+    out, ops = ops_in(fn)  # CPU: the reference, traced (inductor writes its code, as before the kernel)
+    kernel = {torch.ops.kvbench.stable_topk, torch.ops.kvbench.stable_topk.default}
+    assert not ops & kernel and "topk" in ops
+    monkeypatch.setattr(stable_topk_module, "triton_launchable", lambda *tensors: True)  # as on CUDA
+    monkeypatch.setattr(stable_topk_module, "_kernel_failed", [])
+    kernel_out, ops = ops_in(fn)
+    assert ops & kernel and "topk" not in ops and not stable_topk_module._kernel_failed  # launched, not replaced
+    assert torch.equal(kernel_out, out) and kernel_out.shape == (2, 2, 10)
+    # a k the kernel's one-block sort does not take, and an empty row, go to the reference
+    assert torch.equal(stable_topk_module.stable_topk(scores, stable_topk_module.MAX_K + 1),
+                       stable_topk_module.stable_topk_reference(scores, 120))
+    with pytest.raises(ValueError, match="stable_topk"):
+        torch.ops.kvbench.stable_topk(scores, 121)
+
+
+def test_a_failing_stable_topk_launch_warns_once_and_the_reference_runs(monkeypatch, caplog):
+    import kvbench.kernels.stable_topk as stable_topk_module
+
+    monkeypatch.setattr(stable_topk_module, "_kernel_failed", [])
+    launches = []
+
+    def refused(scores, k):
+        launches.append(k)
+        raise RuntimeError("PassManager::run failed\nmore lines")
+
+    monkeypatch.setattr(_stable_topk_kernels, "launch_stable_topk", refused)
+    scores = _scores_with_ties(torch.Generator().manual_seed(6), 3, 80, torch.float32)
+    with caplog.at_level("WARNING", logger="kvbench"):
+        for k in (5, 7):
+            assert torch.equal(torch.ops.kvbench.stable_topk(scores, k), stable_topk_module.stable_topk_reference(scores, k))
+    assert launches == [5]  # not tried again
+    warnings = [r.getMessage() for r in caplog.records if "stable_topk" in r.getMessage()]
+    assert warnings == ["stable_topk: the Triton kernel failed (RuntimeError: PassManager::run failed); "
+                        "the PyTorch top-k runs instead"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from kvbench.kernels.page_summary import page_minmax
+from kvbench.kernels.stable_topk import stable_topk
 from kvbench.methods.common.buffers import GrowingBuffers
 
 
@@ -172,7 +173,7 @@ def top_page_tokens(page_scores: torch.Tensor, page_size: int, length: "int | to
     heads, n_pages = page_scores.shape
     static = isinstance(length, torch.Tensor)
     k = min(k, n_pages * page_size if static else length)
-    order = descending_keys(page_scores).topk(min(n_pages, k // page_size + 2), dim=-1).indices  # stable order
+    order = stable_topk(page_scores, k // page_size + 2)  # the pages in stable descending order
     tokens = (order[..., None] * page_size + torch.arange(page_size, device=order.device)).reshape(heads, -1)
     if static or length % page_size:
         tokens = held_first(tokens, tokens >= (length[:, None] if static else length))
@@ -216,28 +217,8 @@ def top_tokens(token_scores: torch.Tensor, k: int) -> torch.Tensor:
     RocketKV's code selects tokens, not pages: all tokens of a page tie, so whole pages are taken and the
     boundary page is cut; with this rule it keeps its first tokens (specs/rocketkv.md §8.2).
 
-    One `topk` of `descending_keys` (no ties left to break): the stable sort's first k, in its order. A stable
-    sort of every score cost 1.5 ms per layer at 8K tokens on two CPU cores (46 ms of a SparQ step); the
-    k-th value from a float `topk`, then two cumulative sums, a scatter and a sort of the k to restore the
-    order, cost a third of that and most of the compiled step's selection."""
-    return descending_keys(token_scores).topk(min(k, token_scores.shape[-1]), dim=-1).indices
-
-
-def descending_keys(scores: torch.Tensor) -> torch.Tensor:
-    """int64 keys `[..., L]`, all distinct, whose descending order is the stable descending order of `scores`
-    (higher score first, ties to the lower index): the score's order-preserving integer image in the high 32
-    bits, the index reversed in the low 32 (2^31 - 1 - index: distinct and in [0, 2^31) for any L up to 2^31).
-    A `topk` of the keys is then exact and deterministic, which a `topk` of the scores is not on ties, and
-    cheaper than the stable sort it replaces (on two CPU cores, 15 us against 190 for the top 23 of 1,366
-    pages). Scores are compared as float32 (bf16 and fp16 convert exactly); -0.0 ties with 0.0 as in a float
-    sort; NaN sorts first as in a descending sort.
-
-    The reversal starts from 2^31 - 1, not 2^32 - 1 (which orders the keys the same: it only adds 2^31 to every
-    low half, with no carry): inductor inlines `C - arange(L)` into a Triton kernel as an int32 index
-    expression, and Triton refuses a constant outside int32 (CPU's C++ takes it). `kvbench.engine.graph_lint`
-    checks every static method's decode graph for such constants."""
-    length = scores.shape[-1]
-    bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)  # negative floats: magnitude bits flipped, so int order = float order
-    reversed_index = (1 << 31) - 1 - torch.arange(length, device=scores.device)
-    return (ordered.to(torch.int64) << 32) | reversed_index
+    `kernels.stable_topk` (one `topk` of int64 keys with no ties left to break; one Triton operator on CUDA): the
+    stable sort's first k, in its order. A stable sort of every score cost 1.5 ms per layer at 8K tokens on two
+    CPU cores (46 ms of a SparQ step); the k-th value from a float `topk`, then two cumulative sums, a scatter
+    and a sort of the k to restore the order, cost a third of that and most of the compiled step's selection."""
+    return stable_topk(token_scores, k)
