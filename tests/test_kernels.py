@@ -705,11 +705,14 @@ def test_distinct_rows_counts_each_row_once_inside_and_outside_compile(backend):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("group, k1, shared_sign", [(4, 5, True), (1, 32, False), (8, 1, True)])
+@pytest.mark.parametrize("group, k1, shared_sign", [(4, 5, True), (1, 32, False), (8, 1, True), (4, None, False)])
 def test_page_scores_traced_is_the_reference(group, k1, shared_sign, dtype):
-    """Zeroing the query outside the chosen dimensions gives the gathered bounds' scores, up to float rounding."""
-    gen = torch.Generator().manual_seed(group + k1)
-    q, kmin, kmax, dims, positive = _page_score_inputs(gen, group, 67, 32, 3, k1, shared_sign, dtype)
+    """Zeroing the query outside the chosen dimensions gives the gathered bounds' scores, and every dimension
+    (Quest's: dims None, each query head's own signs) the reference's, up to float rounding."""
+    gen = torch.Generator().manual_seed(group + (k1 or 0))
+    q, kmin, kmax, dims, positive = _page_score_inputs(gen, group, 67, 32, 3, k1 or 32, shared_sign, dtype)
+    if k1 is None:
+        dims, positive = None, q > 0
     torch.testing.assert_close(page_scores_traced(q, kmin, kmax, dims, positive),
                                page_scores_reference(q, kmin, kmax, dims, positive), **SCORE_TOL)
 

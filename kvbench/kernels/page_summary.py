@@ -55,7 +55,7 @@ def page_scores(
         if dims is None:
             dims = torch.arange(q.shape[-1], device=q.device).expand(q.shape[0], -1)
         return page_scores_triton(q, kmin, kmax, dims, positive)
-    if dims is not None and torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
         return page_scores_traced(q, kmin, kmax, dims, positive)
     return page_scores_reference(q, kmin, kmax, dims, positive)
 
@@ -87,15 +87,27 @@ def page_scores_reference(
 
 
 def page_scores_traced(
-    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, dims: torch.Tensor, positive: torch.Tensor
+    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, dims: torch.Tensor | None, positive: torch.Tensor
 ) -> torch.Tensor:
-    """`page_scores_reference` with chosen dimensions, written for inductor (the compiled decode step): the query
-    is zeroed outside the chosen dimensions instead of the bounds being gathered on them, so both products
-    read whole contiguous bounds through BLAS. The same sum (the other terms are exact zeros) in another
-    order, so equal up to float rounding. Inductor turned the reference's gather of k1 of D columns of every
-    page into scalar loads: 90 us per layer for 512 pages on two cores (bf16 RocketKV at 8K). It reads all
-    D columns of the bounds, not k1: the method's traffic (its cost model) is what the paper's kernel reads."""
+    """`page_scores_reference` written for inductor (the compiled decode step), equal up to float rounding.
+
+    Over every dimension (Quest's bound, dims None), each query head's bound is one reduction over the head
+    dimension of q times the bound its sign picks, which inductor generates as one kernel reading the bounds in
+    their own dtype. The reference's two products were, on an H100, two fp32 copies of both bounds and two
+    cuBLAS batched GEMVs at every step: 14 us per layer of Quest's step for 2.6 MB of bounds (docs/gpu,
+    section 5).
+
+    With chosen dimensions (HSA's, RocketKV's), the query is zeroed outside them instead of the bounds being
+    gathered on them, so both products read whole contiguous bounds through BLAS: the same sum (the other terms
+    are exact zeros) in another order. Inductor turned the reference's gather of k1 of D columns of every page
+    into scalar loads: 90 us per layer for 512 pages on two cores (bf16 RocketKV at 8K). It reads all D columns
+    of the bounds, not k1: the method's traffic (its cost model) is what the paper's kernel reads. (The one
+    reduction of Quest's form, summed in inductor's order, moved a near-tie of RocketKV's pages on a tiny model,
+    0.02 off the eager logits, where these products keep it within 1e-4.)"""
     heads, group, dim = q.shape
+    if dims is None:
+        bound = torch.where(positive.expand(heads, group, dim)[:, :, None, :], kmax[:, None], kmin[:, None])
+        return (q.float()[:, :, None, :] * bound.float()).sum(-1)  # [H, G, P, D] fused into the sum, never stored
     chosen = torch.zeros(heads, dim, dtype=torch.bool, device=q.device).scatter(1, dims, True)  # [H, D]
     sign = torch.zeros(heads, group, dim, dtype=torch.bool, device=q.device).scatter(
         2, dims[:, None, :].expand(heads, group, -1), positive.expand(heads, group, -1))  # positive, on chosen
