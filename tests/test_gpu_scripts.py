@@ -166,6 +166,7 @@ def test_compiled_decode_measures_eager_compiled_and_stock_at_tiny_shapes(tmp_pa
                   "--methods", "full,stock,quest", "--budget", "32", "--steps", "3", "--warmup", "2",
                   "--backend", "eager", "--no-check", "--csv", str(table))
     assert "3 of 3 items measured" in proc.stdout
+    assert "selection top-k: PyTorch's int64 topk\n" in proc.stdout  # the CPU's (a GPU names the operator)
     _check_compiled_rows(proc.stdout, table, [(256, "full"), (256, "stock"), (256, "quest")])
 
 
