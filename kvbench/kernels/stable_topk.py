@@ -3,9 +3,9 @@
 The selection methods pick their rows with it (`kvbench.methods.common.pages`: Quest's and HSA's pages, SparQ's,
 RocketKV's and Exact-TopK's tokens). The reference is one `topk` of `descending_keys`: int64 keys, all distinct,
 whose descending order is the stable descending order of the scores. On an H100 that int64 `topk` was the
-largest piece of the selection methods' per-step work after their attention (docs/gpu section 5: 104 us of
-Quest's compiled step over 640 pages, and longer rows for the token-level methods): PyTorch's radix select
-passes over the row once per 8 bits of the key, eight times for 64 bits, with several launches each.
+largest single kernel of Quest's selection (docs/gpu section 5: 104 us of its compiled step over 8 x 640
+pages; the token-level methods run it over rows of 40K-160K slots): PyTorch's radix select passes over the
+row once per radix digit of the key, twice as many digits for 64 bits as for 32.
 
 On CUDA the Triton kernel (`_stable_topk_kernels`) finds the same indices with one program per row (a page
 row), or two launches for a long one (a token row: a program per segment, then one over the segments' top k):
