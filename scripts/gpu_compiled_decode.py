@@ -483,17 +483,6 @@ def work_order(plan: dict[int, list[str]]) -> list[tuple[int, str]]:
     return [item for group in itertools.zip_longest(*per_length) for item in group if item is not None]
 
 
-def stable_topk_used(device: str) -> str:
-    """Which top-k the selection methods' steps ran (`kernels.stable_topk`): the Triton operator, or PyTorch's
-    where it does not apply or its launch failed (the warning's reason). The indices are the same either way."""
-    from kvbench.kernels import stable_topk
-
-    probe = torch.empty(1, device=device)
-    if stable_topk._kernel_failed:
-        return f"PyTorch's int64 topk (the Triton operator failed: {stable_topk._kernel_failed[0]})"
-    return "the Triton operator (kvbench::stable_topk)" if stable_topk.triton_launchable(probe) else "PyTorch's int64 topk"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
@@ -572,7 +561,9 @@ def _main(args: argparse.Namespace, elapsed) -> int:
         print_table(rows, bench)
         print(f"\n{len([r for r in rows if r.status == 'ok'])} of {len(rows)} items measured in {elapsed():.0f} s"
               + (f"; CSV: {args.csv}" if args.csv else ""), flush=True)
-        print(f"selection top-k: {stable_topk_used(args.device)}", flush=True)
+        from kvbench.kernels import stable_topk
+
+        print(f"selection top-k: {stable_topk.implementation(args.device)}", flush=True)
     failed = [f"{r.length} {r.method}" for r in rows if r.status == "error"]
     if failed:
         print(f"errors: {', '.join(failed)}")

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from kvbench.core.devices import sync
-from kvbench.core.errors import KVBenchError
+from kvbench.core.errors import KVBenchError, one_line
 from kvbench.engine.replay import CudaGraphCapture, GraphRecorder, LoopReplays
 from kvbench.models import LoadedModel, cache_kwargs
 
@@ -98,18 +98,8 @@ def missing_features(backend: Any) -> list[str]:
 
 
 def describe(exc: BaseException) -> str:
-    """One line for a record and a warning: the exception's type and its message's first line. A backend's error
-    that dynamo wrapped (`BackendCompilerFailed`, inductor's `InductorError`: their first line only names the
-    backend) is described by the error inside, and a Triton `CompilationError` by its last line (the first is the
-    kernel's line and column; the last says what Triton refused)."""
-    inner = exc
-    while isinstance(getattr(inner, "inner_exception", None), BaseException):
-        inner = inner.inner_exception
-    lines = str(inner).strip().splitlines() or [""]
-    line = lines[-1] if type(inner).__name__ == "CompilationError" else lines[0]
-    if isinstance(exc, CompileFailed):
-        return line
-    return f"{type(exc).__name__}: {line}" if inner is exc else f"{type(exc).__name__}: {type(inner).__name__}: {line}"
+    """`kvbench.core.errors.one_line`, without the type for a `CompileFailed` (its message is a description)."""
+    return str(exc) if isinstance(exc, CompileFailed) else one_line(exc)
 
 
 def _raise_dynamo_limit(*names: str) -> None:

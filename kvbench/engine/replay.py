@@ -35,6 +35,8 @@ from typing import Any, Callable
 
 import torch
 
+from kvbench.core.errors import one_line
+
 
 @dataclass
 class GraphCall:
@@ -136,15 +138,10 @@ class CudaGraphCapture:
                 finally:
                     cuda_graph.capture_end()
         except Exception as exc:
-            self.failed = _one_line(exc)
+            self.failed = one_line(exc)
             raise
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         return cuda_graph, outputs
-
-
-def _one_line(exc: BaseException) -> str:
-    """The exception's type and its message's first line (CUDA's errors run to many lines)."""
-    return f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0]}"
 
 
 def _same_inputs(first: GraphCall, second: GraphCall) -> bool:
@@ -202,7 +199,7 @@ class LoopReplays:
         try:
             self.replays[key] = StepReplay(call, output, self.capture)
         except Exception as exc:  # noqa: BLE001 - an op CUDA graphs refuse: the guarded calls still work
-            why = f"capturing its CUDA graph failed: {_one_line(exc)}"
+            why = f"capturing its CUDA graph failed: {one_line(exc)}"
             self.refused[key] = why
             return why
         return None

@@ -7,17 +7,12 @@ largest single kernel of Quest's selection (docs/gpu section 5: 104 us of its co
 pages; the token-level methods run it over rows of 40K-160K slots): PyTorch's radix select passes over the
 row once per radix digit of the key, twice as many digits for 64 bits as for 32.
 
-On CUDA the Triton kernel (`_stable_topk_kernels`) finds the same indices with one program per row (a page
-row), or two launches for a long one (a token row: a program per segment, then one over the segments' top k):
-a radix select over the scores' 32 order-preserving bits (four passes of 8 bits, a histogram each), which
-fixes the k-th score T and how many of the rows scoring T are taken (those of the lowest indices, as the
-reference's reversed index in the low half of the key decides); one more pass writes the rows scoring above T
-and those first tied ones; a sort of the k chosen keys puts them in the reference's order. It is integer
-arithmetic on the scores' bits, so it returns the reference's indices exactly, not approximately. It is
-registered as a PyTorch operator (`kvbench::stable_topk`, with a fake implementation), so that the compiled
-decode step captures it as one node, as `kvbench::flash_decode` is. On the CPU the reference runs, inside
-`torch.compile` as outside (the CPU's records and graphs are unchanged); the kernel runs there only in Triton's
-interpreter, in the tests.
+On CUDA the Triton kernel (`_stable_topk_kernels.launch_stable_topk`, whose docstring gives the algorithm: a
+radix select over the scores' 32 order-preserving bits, a long row by segments) finds the same indices in the
+same order: it is integer arithmetic on the scores' bits, exact, not approximate. It is registered as a PyTorch
+operator (`kvbench::stable_topk`, with a fake implementation), so that the compiled decode step captures it as
+one node, as `kvbench::flash_decode` is. On the CPU the reference runs, inside `torch.compile` as outside (the
+CPU's records and graphs are unchanged); the kernel runs there only in Triton's interpreter, in the tests.
 
 The kernel has not yet run on a GPU (it was written in a session without one; `gpu_session.sh kernel` checks and
 times it). So that a Triton error on some GPU cannot stop a run, a launch that raises logs one warning line and
@@ -31,6 +26,7 @@ import logging
 
 import torch
 
+from kvbench.core.errors import one_line
 from kvbench.kernels._dispatch import triton_launchable
 
 MAX_K = 4096  # the kernel sorts the k chosen keys in one block; a larger k takes the reference
@@ -76,6 +72,15 @@ def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return stable_topk_reference(scores, k)
 
 
+def implementation(device: "torch.device | str") -> str:
+    """Which top-k `stable_topk` runs on `device` for k <= `MAX_K`: the Triton operator, or PyTorch's (where the
+    operator does not apply, or with the reason its launch failed)."""
+    if _kernel_failed:
+        return f"PyTorch's int64 topk (the Triton operator failed: {_kernel_failed[0]})"
+    launchable = triton_launchable(torch.empty(0, device=device))
+    return "the Triton operator (kvbench::stable_topk)" if launchable else "PyTorch's int64 topk"
+
+
 @torch.library.custom_op("kvbench::stable_topk", mutates_args=())
 def _stable_topk_op(scores: torch.Tensor, k: int) -> torch.Tensor:
     if scores.dim() != 2 or not scores.is_floating_point() or not 0 < k <= min(MAX_K, scores.shape[1]):
@@ -87,7 +92,7 @@ def _stable_topk_op(scores: torch.Tensor, k: int) -> torch.Tensor:
 
             return launch_stable_topk(scores, k)
         except Exception as exc:  # noqa: BLE001 - any Triton or driver error: the reference gives the same indices
-            _kernel_failed.append(f"{type(exc).__name__}: {(str(exc).strip().splitlines() or [''])[0][:200]}")
+            _kernel_failed.append(one_line(exc))
             log.warning("stable_topk: the Triton kernel failed (%s); the PyTorch top-k runs instead", _kernel_failed[0])
     return stable_topk_reference(scores, k)
 
