@@ -25,17 +25,6 @@ from kvbench.engine.graph_lint import lint_backend  # noqa: E402
 from kvbench.methods import build_method  # noqa: E402
 from kvbench.models import load_model  # noqa: E402
 
-logging.basicConfig(level=logging.WARNING, format="WARNING-LINE %(message)s")
-device = "cuda" if torch.cuda.is_available() else "cpu"
-try:
-    import triton
-    tv = triton.__version__
-except Exception as exc:  # noqa: BLE001
-    tv = f"none ({exc})"
-print("torch", torch.__version__, "triton", tv, "device", device, torch.cuda.get_device_name() if device == "cuda" else "")
-print("torch.compile", inspect.signature(torch.compile))
-print("has skip_guard_on_all_nn_modules_unsafe", hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"))
-
 
 def old_keys(scores):
     length = scores.shape[-1]
@@ -54,29 +43,47 @@ CASES = {
     "int64 values + 2**40": lambda s: s.to(torch.int64) + (1 << 40),
     "arange from 2**32": lambda s: s + torch.arange(1 << 32, (1 << 32) + s.shape[-1], device=s.device),
 }
-s = torch.randn(3, 300, device=device)
-for name, fn in CASES.items():
-    verdicts = []
-    for backend in (lint_backend(), "inductor"):
-        torch._dynamo.reset()
-        start = time.perf_counter()
-        try:
-            torch.compile(fn, backend=backend, fullgraph=True)(s)
-            verdicts.append("ok")
-        except Exception as exc:  # noqa: BLE001
-            verdicts.append("REFUSED " + describe(exc)[:200])
-        verdicts[-1] += f" ({time.perf_counter() - start:.1f}s)"
-    print(f"CASE {name}\n  lint:     {verdicts[0]}\n  inductor: {verdicts[1]}")
 
-cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "model" / "tiny_llama.yaml")
-cfg.device = device
-lm = load_model(cfg)
-ids = check_static_decode.prompt(300, seed=1)
-_, eager_tokens, _ = check_static_decode.decode(lm, build_method("quest"), 64, ids, 4, None)
-stable_topk.descending_keys = old_keys
-os.environ["KVBENCH_KERNELS"] = "torch"  # the PyTorch top-k, traced by inductor (CUDA's is the kvbench::stable_topk kernel)
-torch._dynamo.reset()
-start = time.perf_counter()
-session, tokens, _ = check_static_decode.decode(lm, build_method("quest"), 64, ids, 4, CompiledDecoder(lm, "inductor"))
-print(f"OLD-KEYS QUEST STEP on {device} inductor: path={session.decode_path} reason={session.decode_path_reason!r} "
-      f"tokens_equal={tokens == eager_tokens} ({time.perf_counter() - start:.1f}s)")
+
+def main() -> None:
+    logging.basicConfig(level=logging.WARNING, format="WARNING-LINE %(message)s")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        import triton
+        tv = triton.__version__
+    except Exception as exc:  # noqa: BLE001
+        tv = f"none ({exc})"
+    print("torch", torch.__version__, "triton", tv, "device", device,
+          torch.cuda.get_device_name() if device == "cuda" else "")
+    print("torch.compile", inspect.signature(torch.compile))
+    print("has skip_guard_on_all_nn_modules_unsafe", hasattr(torch.compiler, "skip_guard_on_all_nn_modules_unsafe"))
+    s = torch.randn(3, 300, device=device)
+    for name, fn in CASES.items():
+        verdicts = []
+        for backend in (lint_backend(), "inductor"):
+            torch._dynamo.reset()
+            start = time.perf_counter()
+            try:
+                torch.compile(fn, backend=backend, fullgraph=True)(s)
+                verdicts.append("ok")
+            except Exception as exc:  # noqa: BLE001
+                verdicts.append("REFUSED " + describe(exc)[:200])
+            verdicts[-1] += f" ({time.perf_counter() - start:.1f}s)"
+        print(f"CASE {name}\n  lint:     {verdicts[0]}\n  inductor: {verdicts[1]}")
+
+    cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "model" / "tiny_llama.yaml")
+    cfg.device = device
+    lm = load_model(cfg)
+    ids = check_static_decode.prompt(300, seed=1)
+    _, eager_tokens, _ = check_static_decode.decode(lm, build_method("quest"), 64, ids, 4, None)
+    stable_topk.descending_keys = old_keys
+    os.environ["KVBENCH_KERNELS"] = "torch"  # the PyTorch top-k, traced by inductor (CUDA's is the kvbench::stable_topk kernel)
+    torch._dynamo.reset()
+    start = time.perf_counter()
+    session, tokens, _ = check_static_decode.decode(lm, build_method("quest"), 64, ids, 4, CompiledDecoder(lm, "inductor"))
+    print(f"OLD-KEYS QUEST STEP on {device} inductor: path={session.decode_path} reason={session.decode_path_reason!r} "
+          f"tokens_equal={tokens == eager_tokens} ({time.perf_counter() - start:.1f}s)")
+
+
+if __name__ == "__main__":
+    main()

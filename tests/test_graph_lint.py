@@ -6,7 +6,6 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 import kvbench.kernels.stable_topk as stable_topk
@@ -82,11 +81,11 @@ def test_the_descending_keys_order_is_unchanged_by_the_fix():
                        torch.full((4, 300), -(1 << 31)))
 
 
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
-def test_every_static_methods_decode_graph_passes_the_lint(model, request):
+def test_every_static_methods_decode_graph_passes_the_lint(tiny_qwen3):
     """The table of scripts/check_static_decode.py, each method's step traced once (two steps: a method whose
-    schedule evicts runs the loop's first step eagerly), from prompts as short as the methods allow."""
-    lm = request.getfixturevalue(model)
+    schedule evicts runs the loop's first step eagerly), from prompts as short as the methods allow. On tiny
+    Qwen3 (Llama's step and its q/k norms); tests/test_cuda_codegen.py has Triton compile tiny Llama's steps."""
+    lm = tiny_qwen3
     decoder = CompiledDecoder(lm, lint_backend())
     for label, name, settings, budget in check_static_decode.STATIC:
         ids = check_static_decode.prompt(budget + 10 if budget > 640 else 200, seed=1)  # DuoAttention's rule: > 640

@@ -31,6 +31,12 @@ The patterns, each one that Triton refuses and the CPU's C++ accepts:
   step keeps no scan now (`pages.held_first` counts by reductions); a scan over the capacity is flagged whatever
   its dtype, since whether a split scan generates is the torch version's to decide and CI cannot ask a GPU.
 
+`cuda_codegen_backend()` asks Triton itself instead of guessing: inductor's Triton code for the graph, compiled
+by Triton's CUDA compiler for an H100 on the CPU (`kvbench.kernels.cuda_target`). On the six graphs of
+`scripts/probe_triton_lint.py` its verdicts are the H100's (`tests/test_cuda_codegen.py`), where the lint flags
+one graph Triton accepts. It takes minutes where the lint takes seconds, and cannot see a split scan (inductor
+splits by a GPU's processor count, and generated Quest's old scan unsplit for the CPU device), so both stay.
+
 Considered and left out, as Triton accepts them or inductor does not hand them to Triton: complex tensors
 (inductor generates no code for them on any device: it calls ATen's kernels, and warns), uint32/uint64 tensors
 and float64 (Triton has those types; inductor's own kernels use uint32 and uint64 bit patterns).
@@ -191,3 +197,45 @@ def lint_backend() -> Callable[..., Any]:
 
     return aot_autograd(fw_compiler=lint_then_run, decompositions=select_decomp_table(),
                         keep_inference_input_mutations=True)
+
+
+def inductor_triton_sources(graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> list[tuple[str, str]]:
+    """(name, source) of each Triton kernel inductor generates for a dynamo graph, as a GPU compile would generate
+    them: inductor's Triton code generation pointed at the graph's CPU tensors (`cpu_backend="triton"`, the same
+    code generator a CUDA device gets, with a CPU's launch heuristics), Triton's compiler not called. Inductor's
+    caches are off: a cached graph would generate nothing."""
+    from unittest import mock
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.compile_fx import compile_fx
+
+    from kvbench.kernels.cuda_target import cuda_target
+
+    sources: list[tuple[str, str]] = []
+
+    def keep_source(self: Any, kernel_name: str, source_code: str, device_str: str = "cuda") -> None:
+        sources.append((kernel_name, source_code))
+
+    settings = dict(cpu_backend="triton", fx_graph_cache=False, fx_graph_remote_cache=False, compile_threads=1)
+    with inductor_config.patch(settings), mock.patch.object(AsyncCompile, "triton", keep_source), cuda_target():
+        compile_fx(graph_module, example_inputs)
+    return sources
+
+
+def cuda_codegen_backend(arch: int = 90) -> Callable[..., Any]:
+    """A dynamo backend: inductor's Triton code for the graph (`inductor_triton_sources`) compiled by Triton's CUDA
+    compiler for sm_`arch` (`kvbench.kernels.cuda_target`: no GPU needed), every kernel with every configuration
+    inductor would try; `TritonRefusal` on the first one refused, and otherwise the graph run eagerly. What it
+    checks is what the lint's patterns guess at: Triton's own verdict on the code a GPU's compile generates. It
+    does not see what inductor decides by a GPU's properties (a split scan: the lint's `SPLIT_SCAN`; block
+    sizes), and compiles inductor's code only: the `kvbench.kernels` operators inside a graph are
+    `scripts/check_cuda_codegen.py`'s."""
+    from kvbench.kernels.cuda_target import compile_inductor_kernel
+
+    def compile_then_run(graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        for name, source in inductor_triton_sources(graph_module, example_inputs):
+            compile_inductor_kernel(name, source, arch)
+        return graph_module.forward
+
+    return compile_then_run

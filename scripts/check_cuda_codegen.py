@@ -1,0 +1,180 @@
+"""Triton's CUDA compiler, on the CPU, over every kernel a GPU run compiles: what it would refuse on an H100.
+
+    python scripts/check_cuda_codegen.py                         # both parts, sm_90 (H100)
+    python scripts/check_cuda_codegen.py --archs h100,a100 --part kernels
+    python scripts/check_cuda_codegen.py --part steps --models tiny_llama --methods quest,rocketkv
+
+Runs without `TRITON_INTERPRET` (the interpreter compiles nothing). No GPU is needed: Triton compiles for a target
+it is given, down to a cubin by its own ptxas (`kvbench.kernels.cuda_target`). Two parts:
+
+- `kernels`: each Triton kernel of `kvbench.kernels`, launched by its own launcher at the shapes a GPU run gives
+  it (Llama-3.1-8B's attention: 8 KV heads of 4 query heads, head dim 128; prompts of 32K and 128K, the static
+  layout's capacity 1.25 x the prompt, budget 1,024; bf16 and fp32), each launch compiled instead of run. The
+  compiled step's two operators (`kvbench::flash_decode`, plain and over selected slots, and
+  `kvbench::stable_topk` at each selection's shape) and the eager path's kernels. Printed: kernel, target,
+  shared memory, registers and spilled bytes per thread (the cubin's, by Triton's cuobjdump), compile seconds,
+  constexprs.
+- `steps`: every static method's compiled decode step (`scripts/check_static_decode.py`'s table, tiny models,
+  two steps) compiled by `kvbench.engine.graph_lint.cuda_codegen_backend`: inductor's Triton code for the step,
+  every kernel and configuration compiled for the target. A refused kernel makes the step fall back to eager,
+  as it would on the GPU, and the method's line names what Triton refused.
+
+The exit status is 1 when anything is refused. A GPU machine still has to say what only it can (speed, and the
+launch heuristics its properties give inductor): `scripts/gpu_session.sh`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import check_static_decode  # noqa: E402
+from bench_stable_topk import cases as topk_cases  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from kvbench.core.errors import one_line  # noqa: E402
+from kvbench.kernels.cuda_target import ARCHS, TritonRefusal, compile_launches  # noqa: E402
+
+KV_HEADS, GROUP, DIM, BUDGET = 8, 4, 128, 1024  # Llama-3.1-8B's attention; the papers' usual budget
+LENGTHS = (32768, 131072)
+CAPACITY_FACTOR = 1.25
+
+
+def kernel_launches(length: int, dtype: torch.dtype) -> list[tuple[str, Callable[[], object]]]:
+    """(label, launch) of every kernel at a prompt of `length` tokens: each launch calls the launcher a GPU run
+    calls, with tensors of the run's shapes (zeros: only shapes, dtypes and strides reach the compiler)."""
+    from kvbench.kernels import page_summary, ragged_attention, reduced_scores, sparse_attention
+    from kvbench.kernels._stable_topk_kernels import launch_stable_topk
+    from kvbench.kernels.flash_decode import flash_decode, flash_decode_selected
+
+    rows = math.ceil(length * CAPACITY_FACTOR)
+    q = torch.zeros(KV_HEADS, GROUP, DIM, dtype=dtype)
+    keys = torch.zeros(KV_HEADS * rows, DIM, dtype=dtype)
+    starts = torch.arange(KV_HEADS) * rows
+    fill = torch.full((KV_HEADS,), length)
+    scale = DIM ** -0.5
+    shared = torch.zeros(KV_HEADS, 1, BUDGET, dtype=torch.int64).expand(KV_HEADS, GROUP, BUDGET)
+    per_head = torch.zeros(KV_HEADS, GROUP, BUDGET, dtype=torch.int64)
+    page = 16
+    kmin = torch.zeros(KV_HEADS, rows // page, DIM, dtype=dtype)
+    dims = torch.zeros(KV_HEADS, DIM // 4, dtype=torch.int64)  # chosen dimensions (HSA, RocketKV: a quarter)
+    positive = torch.zeros(KV_HEADS, GROUP, DIM // 4, dtype=torch.bool)
+    launches = [
+        ("flash_decode (full)", lambda: flash_decode(q, keys, keys, starts, fill, scale)),
+        ("flash_decode_selected (shared by the group)",
+         lambda: flash_decode_selected(q, keys, keys, starts, fill, shared, scale)),
+        ("flash_decode_selected (per query head)",
+         lambda: flash_decode_selected(q, keys, keys, starts, fill, per_head, scale)),
+        ("ragged_decode_attention", lambda: ragged_attention.ragged_decode_attention_triton(
+            q, keys, keys, starts, [length] * KV_HEADS, scale)),
+        ("topk_attention", lambda: sparse_attention.topk_attention_triton(
+            q, keys.view(KV_HEADS, rows, DIM), keys.view(KV_HEADS, rows, DIM), per_head, scale)),
+        ("page_minmax", lambda: page_summary.page_minmax_triton(keys.view(KV_HEADS, rows, DIM), page)),
+        ("page_scores", lambda: page_summary.page_scores_triton(q, kmin, kmin, dims, positive)),
+        ("reduced_scores", lambda: reduced_scores.reduced_scores_triton(
+            q, keys.view(KV_HEADS, rows, DIM).transpose(1, 2), dims)),
+    ]
+    for case, n_rows, row_length, k in topk_cases(length, rows, BUDGET, KV_HEADS, GROUP):
+        scores = torch.zeros(n_rows, row_length, dtype=dtype)
+        launches.append((f"stable_topk ({case}, k {k})", lambda s=scores, k=k: launch_stable_topk(s, k)))
+    return launches
+
+
+def check_kernels(arch: int, dtypes: list[torch.dtype]) -> list[str]:
+    """Compile every launch of `kernel_launches` for sm_`arch`; print a line per compiled kernel; the refusals."""
+    refused = []
+    print(f"\nkvbench.kernels for sm_{arch}")
+    print(f"{'launch':58} {'kernel':27} {'shared KB':>9} {'regs':>4} {'spill B':>7} {'s':>4}  constexprs")
+    for length in LENGTHS:
+        for dtype in dtypes:
+            for label, launch in kernel_launches(length, dtype):
+                label = f"{label}, {length // 1024}K {str(dtype).removeprefix('torch.')}"
+                with compile_launches(arch) as compiled:
+                    try:
+                        launch()
+                    except TritonRefusal as exc:
+                        refused.append(f"{label}: {exc}")
+                        print(f"{label:58} REFUSED {exc}")
+                        continue
+                for item in compiled:
+                    print(f"{label:58} {item.kernel:27} {item.shared_bytes / 1024:9.1f} {item.registers!s:>4} "
+                          f"{item.local_bytes!s:>7} {item.seconds:4.1f}  {item.constants}")
+                    label = ""
+    return refused
+
+
+def check_steps(arch: int, models: list[str], methods: set[str] | None) -> list[str]:
+    """Every static method's decode step, its inductor code compiled for sm_`arch`; the refusals."""
+    from kvbench.engine import graph_lint
+    from kvbench.engine.compiled import CompiledDecoder
+    from kvbench.models import load_model
+
+    kernels: list[int] = []
+    generate = graph_lint.inductor_triton_sources
+
+    def counted(*args: object) -> list[tuple[str, str]]:
+        sources = generate(*args)
+        kernels.append(len(sources))
+        return sources
+
+    graph_lint.inductor_triton_sources = counted  # the count per method, printed
+    refused = []
+    try:
+        for model in models:
+            lm = load_model(OmegaConf.load(check_static_decode.CONF / "model" / f"{model}.yaml"))
+            decoder = CompiledDecoder(lm, graph_lint.cuda_codegen_backend(arch))
+            print(f"\n{model}: each static method's decode step, inductor's Triton code for sm_{arch}")
+            print(f"{'method':22} {'path':9} {'graphs':>6} {'kernels':>7} {'s':>5}")
+            for label, name, settings, budget in check_static_decode.STATIC:
+                if methods is not None and label not in methods:
+                    continue
+                kernels.clear()
+                start = time.perf_counter()
+                ids = check_static_decode.prompt(budget + 10 if budget > 640 else 200, seed=1)
+                method = check_static_decode.method_for(lm, name, settings)
+                session, _, _ = check_static_decode.decode(lm, method, budget, ids, 2, decoder)
+                line = (f"{label:22} {session.decode_path:9} {len(kernels):6d} {sum(kernels):7d} "
+                        f"{time.perf_counter() - start:5.1f}")
+                if session.decode_path != "compiled":
+                    refused.append(f"{model} {label}: {session.decode_path_reason}")
+                    line += f"  REFUSED {session.decode_path_reason}"
+                print(line, flush=True)
+    finally:
+        graph_lint.inductor_triton_sources = generate
+    return refused
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--archs", default="h100", help=f"targets: {', '.join(ARCHS)}")
+    parser.add_argument("--part", default="all", choices=["all", "kernels", "steps"])
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="the kernels' input dtypes")
+    parser.add_argument("--models", default="tiny_llama,tiny_qwen3")
+    parser.add_argument("--methods", default="all", help="labels of check_static_decode's table (all: every one)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        parser.error("needs TRITON_INTERPRET unset or 0: Triton's interpreter compiles nothing")
+    refused: list[str] = []
+    for arch in (ARCHS[name] for name in args.archs.split(",")):
+        if args.part in ("all", "kernels"):
+            refused += check_kernels(arch, [getattr(torch, d) for d in args.dtypes.split(",")])
+        if args.part in ("all", "steps"):
+            refused += check_steps(arch, args.models.split(","),
+                                   None if args.methods == "all" else set(args.methods.split(",")))
+    print("\nnothing refused" if not refused else f"\nREFUSED ({len(refused)}):\n  " + "\n  ".join(refused))
+    return refused
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(1 if main() else 0)
+    except TritonRefusal as exc:  # outside a launch's own report (a launcher's own error)
+        sys.exit(f"check_cuda_codegen: {one_line(exc)}")

@@ -1,0 +1,108 @@
+"""Triton's CUDA compiler on the CPU (`kvbench.kernels.cuda_target`, `scripts/check_cuda_codegen.py`): every
+kernel of `kvbench.kernels` at a GPU run's shapes, and inductor's Triton code for every static method's decode
+step, compile for an H100, and what Triton refused on one is refused here: the old `descending_keys`, and the
+six graphs of `scripts/probe_triton_lint.py`, with the H100's verdicts.
+
+Each test runs in a process of its own without `TRITON_INTERPRET` (the suite's kernels run in Triton's
+interpreter, which compiles nothing, and triton reads the variable once, when it is imported)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytest.importorskip("triton")
+
+
+def run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": str(ROOT / "scripts")}
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_every_kvbench_kernel_compiles_for_an_h100_at_a_gpu_runs_shapes():
+    proc = run(["scripts/check_cuda_codegen.py", "--part", "kernels", "--archs", "h100"], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "nothing refused" in proc.stdout
+    assert "kvbench.kernels for sm_90" in proc.stdout
+    for kernel in ("_flash_decode_split_kernel", "_flash_decode_merge_kernel", "_stable_topk_kernel",
+                   "_ragged_decode_kernel", "_topk_attention_kernel", "_page_minmax_kernel", "_page_scores_kernel",
+                   "_reduced_scores_kernel"):
+        assert kernel in proc.stdout, kernel
+    # the selected-rows split kernel and the long rows' second top-k pass were compiled too
+    assert "INDEXED=True" in proc.stdout and "BLOCK=512, BLOCK_K=128" in proc.stdout
+
+
+def test_every_static_methods_decode_step_compiles_for_an_h100():
+    """All of check_static_decode's static methods on tiny Llama; on tiny Qwen3 (its q/k norms) the full step."""
+    for model, methods in (("tiny_llama", "all"), ("tiny_qwen3", "full")):
+        proc = run(["scripts/check_cuda_codegen.py", "--part", "steps", "--models", model, "--methods", methods],
+                   timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "nothing refused" in proc.stdout and "REFUSED" not in proc.stdout
+        rows = [line.split() for line in proc.stdout.splitlines() if line.split()[1:2] == ["compiled"]]
+        assert len(rows) == (21 if methods == "all" else 1)
+        assert all(int(row[3]) > 10 for row in rows)  # kernels generated and compiled: the check is not vacuous
+
+
+def h100_verdicts() -> dict[str, bool]:
+    """Whether inductor and Triton on an H100 (torch 2.11, triton 3.6) refused each graph of
+    `scripts/probe_triton_lint.py`: its log, recorded in docs/gpu (section 6)."""
+    log = (ROOT / "docs" / "gpu" / "logs" / "probe_triton_lint.log").read_text().splitlines()
+    cases = [line.removeprefix("CASE ") for line in log if line.startswith("CASE ")]
+    inductor = [line.strip() for line in log if line.startswith("  inductor: ")]
+    return {case: verdict.startswith("inductor: REFUSED") for case, verdict in zip(cases, inductor, strict=True)}
+
+
+def test_what_triton_refuses_on_a_gpu_is_refused_here_naming_the_kernel(tmp_path):
+    program = textwrap.dedent("""
+        import torch, triton, triton.language as tl
+        import check_cuda_codegen, probe_triton_lint
+        import kvbench.kernels.stable_topk as stable_topk
+        from kvbench.core.errors import one_line
+        from kvbench.engine.graph_lint import cuda_codegen_backend
+        from kvbench.kernels.cuda_target import TritonRefusal, compile_launches
+
+        @triton.jit
+        def reversed_index(out_ptr, BLOCK: tl.constexpr):
+            i = tl.arange(0, BLOCK)
+            tl.store(out_ptr + i, 4294967295 - i)  # as inductor printed the old descending_keys' index
+
+        try:
+            with compile_launches(90) as compiled:
+                reversed_index[(1,)](torch.zeros(64, dtype=torch.int64), BLOCK=64)
+            print("accepted", compiled)
+        except TritonRefusal as exc:
+            print("launch refused:", exc)
+
+        for name, fn in probe_triton_lint.CASES.items():
+            torch._dynamo.reset()
+            try:
+                torch.compile(fn, backend=cuda_codegen_backend(90), fullgraph=True)(torch.randn(3, 300))
+                print("CASE", name, "| ok")
+            except Exception as exc:
+                print("CASE", name, "| REFUSED", one_line(exc))
+
+        stable_topk.descending_keys = probe_triton_lint.old_keys
+        refused = check_cuda_codegen.check_steps(90, ["tiny_llama"], {"quest", "snapkv"})
+        print("steps refused:", refused)
+    """)
+    (tmp_path / "refusals.py").write_text(program)  # a file: @triton.jit reads its function's source
+    proc = run([str(tmp_path / "refusals.py")], timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "launch refused: reversed_index for sm_90: CompilationError:" in proc.stdout
+    assert "4294967295 is out of range for type int32" in proc.stdout
+    # the probe's six graphs: refused here exactly where the H100 refused them (the lint flags a third, wrongly)
+    here = {line[5:].split(" | ")[0]: " | REFUSED" in line for line in proc.stdout.splitlines()
+            if line.startswith("CASE ")}
+    assert here == h100_verdicts() and sum(here.values()) == 2
+    refused = proc.stdout.split("steps refused:")[1]
+    # Quest's step selects pages by the old keys: refused, so it falls back to eager, as on the H100; SnapKV's does not
+    assert "tiny_llama quest: compile failed: BackendCompilerFailed: TritonRefusal: triton_" in refused
+    assert "4294967295 is out of range" in refused and "snapkv" not in refused
