@@ -3,6 +3,7 @@
     python scripts/check_cuda_codegen.py                         # both parts, sm_90 (H100)
     python scripts/check_cuda_codegen.py --archs h100,a100 --part kernels
     python scripts/check_cuda_codegen.py --part steps --models tiny_llama --methods quest,rocketkv
+    python scripts/check_cuda_codegen.py --part steps --model-dtype bfloat16      # a GPU run's dtype
 
 Runs without `TRITON_INTERPRET` (the interpreter compiles nothing). No GPU is needed: Triton compiles for a target
 it is given, down to a cubin by its own ptxas (`kvbench.kernels.cuda_target`). Two parts:
@@ -111,8 +112,9 @@ def check_kernels(arch: int, dtypes: list[torch.dtype]) -> list[str]:
     return refused
 
 
-def check_steps(arch: int, models: list[str], methods: set[str] | None) -> list[str]:
-    """Every static method's decode step, its inductor code compiled for sm_`arch`; the refusals."""
+def check_steps(arch: int, models: list[str], methods: set[str] | None, dtype: str | None = None) -> list[str]:
+    """Every static method's decode step (the model in `dtype`, default its config's), its inductor code compiled
+    for sm_`arch`; the refusals."""
     from kvbench.engine import graph_lint
     from kvbench.engine.compiled import CompiledDecoder
     from kvbench.models import load_model
@@ -129,9 +131,12 @@ def check_steps(arch: int, models: list[str], methods: set[str] | None) -> list[
     refused = []
     try:
         for model in models:
-            lm = load_model(OmegaConf.load(check_static_decode.CONF / "model" / f"{model}.yaml"))
+            cfg = OmegaConf.load(check_static_decode.CONF / "model" / f"{model}.yaml")
+            if dtype is not None:
+                cfg.dtype = dtype
+            lm = load_model(cfg)
             decoder = CompiledDecoder(lm, graph_lint.cuda_codegen_backend(arch))
-            print(f"\n{model}: each static method's decode step, inductor's Triton code for sm_{arch}")
+            print(f"\n{model} ({lm.dtype}): each static method's decode step, inductor's Triton code for sm_{arch}")
             print(f"{'method':22} {'path':9} {'graphs':>6} {'kernels':>7} {'s':>5}")
             for label, name, settings, budget in check_static_decode.STATIC:
                 if methods is not None and label not in methods:
@@ -158,6 +163,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--part", default="all", choices=["all", "kernels", "steps"])
     parser.add_argument("--dtypes", default="bfloat16,float32", help="the kernels' input dtypes")
     parser.add_argument("--models", default="tiny_llama,tiny_qwen3")
+    parser.add_argument("--model-dtype", default=None,
+                        help="the steps' model dtype (default: its config's, float32 for the tiny ones; a GPU run's is bfloat16)")
     parser.add_argument("--methods", default="all", help="labels of check_static_decode's table (all: every one)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
@@ -168,7 +175,7 @@ def main(argv: list[str] | None = None) -> list[str]:
             refused += check_kernels(arch, [getattr(torch, d) for d in args.dtypes.split(",")])
         if args.part in ("all", "steps"):
             refused += check_steps(arch, args.models.split(","),
-                                   None if args.methods == "all" else set(args.methods.split(",")))
+                                   None if args.methods == "all" else set(args.methods.split(",")), args.model_dtype)
     print("\nnothing refused" if not refused else f"\nREFUSED ({len(refused)}):\n  " + "\n  ".join(refused))
     return refused
 
