@@ -9,12 +9,13 @@ Runs without `TRITON_INTERPRET` (the interpreter compiles nothing). No GPU is ne
 it is given, down to a cubin by its own ptxas (`kvbench.kernels.cuda_target`). Two parts:
 
 - `kernels`: each Triton kernel of `kvbench.kernels`, launched by its own launcher at the shapes a GPU run gives
-  it (Llama-3.1-8B's attention: 8 KV heads of 4 query heads, head dim 128; prompts of 32K and 128K, the static
-  layout's capacity 1.25 x the prompt, budget 1,024; bf16 and fp32), each launch compiled instead of run. The
-  compiled step's two operators (`kvbench::flash_decode`, plain and over selected slots, and
-  `kvbench::stable_topk` at each selection's shape) and the eager path's kernels. Printed: kernel, target,
-  shared memory, registers and spilled bytes per thread (the cubin's, by Triton's cuobjdump), compile seconds,
-  constexprs.
+  it (each configured model's attention, `SHAPES`: Llama-3.1-8B's 8 KV heads of 4 query heads and head dim 128,
+  no GQA, groups of 3, 7 and 8, SmolLM2's head dim 64; prompts of 32K and 128K, the static layout's capacity
+  1.25 x the prompt, budget 1,024; bf16 and fp32), each launch compiled instead of run. The compiled step's two
+  operators (`kvbench::flash_decode`, plain and over selected slots, and `kvbench::stable_topk` at each
+  selection's shape) and the eager path's kernels. Printed: kernel, shared memory, registers and spilled bytes
+  per thread (the cubin's, by Triton's cuobjdump), compile seconds, constexprs (every compile of the first
+  model; of the others, only what they compile anew).
 - `steps`: every static method's compiled decode step (`scripts/check_static_decode.py`'s table, tiny models,
   two steps) compiled by `kvbench.engine.graph_lint.cuda_codegen_backend`: inductor's Triton code for the step,
   every kernel and configuration compiled for the target. A refused kernel makes the step fall back to eager,
@@ -44,30 +45,48 @@ from omegaconf import OmegaConf  # noqa: E402
 from kvbench.core.errors import one_line  # noqa: E402
 from kvbench.kernels.cuda_target import ARCHS, TritonRefusal, compile_launches  # noqa: E402
 
-KV_HEADS, GROUP, DIM, BUDGET = 8, 4, 128, 1024  # Llama-3.1-8B's attention; the papers' usual budget
+BUDGET = 1024  # the papers' usual budget
 LENGTHS = (32768, 131072)
 CAPACITY_FACTOR = 1.25
+# (KV heads, query heads per KV head, head dim) of the configured models' attention (their config.json files):
+# Triton specializes a launch by its integer arguments (a group of 1, multiples of 16) and its block sizes (by
+# the head dim), so each shape may compile other code
+SHAPES = {
+    "llama3.1_8b": (8, 4, 128),  # also Llama-3-8B's long-context variants, DeepSeek-R1-Distill-Llama-8B, Mistral-7B
+    "llama3.1_70b": (8, 8, 128),
+    "llama3.2_3b": (8, 3, 128),
+    "qwen2.5_7b": (4, 7, 128),  # also DeepSeek-R1-Distill-Qwen-7B
+    "qwen2.5_3b": (2, 8, 128),
+    "yi_9b": (4, 8, 128),
+    "longchat_7b": (32, 1, 128),  # Llama-2: no GQA
+    "smollm2_135m": (3, 3, 64),
+}
 
 
-def kernel_launches(length: int, dtype: torch.dtype) -> list[tuple[str, Callable[[], object]]]:
-    """(label, launch) of every kernel at a prompt of `length` tokens: each launch calls the launcher a GPU run
-    calls, with tensors of the run's shapes (zeros: only shapes, dtypes and strides reach the compiler)."""
+def kernel_launches(length: int, dtype: torch.dtype, shape: tuple[int, int, int] = SHAPES["llama3.1_8b"],
+                    ) -> list[tuple[str, Callable[[], object]]]:
+    """(label, launch) of every kernel at a prompt of `length` tokens and an attention `shape` (KV heads, group,
+    head dim): each launch calls the launcher a GPU run calls, with tensors of the run's shapes (never filled:
+    only shapes, dtypes and strides reach the compiler)."""
     from kvbench.kernels import page_summary, ragged_attention, reduced_scores, sparse_attention
     from kvbench.kernels._stable_topk_kernels import launch_stable_topk
     from kvbench.kernels.flash_decode import flash_decode, flash_decode_selected
 
+    kv_heads, group, dim = shape
     rows = math.ceil(length * CAPACITY_FACTOR)
-    q = torch.zeros(KV_HEADS, GROUP, DIM, dtype=dtype)
-    keys = torch.zeros(KV_HEADS * rows, DIM, dtype=dtype)
-    starts = torch.arange(KV_HEADS) * rows
-    fill = torch.full((KV_HEADS,), length)
-    scale = DIM ** -0.5
-    shared = torch.zeros(KV_HEADS, 1, BUDGET, dtype=torch.int64).expand(KV_HEADS, GROUP, BUDGET)
-    per_head = torch.zeros(KV_HEADS, GROUP, BUDGET, dtype=torch.int64)
+    q = torch.empty(kv_heads, group, dim, dtype=dtype)
+    keys = torch.empty(kv_heads * rows, dim, dtype=dtype)  # the static layout's flat rows (pages never touched)
+    by_head = keys.view(kv_heads, rows, dim)
+    starts = torch.arange(kv_heads) * rows
+    fill = torch.full((kv_heads,), length)
+    scale = dim ** -0.5
+    shared = torch.zeros(kv_heads, 1, BUDGET, dtype=torch.int64).expand(kv_heads, group, BUDGET)
+    per_head = torch.zeros(kv_heads, group, BUDGET, dtype=torch.int64)
     page = 16
-    kmin = torch.zeros(KV_HEADS, rows // page, DIM, dtype=dtype)
-    dims = torch.zeros(KV_HEADS, DIM // 4, dtype=torch.int64)  # chosen dimensions (HSA, RocketKV: a quarter)
-    positive = torch.zeros(KV_HEADS, GROUP, DIM // 4, dtype=torch.bool)
+    kmin = torch.empty(kv_heads, rows // page, dim, dtype=dtype)
+    dims = torch.zeros(kv_heads, dim // 4, dtype=torch.int64)  # chosen dimensions (HSA, RocketKV: a quarter)
+    positive = torch.zeros(kv_heads, group, dim // 4, dtype=torch.bool)
+    keys_t = torch.empty(kv_heads, dim, rows, dtype=dtype)  # SparQ's second, transposed copy of the keys
     launches = [
         ("flash_decode (full)", lambda: flash_decode(q, keys, keys, starts, fill, scale)),
         ("flash_decode_selected (shared by the group)",
@@ -75,40 +94,50 @@ def kernel_launches(length: int, dtype: torch.dtype) -> list[tuple[str, Callable
         ("flash_decode_selected (per query head)",
          lambda: flash_decode_selected(q, keys, keys, starts, fill, per_head, scale)),
         ("ragged_decode_attention", lambda: ragged_attention.ragged_decode_attention_triton(
-            q, keys, keys, starts, [length] * KV_HEADS, scale)),
-        ("topk_attention", lambda: sparse_attention.topk_attention_triton(
-            q, keys.view(KV_HEADS, rows, DIM), keys.view(KV_HEADS, rows, DIM), per_head, scale)),
-        ("page_minmax", lambda: page_summary.page_minmax_triton(keys.view(KV_HEADS, rows, DIM), page)),
+            q, keys, keys, starts, [length] * kv_heads, scale)),
+        ("topk_attention", lambda: sparse_attention.topk_attention_triton(q, by_head, by_head, per_head, scale)),
+        ("page_minmax", lambda: page_summary.page_minmax_triton(by_head, page)),
         ("page_scores", lambda: page_summary.page_scores_triton(q, kmin, kmin, dims, positive)),
-        ("reduced_scores", lambda: reduced_scores.reduced_scores_triton(
-            q, keys.view(KV_HEADS, rows, DIM).transpose(1, 2), dims)),
+        ("reduced_scores", lambda: reduced_scores.reduced_scores_triton(q, keys_t, dims)),
     ]
-    for case, n_rows, row_length, k in topk_cases(length, rows, BUDGET, KV_HEADS, GROUP):
-        scores = torch.zeros(n_rows, row_length, dtype=dtype)
+    for case, n_rows, row_length, k in topk_cases(length, rows, BUDGET, kv_heads, group):
+        scores = torch.empty(n_rows, row_length, dtype=dtype)
         launches.append((f"stable_topk ({case}, k {k})", lambda s=scores, k=k: launch_stable_topk(s, k)))
     return launches
 
 
-def check_kernels(arch: int, dtypes: list[torch.dtype]) -> list[str]:
-    """Compile every launch of `kernel_launches` for sm_`arch`; print a line per compiled kernel; the refusals."""
+def check_kernels(arch: int, dtypes: list[torch.dtype], shapes: list[str]) -> list[str]:
+    """Compile every launch of `kernel_launches` for sm_`arch` at each model's shape; print a line per compiled
+    kernel (the first model's in full, then only what the others compiled anew); the refusals."""
     refused = []
     print(f"\nkvbench.kernels for sm_{arch}")
-    print(f"{'launch':58} {'kernel':27} {'shared KB':>9} {'regs':>4} {'spill B':>7} {'s':>4}  constexprs")
-    for length in LENGTHS:
-        for dtype in dtypes:
-            for label, launch in kernel_launches(length, dtype):
-                label = f"{label}, {length // 1024}K {str(dtype).removeprefix('torch.')}"
-                with compile_launches(arch) as compiled:
-                    try:
-                        launch()
-                    except TritonRefusal as exc:
-                        refused.append(f"{label}: {exc}")
-                        print(f"{label:58} REFUSED {exc}")
-                        continue
-                for item in compiled:
-                    print(f"{label:58} {item.kernel:27} {item.shared_bytes / 1024:9.1f} {item.registers!s:>4} "
-                          f"{item.local_bytes!s:>7} {item.seconds:4.1f}  {item.constants}")
-                    label = ""
+    print(f"{'launch':64} {'kernel':27} {'shared KB':>9} {'regs':>4} {'spill B':>7} {'s':>4}  constexprs")
+    seen: set[tuple[str, str, int]] = set()
+    for model in shapes:
+        count, new = 0, 0
+        for length in LENGTHS:
+            for dtype in dtypes:
+                for label, launch in kernel_launches(length, dtype, SHAPES[model]):
+                    label = f"{label}, {model} {length // 1024}K {str(dtype).removeprefix('torch.')}"
+                    with compile_launches(arch) as compiled:
+                        try:
+                            launch()
+                        except TritonRefusal as exc:
+                            refused.append(f"{label}: {exc}")
+                            print(f"{label:64} REFUSED {exc}")
+                            continue
+                    for item in compiled:
+                        key = (item.kernel, item.constants, item.registers)
+                        count += 1
+                        if model != shapes[0] and key in seen:
+                            continue
+                        new += key not in seen
+                        seen.add(key)
+                        print(f"{label:64} {item.kernel:27} {item.shared_bytes / 1024:9.1f} {item.registers!s:>4} "
+                              f"{item.local_bytes!s:>7} {item.seconds:4.1f}  {item.constants}")
+                        label = ""
+        kv_heads, group, dim = SHAPES[model]
+        print(f"== {model} ({kv_heads} KV heads x {group}, head dim {dim}): {count} kernels compiled, {new} new")
     return refused
 
 
@@ -162,6 +191,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--archs", default="h100", help=f"targets: {', '.join(ARCHS)}")
     parser.add_argument("--part", default="all", choices=["all", "kernels", "steps"])
     parser.add_argument("--dtypes", default="bfloat16,float32", help="the kernels' input dtypes")
+    parser.add_argument("--shapes", default="all", help=f"the attention shapes of: {', '.join(SHAPES)} (all: each)")
     parser.add_argument("--models", default="tiny_llama,tiny_qwen3")
     parser.add_argument("--model-dtype", default=None,
                         help="the steps' model dtype (default: its config's, float32 for the tiny ones; a GPU run's is bfloat16)")
@@ -172,7 +202,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     refused: list[str] = []
     for arch in (ARCHS[name] for name in args.archs.split(",")):
         if args.part in ("all", "kernels"):
-            refused += check_kernels(arch, [getattr(torch, d) for d in args.dtypes.split(",")])
+            refused += check_kernels(arch, [getattr(torch, d) for d in args.dtypes.split(",")],
+                                     list(SHAPES) if args.shapes == "all" else args.shapes.split(","))
         if args.part in ("all", "steps"):
             refused += check_steps(arch, args.models.split(","),
                                    None if args.methods == "all" else set(args.methods.split(",")), args.model_dtype)

@@ -9,6 +9,7 @@ interpreter, which compiles nothing, and triton reads the variable once, when it
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -26,7 +27,7 @@ def run(args: list[str], timeout: int) -> subprocess.CompletedProcess:
                           timeout=timeout)
 
 
-def test_every_kvbench_kernel_compiles_for_an_h100_at_a_gpu_runs_shapes():
+def test_every_kvbench_kernel_compiles_for_an_h100_at_the_configured_models_shapes():
     proc = run(["scripts/check_cuda_codegen.py", "--part", "kernels", "--archs", "h100"], timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "nothing refused" in proc.stdout
@@ -37,6 +38,12 @@ def test_every_kvbench_kernel_compiles_for_an_h100_at_a_gpu_runs_shapes():
         assert kernel in proc.stdout, kernel
     # the selected-rows split kernel and the long rows' second top-k pass were compiled too
     assert "INDEXED=True" in proc.stdout and "BLOCK=512, BLOCK_K=128" in proc.stdout
+    # and at every configured model's attention shape: no GQA (Llama-2), groups of 3, 7 and 8, head dim 64
+    compiled = re.findall(r"^== (\S+) \(.*\): (\d+) kernels compiled", proc.stdout, re.M)
+    assert [model for model, _ in compiled] == ["llama3.1_8b", "llama3.1_70b", "llama3.2_3b", "qwen2.5_7b",
+                                                "qwen2.5_3b", "yi_9b", "longchat_7b", "smollm2_135m"]
+    assert all(int(count) >= 48 for _, count in compiled)  # 12 launches of 1-2 kernels, 2 lengths x 2 dtypes
+    assert "BLOCK_D=64" in proc.stdout
 
 
 def test_every_static_methods_decode_step_compiles_for_an_h100():
