@@ -52,8 +52,8 @@ class CompiledLaunch:
     arch: int
     constants: str  # the constexprs and options that distinguish this compile (BLOCK=64, num_warps=4, ...)
     shared_bytes: int
-    registers: int  # per thread, from the cubin (ptxas's allocation): None when cuobjdump could not say
-    local_bytes: int  # per thread: registers spilled to local memory (0 in a kernel that fits its registers)
+    registers: int | None  # per thread, from the cubin (ptxas's allocation): None when cuobjdump could not say
+    local_bytes: int | None  # per thread: registers spilled to local memory (0 in a kernel that fits its registers)
     seconds: float
 
 
@@ -80,14 +80,10 @@ class _TargetDriver:
 
 
 def _require_compiler() -> None:
-    import triton.runtime.jit as jit
-
-    if not hasattr(jit, "JITFunction"):
-        raise TritonRefusal("this triton has no JITFunction")
     from triton import knobs
 
     if knobs.runtime.interpret:
-        raise TritonRefusal("TRITON_INTERPRET=1: Triton's interpreter compiles nothing; run without it")
+        raise KVBenchError("TRITON_INTERPRET=1: Triton's interpreter compiles nothing; run without it")
 
 
 @contextlib.contextmanager
