@@ -4,6 +4,7 @@
     python scripts/check_cuda_codegen.py --archs h100,a100 --part kernels
     python scripts/check_cuda_codegen.py --part steps --models tiny_llama --methods quest,rocketkv
     python scripts/check_cuda_codegen.py --part steps --model-dtype bfloat16      # a GPU run's dtype
+    python scripts/check_cuda_codegen.py --part steps --models llama3.1_8b_layer  # and its widths
 
 Runs without `TRITON_INTERPRET` (the interpreter compiles nothing). No GPU is needed: Triton compiles for a target
 it is given, down to a cubin by its own ptxas (`kvbench.kernels.cuda_target`). Two parts:
@@ -16,8 +17,8 @@ it is given, down to a cubin by its own ptxas (`kvbench.kernels.cuda_target`). T
   selection's shape) and the eager path's kernels. Printed: kernel, shared memory, registers and spilled bytes
   per thread (the cubin's, by Triton's cuobjdump), compile seconds, constexprs (every compile of the first
   model; of the others, only what they compile anew).
-- `steps`: every static method's compiled decode step (`scripts/check_static_decode.py`'s table, tiny models,
-  two steps) compiled by `kvbench.engine.graph_lint.cuda_codegen_backend`: inductor's Triton code for the step,
+- `steps`: every static method's compiled decode step (`scripts/check_static_decode.py`'s table, two steps; the
+  tiny models, or `--models llama3.1_8b_layer`: one layer of Llama-3.1-8B's widths in bf16) compiled by `kvbench.engine.graph_lint.cuda_codegen_backend`: inductor's Triton code for the step,
   every kernel and configuration compiled for the target. A refused kernel makes the step fall back to eager,
   as it would on the GPU, and the method's line names what Triton refused.
 
@@ -46,6 +47,9 @@ from kvbench.core.errors import one_line  # noqa: E402
 from kvbench.kernels.cuda_target import ARCHS, TritonRefusal, compile_launches  # noqa: E402
 
 BUDGET = 1024  # the papers' usual budget
+# one decoder layer of Llama-3.1-8B's shapes (random bf16 weights, a byte vocabulary): the steps' kernels at a GPU
+# run's widths (the norms' reductions over 4,096 elements are loops, not the tiny models' single blocks)
+LAYER_MODEL = "llama3.1_8b_layer"
 LENGTHS = (32768, 131072)
 CAPACITY_FACTOR = 1.25
 # (KV heads, query heads per KV head, head dim) of the configured models' attention (their config.json files):
@@ -160,7 +164,13 @@ def check_steps(arch: int, models: list[str], methods: set[str] | None, dtype: s
     refused = []
     try:
         for model in models:
-            cfg = OmegaConf.load(check_static_decode.CONF / "model" / f"{model}.yaml")
+            if model == LAYER_MODEL:
+                from gpu_decode_floor import random_model_cfg
+
+                cfg = random_model_cfg(argparse.Namespace(layers=1, hidden=4096, intermediate=14336, heads=32,
+                                                          kv_heads=8, head_dim=128, dtype="bfloat16", device="cpu"))
+            else:
+                cfg = OmegaConf.load(check_static_decode.CONF / "model" / f"{model}.yaml")
             if dtype is not None:
                 cfg.dtype = dtype
             lm = load_model(cfg)
@@ -169,6 +179,9 @@ def check_steps(arch: int, models: list[str], methods: set[str] | None, dtype: s
             print(f"{'method':22} {'path':9} {'graphs':>6} {'kernels':>7} {'s':>5}")
             for label, name, settings, budget in check_static_decode.STATIC:
                 if methods is not None and label not in methods:
+                    continue
+                if model == LAYER_MODEL and "pattern" in settings:
+                    print(f"{label:22} skipped: no DuoAttention pattern is calibrated for a random model")
                     continue
                 kernels.clear()
                 start = time.perf_counter()
@@ -192,7 +205,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("--part", default="all", choices=["all", "kernels", "steps"])
     parser.add_argument("--dtypes", default="bfloat16,float32", help="the kernels' input dtypes")
     parser.add_argument("--shapes", default="all", help=f"the attention shapes of: {', '.join(SHAPES)} (all: each)")
-    parser.add_argument("--models", default="tiny_llama,tiny_qwen3")
+    parser.add_argument("--models", default="tiny_llama,tiny_qwen3",
+                        help=f"the steps' models: configs of kvbench/conf/model, or {LAYER_MODEL}")
     parser.add_argument("--model-dtype", default=None,
                         help="the steps' model dtype (default: its config's, float32 for the tiny ones; a GPU run's is bfloat16)")
     parser.add_argument("--methods", default="all", help="labels of check_static_decode's table (all: every one)")

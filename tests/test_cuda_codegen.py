@@ -48,15 +48,17 @@ def test_every_kvbench_kernel_compiles_for_an_h100_at_the_configured_models_shap
 
 def test_every_static_methods_decode_step_compiles_for_an_h100():
     """All of check_static_decode's static methods on tiny Llama in float32; on tiny Qwen3 (its q/k norms) in
-    bfloat16 (a GPU run's dtype: other casts, other kernels) the full and Quest steps."""
-    for model, methods, dtype in (("tiny_llama", "all", "float32"), ("tiny_qwen3", "full,quest", "bfloat16")):
+    bfloat16 (a GPU run's dtype: other casts, other kernels) the full and Quest steps; on one layer of
+    Llama-3.1-8B's widths (reductions that loop) a budgeted, a page-selecting and the two-stage step."""
+    for model, methods, dtype in (("tiny_llama", "all", "float32"), ("tiny_qwen3", "full,quest", "bfloat16"),
+                                  ("llama3.1_8b_layer", "snapkv,quest,rocketkv", "bfloat16")):
         proc = run(["scripts/check_cuda_codegen.py", "--part", "steps", "--models", model, "--methods", methods,
                     "--model-dtype", dtype], timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "nothing refused" in proc.stdout and "REFUSED" not in proc.stdout
         rows = [line.split() for line in proc.stdout.splitlines() if line.split()[1:2] == ["compiled"]]
         assert f"{model} (torch.{dtype})" in proc.stdout
-        assert len(rows) == (21 if methods == "all" else 2)
+        assert len(rows) == (21 if methods == "all" else len(methods.split(",")))
         assert all(int(row[3]) > 10 for row in rows)  # kernels generated and compiled: the check is not vacuous
 
 
