@@ -16,15 +16,7 @@ from kvbench.methods import build_method
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import check_static_decode  # noqa: E402
-
-
-def old_descending_keys(scores: torch.Tensor) -> torch.Tensor:
-    """`descending_keys` before the fix: the index reversed from 2^32 - 1, which Triton refuses in int32."""
-    length = scores.shape[-1]
-    bits = (scores.float() + 0.0).view(torch.int32)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    reversed_index = (1 << 32) - 1 - torch.arange(length, device=scores.device)
-    return (ordered.to(torch.int64) << 32) | reversed_index
+from probe_triton_lint import old_keys as old_descending_keys  # noqa: E402
 
 
 def lint(fn, *args):
@@ -40,7 +32,7 @@ def lint(fn, *args):
 def test_the_lint_flags_an_out_of_int32_constant_on_an_index_and_nothing_else():
     scores = torch.randn(3, 50)
     error = lint(old_descending_keys, scores)
-    assert error is not None and "4294967295" in error and "pages" not in error  # traced from this file
+    assert error is not None and "4294967295" in error and "pages" not in error  # traced from the old keys' file
     assert lint(stable_topk.descending_keys, scores) is None
     # an index through views and casts, then a where with int64's maximum (as a masked argmin pads): flagged
     assert "9223372036854775807" in lint(

@@ -199,7 +199,8 @@ def lint_backend() -> Callable[..., Any]:
                         keep_inference_input_mutations=True)
 
 
-def inductor_triton_sources(graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> list[tuple[str, str]]:
+def inductor_triton_sources(graph_module: torch.fx.GraphModule, example_inputs: list[Any],
+                            arch: int = 90) -> list[tuple[str, str]]:
     """(name, source) of each Triton kernel inductor generates for a dynamo graph, as a GPU compile would generate
     them: inductor's Triton code generation pointed at the graph's CPU tensors (`cpu_backend="triton"`, the same
     code generator a CUDA device gets, with a CPU's launch heuristics), Triton's compiler not called. Inductor's
@@ -218,23 +219,26 @@ def inductor_triton_sources(graph_module: torch.fx.GraphModule, example_inputs: 
         sources.append((kernel_name, source_code))
 
     settings = dict(cpu_backend="triton", fx_graph_cache=False, fx_graph_remote_cache=False, compile_threads=1)
-    with inductor_config.patch(settings), mock.patch.object(AsyncCompile, "triton", keep_source), cuda_target():
+    with inductor_config.patch(settings), mock.patch.object(AsyncCompile, "triton", keep_source), cuda_target(arch):
         compile_fx(graph_module, example_inputs)
     return sources
 
 
-def cuda_codegen_backend(arch: int = 90) -> Callable[..., Any]:
+def cuda_codegen_backend(arch: int = 90, kernels_per_graph: list[int] | None = None) -> Callable[..., Any]:
     """A dynamo backend: inductor's Triton code for the graph (`inductor_triton_sources`) compiled by Triton's CUDA
     compiler for sm_`arch` (`kvbench.kernels.cuda_target`: no GPU needed), every kernel with every configuration
     inductor would try; `TritonRefusal` on the first one refused, and otherwise the graph run eagerly. What it
     checks is what the lint's patterns guess at: Triton's own verdict on the code a GPU's compile generates. It
     does not see what inductor decides by a GPU's properties (a split scan: the lint's `SPLIT_SCAN`; block
     sizes), and compiles inductor's code only: the `kvbench.kernels` operators inside a graph are
-    `scripts/check_cuda_codegen.py`'s."""
+    `scripts/check_cuda_codegen.py`'s. `kernels_per_graph`, if given, gains each graph's count of kernels."""
     from kvbench.kernels.cuda_target import compile_inductor_kernel
 
     def compile_then_run(graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        for name, source in inductor_triton_sources(graph_module, example_inputs):
+        sources = inductor_triton_sources(graph_module, example_inputs, arch)
+        if kernels_per_graph is not None:
+            kernels_per_graph.append(len(sources))
+        for name, source in sources:
             compile_inductor_kernel(name, source, arch)
         return graph_module.forward
 
