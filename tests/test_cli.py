@@ -80,6 +80,9 @@ def records(root: Path) -> dict[str, list[dict]]:
         (["model=tiny_llama", "engine.batch_rows=0"], "engine.batch_rows must be a positive integer, got 0"),
         (["model=tiny_llama", "engine.sample_batch=0"], "engine.sample_batch must be a positive integer, got 0"),
         (["model=tiny_llama", "profiler.repeats=0"], "profiler.repeats must be a positive integer, got 0"),
+        (["model=tiny_llama", "profiler.stages=true"], "profiler.stages=true times the stages of a profiled run: add "
+                                                       "profile=true"),
+        (["model=tiny_llama", "profile=true", "profiler.stages=maybe"], "profiler.stages must be true or false"),
         (["-m", "model=tiny_llama", "hydra.launcher.max_group=0"], "hydra.launcher.max_group must be a positive"),
         (["model=tiny_llama", "hydra/launcher=slurm"], "hydra/launcher=slurm submits sweeps: add -m"),
         (["-m", "model=tiny_llama", "method=snapkv,quest", "++method.window=8"],

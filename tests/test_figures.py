@@ -21,6 +21,7 @@ PRESETS = {  # preset -> (layout, overrides shrinking its grid, rows expected in
     "keydiff_latency_cpu": ("keydiff_latency", ["budget=32,64", "task.seq_len=256", "method.block_size=32"], 6),
     "omnikv_fig4_cpu": ("omnikv_fig4", ["budget=32", "task.seq_len=192,320"], 4),
     "ctkvr_throughput_cpu": ("ctkvr_throughput", ["budget=32", "task.seq_len=640"], 2),
+    "ctkvr_table13_cpu": ("ctkvr_table13", ["budget=32", "task.seq_len=640"], 2),
 }
 
 

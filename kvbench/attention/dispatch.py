@@ -24,6 +24,7 @@ from kvbench.attention.hooks import evict_layer
 from kvbench.attention.selected import selected_attention
 from kvbench.cache.layer import KVLayer
 from kvbench.core.contract import Selection, Step
+from kvbench.core.stages import stage
 from kvbench.kernels.decode_attention import decode_attention, static_decode_attention
 from kvbench.kernels.flash_decode import flash_decode
 
@@ -118,14 +119,17 @@ def _decode(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> 
             and not method.is_dense_layer(layer.layer_idx)):
         view = layer.head_view()
         q = query[0, :, 0, :].view(view.keys.shape[0], -1, query.shape[-1])  # [H_kv, G, D]
-        selection = method.select(layer, q, view, step, scaling)
+        with stage("select"):
+            selection = method.select(layer, q, view, step, scaling)
         if selection is not None:
             selection = selection if isinstance(selection, Selection) else Selection(selection)
-            out = selected_attention(layer, step, q, view, selection, scaling)
+            with stage("attention"):
+                out = selected_attention(layer, step, q, view, selection, scaling)
             return out.reshape(1, -1, 1, out.shape[-1])
     q = query[0, :, 0, :].view(layer.num_heads, -1, query.shape[-1])  # packed GQA: [H_kv, G, D]
     if layer.static is not None:
-        return _static_decode(layer, step, q, scaling).reshape(1, -1, 1, q.shape[-1])
+        with stage("attention"):
+            return _static_decode(layer, step, q, scaling).reshape(1, -1, 1, q.shape[-1])
     keys, values, starts, lens, caps = layer.buffers["keys"], layer.buffers["values"], layer.starts, layer.lens, layer.caps
     copies = 1
     if method is not None and method.repeats_kv:
@@ -133,7 +137,8 @@ def _decode(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> 
         q = q.reshape(-1, 1, q.shape[-1])
     if method is not None:
         layer.cache.stats.add(layer, copies * method.step_traffic(layer, None, step), None, sum(lens) / len(lens))
-    out = decode_attention(q, keys, values, scaling, starts, lens, caps)
+    with stage("attention"):
+        out = decode_attention(q, keys, values, scaling, starts, lens, caps)
     return out.reshape(1, -1, 1, out.shape[-1])
 
 

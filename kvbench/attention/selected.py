@@ -7,6 +7,7 @@ import torch
 
 from kvbench.cache.layer import KVLayer
 from kvbench.core.contract import HeadView, Selection, Step
+from kvbench.core.stages import stage
 from kvbench.kernels.exact_scores import exact_logits
 from kvbench.kernels.flash_decode import flash_decode_selected
 from kvbench.kernels.sparse_attention import merge_attention, topk_attention
@@ -24,9 +25,12 @@ def selected_attention(layer: KVLayer, step: Step, q: torch.Tensor, view: HeadVi
                                     selection.idx, scaling)
     elif selection.external is None:
         out = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid)
-    else:
-        out, lse = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid, return_lse=True)
-        out, _ = merge_attention(out, lse, *_external_attention(q, selection.external, scaling))
+    else:  # the stored rows and the rows from outside (CTKVR's host rows: where they live), merged
+        with stage("stored"):
+            out, lse = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid, return_lse=True)
+        with stage("external"):
+            external = _external_attention(q, selection.external, scaling)
+        out, _ = merge_attention(out, lse, *external)
     if selection.weight is not None:
         out = (selection.weight * out.float() + (1 - selection.weight) * selection.fallback.float()).to(q.dtype)
     recall = None

@@ -54,6 +54,10 @@ def validate(cfg: DictConfig) -> None:
         raise KVBenchError(f"profiler.repeats must be a positive integer, got {profiler.repeats!r}")
     if "warmup_steps" in profiler and (not is_int(profiler.warmup_steps) or profiler.warmup_steps < 0):
         raise KVBenchError(f"profiler.warmup_steps must be an integer >= 0, got {profiler.warmup_steps!r}")
+    if "stages" in profiler and not isinstance(profiler.stages, bool):
+        raise KVBenchError(f"profiler.stages must be true or false, got {profiler.stages!r}")
+    if profiler.get("stages") and not cfg.get("profile"):
+        raise KVBenchError("profiler.stages=true times the stages of a profiled run: add profile=true")
     if engine.get("system_prompt") is not None and not isinstance(engine.system_prompt, str):
         raise KVBenchError(f"engine.system_prompt must be text or null, got {engine.system_prompt!r}")
     check_sampling(engine, cfg.task)  # engine.sampling, and no batched rows for a point that samples

@@ -106,8 +106,9 @@ def run_group(
                            "rows, whose rounding makes its draws depend on the batch: use engine.batch_rows=1 or "
                            "engine.sampling=greedy")
     choosers = {id(run): TokenChooser(run.decoding) for run in runs}  # one generator per sample, across its turns
+    stage_timed = profiler is not None and profiler.stages is not None
     for run in runs:
-        _choose_decode_path(lm, run.session, cfg, batched)
+        _choose_decode_path(lm, run.session, cfg, batched, stage_timed)
     stop_ids = stop_token_ids(lm)
     for t in range(max(len(run.sample.turns) for run in runs)):
         turn_runs = [run for run in runs if t < len(run.sample.turns)]
@@ -154,6 +155,10 @@ def run_group(
     return records
 
 
+# a compiled step is one graph (one CUDA graph replay on a GPU): there is no stage boundary inside it to time
+STAGE_TIMED_REASON = "profiler.stages times the eager step's stages (a compiled step has none to time)"
+
+
 def sample_generator(seed: int, sample_id: str) -> torch.Generator:
     """The generator a stochastic method draws from for one sample (`Step.generator`): a CPU generator seeded
     from the run's seed and the sample's id, never from the sample's place in a batch or a sweep, so a point
@@ -162,12 +167,14 @@ def sample_generator(seed: int, sample_id: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def _choose_decode_path(lm: LoadedModel, session: Session, cfg: EngineConfig, batched: bool) -> None:
+def _choose_decode_path(lm: LoadedModel, session: Session, cfg: EngineConfig, batched: bool,
+                        stage_timed: bool = False) -> None:
     """The compiled decode step where `engine.compile` asks for it and the method allows it; otherwise eager, and
     the session says why when compiling was asked for."""
     if not wants_compile(cfg.compile, lm.device):
         return
-    blocker = ("batched decoding (engine.batch_rows > 1) runs eagerly" if batched
+    blocker = (STAGE_TIMED_REASON if stage_timed
+               else "batched decoding (engine.batch_rows > 1) runs eagerly" if batched
                else session.method.static_decode_blocker() if session.method is not None else None)
     decoder = decoder_for(lm)
     blocker = blocker or decoder.failure(session.method)

@@ -14,6 +14,7 @@ from kvbench.cache.batched import BatchedCache
 from kvbench.cache.kvcache import KVBenchCache
 from kvbench.core.contract import Plan, Step
 from kvbench.core.devices import sync
+from kvbench.core.stages import end_step
 from kvbench.engine.compiled import CompiledDecoder, CompileFailed
 from kvbench.engine.decoding import TokenChooser
 from kvbench.engine.replay import LoopReplays
@@ -345,6 +346,7 @@ def decode_batch(
                 current[r] = row_logits
                 if not sessions[r].last_step_compiled:  # a call that compiled is compile time, not a step's
                     step_times[r].append(share)
+            end_step()  # a stage-timed profile's step ends here (kvbench.core.stages; a no-op otherwise)
     for session in sessions:
         session.end_decode()
     return [(tokens[r], step_times[r], reasons[r]) for r in range(n)]

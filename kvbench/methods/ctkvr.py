@@ -21,6 +21,10 @@ Every decode step, per layer (Algorithm 2, §2.3):
 4. DCU: the query and its top-rho reranked keys replace the oldest centroid (a FIFO of capacity C);
    `dcu: false` leaves the index as the prompt built it (Table 5's "w/o DCU").
 
+A stage-timed profile (`profiler.stages=true`) times these as Table 13's modules: `select/recall` (Q2Q(c)
+recall), `select/rerank` (Q2K rerank), `select/gather` and `attention/external` (the host-side attention: the
+rho' rows copied out of the host segment, then attended), `attention/stored` (the resident set) and `select/dcu`.
+
 Placement: the host segment lives on the CPU; with CUDA the resident set stays on the GPU and only the query,
 the host side's partial output and its log-sum-exp cross. The paper's co-execution (the resident attention on
 the GPU while the CPU recalls and reranks) is not reproduced: recall and rerank run first, then both
@@ -49,6 +53,7 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.core.contract import Plan, Schedule, Selection
+from kvbench.core.stages import stage
 from kvbench.methods.base import Method, register_method
 from kvbench.methods.common.placement import HostSegment, recall_of
 
@@ -283,23 +288,27 @@ class CTKVR(Method):
         n_res = view.keys.shape[1]
         resident = torch.arange(n_res, device=q.device).expand(heads, group, n_res)
         top_lists = min(step.plan.derived["retrieved_centroids"], index.centroids.shape[1])
-        rows, valid = self._recall(q, index, top_lists)
-        host_q = q.to(host.keys.device)
-        recalled = host.keys.gather(1, rows.clamp(min=0).to(host.keys.device)[..., None].expand(-1, -1, dim))
-        logits = torch.einsum("hgd,hrd->hgr", host_q.float(), recalled.float()) * scaling
-        logits.masked_fill_(~valid.to(logits.device)[:, None, :], float("-inf"))
-        score = torch.softmax(logits, dim=-1).amax(dim=1)  # [H, R]: softmax over the recalled set, max over group
-        rho_prime, rho = step.plan.derived["rho_prime"], index.lists.shape[2]
-        order = score.sort(dim=-1, descending=True, stable=True).indices
-        ranked_rows, ranked_valid = rows.gather(1, order.to(rows.device)), valid.gather(1, order.to(valid.device))
-        chosen, chosen_valid = ranked_rows[:, :rho_prime], ranked_valid[:, :rho_prime]
-        gather = chosen.clamp(min=0).to(host.keys.device)[..., None].expand(-1, -1, dim)
-        external = (host.keys.gather(1, gather), host.values.gather(1, gather), chosen_valid.to(host.keys.device))
+        with stage("recall"):  # Table 13's Q2Q(c) recall
+            rows, valid = self._recall(q, index, top_lists)
+        with stage("rerank"):  # Table 13's Q2K rerank
+            host_q = q.to(host.keys.device)
+            recalled = host.keys.gather(1, rows.clamp(min=0).to(host.keys.device)[..., None].expand(-1, -1, dim))
+            logits = torch.einsum("hgd,hrd->hgr", host_q.float(), recalled.float()) * scaling
+            logits.masked_fill_(~valid.to(logits.device)[:, None, :], float("-inf"))
+            score = torch.softmax(logits, dim=-1).amax(dim=1)  # [H, R]: softmax over the recalled set, max over group
+            rho_prime, rho = step.plan.derived["rho_prime"], index.lists.shape[2]
+            order = score.sort(dim=-1, descending=True, stable=True).indices
+            ranked_rows, ranked_valid = rows.gather(1, order.to(rows.device)), valid.gather(1, order.to(valid.device))
+            chosen, chosen_valid = ranked_rows[:, :rho_prime], ranked_valid[:, :rho_prime]
+        with stage("gather"):  # the rho' host rows copied out for the host-side attention (the paper reads them in place)
+            gather = chosen.clamp(min=0).to(host.keys.device)[..., None].expand(-1, -1, dim)
+            external = (host.keys.gather(1, gather), host.values.gather(1, gather), chosen_valid.to(host.keys.device))
         if self.dcu is not False:  # DCU: this query and its top-rho reranked rows replace the oldest centroid
-            dcu = torch.where(ranked_valid[:, :rho], ranked_rows[:, :rho], -1)
-            if dcu.shape[1] < rho:
-                dcu = F.pad(dcu, (0, rho - dcu.shape[1]), value=-1)
-            index.push(q.reshape(heads * group, dim).to(index.centroids.dtype), dcu)  # in place: clones fork it
+            with stage("dcu"):
+                dcu = torch.where(ranked_valid[:, :rho], ranked_rows[:, :rho], -1)
+                if dcu.shape[1] < rho:
+                    dcu = F.pad(dcu, (0, rho - dcu.shape[1]), value=-1)
+                index.push(q.reshape(heads * group, dim).to(index.centroids.dtype), dcu)  # in place: clones fork it
         recall = None
         if step.measure_recall:  # over every token: resident and host
             everything = torch.cat([view.keys, host.keys.to(q.device)], dim=1)

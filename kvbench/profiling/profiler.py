@@ -10,7 +10,9 @@ steps). The teacher-forced NLL runs between them, outside both. Per phase:
   phase's end (found through the garbage collector: model weights, the cache, anything else held).
 
 Both are recorded as absolute peaks and as the growth over the phase's start. Latency comes from the
-engine's own timers (prefill, compression, each decode step), summarised by `latency_summary`.
+engine's own timers (prefill, compression, each decode step), summarised by `latency_summary`. With
+`profiler.stages=true` the decode phase also times the named stages of each step (`kvbench.core.stages`), recorded
+as `stage_ms` (mean milliseconds per step after the warm-up) beside `decode_step_ms`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from kvbench.core.stages import StageTimer
 
 _STATUS = Path("/proc/self/status")
 
@@ -77,10 +81,13 @@ class PhaseProfiler:
 
     `devices`: every GPU a layer-sharded model computes on (`LoadedModel.devices`); each is measured, the peaks
     and live bytes are their sums, and `peak_bytes_<phase>_by_device` gives each one's peak when there are
-    several."""
+    several. `stages`: time each decode step's stages too (`kvbench.core.stages`: a device synchronisation around
+    each, so the step runs slower than untimed)."""
 
-    def __init__(self, device: torch.device, warmup_steps: int = 2, devices: list[torch.device] | None = None):
+    def __init__(self, device: torch.device, warmup_steps: int = 2, devices: list[torch.device] | None = None,
+                 stages: bool = False):
         self.device = device
+        self.stages = StageTimer(device) if stages else None
         self.warmup_steps = warmup_steps
         self.kind = "cuda_allocator" if device.type == "cuda" else "cpu_rss_high_water_mark"
         self.gpus = [d for d in dict.fromkeys(devices or [device]) if d.type == "cuda"] or [device]
@@ -99,7 +106,8 @@ class PhaseProfiler:
                 start += torch.cuda.memory_allocated(gpu)
         else:
             start = _status_bytes("VmRSS") if _reset_rss_peak() else None
-        yield
+        with self.stages.active() if self.stages is not None and name == "decode" else contextlib.nullcontext():
+            yield
         if self.device.type == "cuda":
             each = {}
             for gpu in self.gpus:
@@ -119,7 +127,11 @@ class PhaseProfiler:
         self.live[name] = max(self.live.get(name, 0), live)
 
     def latency(self, prefill_s: float, compress_s: float, step_s: list[float], new_tokens: int) -> dict[str, Any]:
-        return latency_summary(prefill_s, compress_s, step_s, new_tokens, self.warmup_steps)
+        out = latency_summary(prefill_s, compress_s, step_s, new_tokens, self.warmup_steps)
+        if self.stages is not None:  # over the steps `stage_ms` averages, so the stages' rest is the step's mean less them
+            timed = step_s[self.warmup_steps:] or step_s
+            out["decode_ms_mean"] = 1e3 * sum(timed) / len(timed) if timed else None
+        return out
 
     def fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {"memory_kind": self.kind}
@@ -129,6 +141,8 @@ class PhaseProfiler:
             out[f"live_tensor_bytes_{name}"] = self.live.get(name)
             if name in self.by_device:  # a layer-sharded model: each GPU's own allocator peak
                 out[f"peak_bytes_{name}_by_device"] = self.by_device[name]
+        if self.stages is not None:
+            out["stage_ms"] = self.stages.summary(self.warmup_steps)
         return out
 
 
@@ -174,6 +188,11 @@ def combine_repeats(records: list[dict[str, Any]], warmup_steps: int) -> dict[st
         if key.startswith(("peak_", "live_")):
             values = [p[key] for p in profiles if p[key] is not None]
             profile[key] = max(values) if values else None
+    stage_runs = [p["stage_ms"] for p in profiles if "stage_ms" in p]
+    if stage_runs:  # each run's mean per step; the repeats' mean (each run times as many steps)
+        names = sorted({name for run in stage_runs for name in run})
+        profile["stage_ms"] = {name: sum(run.get(name, 0.0) for run in stage_runs) / len(stage_runs) for name in names}
+        profile["decode_ms_mean"] = statistics.fmean(steps) if steps else None
     profile.update(
         decode_ms_median=statistics.median(steps) if steps else None,
         decode_ms_p90=float(np.percentile(steps, 90)) if steps else None,

@@ -13,6 +13,9 @@ Layouts (each preset's comment names its own):
   Figs 7 and 17).
 - `ctkvr_throughput`: decode tokens/s (new tokens over decode time, CTKVR's measure) and peak memory per
   method and setting, with the speedup over Full KV (CTKVR's throughput results, at batch 1).
+- `ctkvr_table13`: a decode step's time by CTKVR module (Table 13: Q2Q(c) recall, Q2K rerank, the host-side
+  and resident attention, and what the paper leaves out: DCU, the rest of the step), from stage-timed points
+  (`profiler.stages=true`), in ms and as shares of the step.
 
 Each writes `<layout>.png`, `<layout>.pdf`, `<layout>.csv` and `<layout>.md` (the table behind the figure,
 with roofline utilisations where the records have them) into `--out` (default: the results directory).
@@ -73,6 +76,12 @@ def efficiency_table(records: Path | pd.DataFrame) -> pd.DataFrame:
             values = pd.to_numeric(ok[COLUMNS[name]], errors="coerce") if COLUMNS[name] in ok else pd.Series([])
             row[f"{name}_min"], row[f"{name}_max"] = (values.min(), values.max()) if values.notna().any() else (
                 None, None)
+        # stage-timed points (`profiler.stages`): each stage's mean ms per step, and the mean step they add up
+        # within; means over the samples (not medians), so a step's parts still add up to it
+        for column in [c for c in ok.columns if c.startswith(STAGE_PREFIX)] if len(ok) else []:
+            row[f"stage_ms.{column[len(STAGE_PREFIX):]}"] = pd.to_numeric(ok[column], errors="coerce").fillna(0).mean()
+        if "profile.decode_ms_mean" in ok and len(ok):
+            row["step_ms_mean"] = pd.to_numeric(ok["profile.decode_ms_mean"], errors="coerce").mean()
         row["decode_tokens_per_s"] = 1e3 / row["decode_ms"] if row["decode_ms"] else None  # CTKVR's measure
         row["decode_tokens_per_s_min"] = 1e3 / row["decode_ms_max"] if row["decode_ms_max"] else None
         row["decode_tokens_per_s_max"] = 1e3 / row["decode_ms_min"] if row["decode_ms_min"] else None
@@ -93,6 +102,8 @@ def efficiency_table(records: Path | pd.DataFrame) -> pd.DataFrame:
         rows.append(row)
     return pd.DataFrame(rows)
 
+
+STAGE_PREFIX = "profile.stage_ms."  # a record's stage timings (kvbench.core.stages), flattened by `collect`
 
 # Timings whose spread over a point's samples the tables give (`<name>_min`, `<name>_max`, beside the median)
 # and the figures draw as error bars: each sample's own value is already its median over decode steps and
@@ -225,11 +236,56 @@ def ctkvr_throughput(table: pd.DataFrame, axes: Sequence[plt.Axes]) -> pd.DataFr
     return rows
 
 
+# CTKVR Table 13's modules <- the stages that time them. The paper attends its retrieved rows where they live;
+# kvbench first copies them out of the host segment (`select/gather`), counted as host-side attention here.
+TABLE13 = (
+    ("Q2Q(c) recall", ("select/recall",)),
+    ("Q2K rerank", ("select/rerank",)),
+    ("host attention", ("select/gather", "attention/external")),
+    ("DCU", ("select/dcu",)),
+)
+
+
+def ctkvr_table13(table: pd.DataFrame, axes: Sequence[plt.Axes]) -> pd.DataFrame:
+    """A decode step's mean time by module: Table 13's four (the resident attention is the rest of `attention`:
+    the dense attention of a method that selects nothing, Full KV's), then DCU, a selection's other work, and
+    the rest of the step (projections, MLP, norms, the token's choice), each in ms and as a share of the step."""
+    if not any(c.startswith("stage_ms.") for c in table.columns):
+        raise ValueError("no stage timings in these records: run the points with profile=true profiler.stages=true")
+    rows = table.sort_values(["seq_len", "label"]).copy()
+
+    def stage(name: str) -> pd.Series:
+        column = f"stage_ms.{name}"
+        return rows[column].fillna(0.0) if column in rows else pd.Series(0.0, index=rows.index)
+
+    parts = {f"{module} ms": sum(stage(name) for name in names) for module, names in TABLE13}
+    parts["resident attention ms"] = stage("attention") - stage("attention/external")
+    named_selection = sum(stage(name) for _, names in TABLE13 for name in names if name.startswith("select/"))
+    parts["other selection ms"] = stage("select") - named_selection
+    parts["rest of step ms"] = rows["step_ms_mean"] - stage("select") - stage("attention")
+    for name, values in parts.items():
+        rows[name] = values
+    names = [f"{label}\n@{seq_len}" for label, seq_len in zip(rows["label"], rows["seq_len"])]
+    left = np.zeros(len(rows))
+    for name in parts:
+        values = rows[name].to_numpy(dtype=float)
+        axes[0].barh(range(len(rows)), values, left=left, label=name.removesuffix(" ms"))
+        axes[1].barh(range(len(rows)), 100 * values / rows["step_ms_mean"].to_numpy(dtype=float),
+                     left=100 * left / rows["step_ms_mean"].to_numpy(dtype=float))
+        left += values
+    for ax, xlabel in zip(axes, ("ms per decode step (mean)", "share of the step (%)")):
+        ax.set_yticks(range(len(rows)), names)
+        ax.set_xlabel(xlabel)
+    keep = ["label", "method", "budget", "seq_len", "n", "step_ms_mean", *parts, "decode_attention", "dtype"]
+    return rows[[c for c in keep if c in rows]]
+
+
 LAYOUTS: dict[str, Callable[[pd.DataFrame, Sequence[plt.Axes]], pd.DataFrame]] = {
     "rocketkv_fig7": rocketkv_fig7,
     "omnikv_fig4": omnikv_fig4,
     "keydiff_latency": keydiff_latency,
     "ctkvr_throughput": ctkvr_throughput,
+    "ctkvr_table13": ctkvr_table13,
 }
 
 

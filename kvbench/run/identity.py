@@ -65,6 +65,8 @@ def resolved_decode_path(cfg: DictConfig) -> str:
         return "eager"
     if cfg.model.get("device_map") is not None:  # layer-sharded: eager (kvbench.engine.compiled.SHARDED_REASON)
         return "eager"
+    if cfg.get("profile") and cfg.get("profiler", {}).get("stages"):  # kvbench.engine.sample.STAGE_TIMED_REASON
+        return "eager"
     try:
         method = build_method(cfg.method.name, **method_parameters(cfg.method))
     except KVBenchError:  # a bad method setting is reported when the point is prepared
@@ -97,6 +99,8 @@ def written_point_identity(cfg: DictConfig) -> dict[str, Any]:
         point.pop("compression_ratio", None)
     if cfg.get("profile"):  # a key only when profiling: accuracy points keep their hashes
         point["profile"] = OmegaConf.to_container(cfg.profiler, resolve=True)
+        if not point["profile"].get("stages"):  # stage timing a key only when on: profiled points keep theirs
+            point["profile"].pop("stages", None)
     data_file = cfg.task.get("path")
     if data_file and Path(data_file).is_file():  # an edited file is a new point, not a resume
         point["task_file_sha256"] = file_digest(Path(data_file).resolve())

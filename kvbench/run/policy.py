@@ -31,7 +31,8 @@ def run_or_oom(cfg: DictConfig, lm: "LoadedModel", method: Any, budget: Any, sam
         if not cfg.profile:
             return run_sample(lm, method, budget, sample, engine_cfg, snapshots=snapshots)
         runs = [run_sample(lm, method, budget, sample, engine_cfg,
-                           profiler=PhaseProfiler(lm.device, cfg.profiler.warmup_steps, devices=lm.devices()))
+                           profiler=PhaseProfiler(lm.device, cfg.profiler.warmup_steps, devices=lm.devices(),
+                                                  stages=bool(cfg.profiler.get("stages", False))))
                 for _ in range(max(1, cfg.profiler.repeats))]
         record = combine_repeats(runs, cfg.profiler.warmup_steps)
         dtype = str(lm.dtype).replace("torch.", "")
