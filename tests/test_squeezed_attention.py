@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from kvbench.core.contract import Plan
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import run_sample
-from kvbench.methods import build_method
+from kvbench.methods import build_method, squeezed_attention
 from kvbench.methods.squeezed_attention import KeyClusters, SqueezedAttention, spherical_kmeans
 from kvbench.tasks.synthetic import Synthetic
 
 
-def test_kmeans_groups_keys_by_direction_not_length_and_is_seeded():
+def test_kmeans_groups_keys_by_direction_not_length_and_is_seeded(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     directions = F.normalize(torch.randn(4, 16, generator=gen), dim=-1)
     truth = torch.arange(40) % 4
@@ -31,6 +31,9 @@ def test_kmeans_groups_keys_by_direction_not_length_and_is_seeded():
         assert len(pairs) == 4 and len({label for _, label in pairs}) == 4  # one label per true cluster
     again, _ = spherical_kmeans(keys, 4, 300, torch.Generator().manual_seed(1))
     assert torch.equal(again, labels)
+    monkeypatch.setattr(squeezed_attention, "SIMILARITY_ELEMENTS", 2 * 4 * 3)  # 3 keys scored at a time
+    chunked, _ = spherical_kmeans(keys, 4, 300, torch.Generator().manual_seed(1))
+    assert torch.equal(chunked, labels)
 
 
 def _layer_with(keys: torch.Tensor):

@@ -76,6 +76,11 @@ class KeyClusters:
         return self.centroids.numel() + self.labels.numel()
 
 
+# at most this many key-centroid similarities at once (512 MiB of float32): 128K keys of 8 KV heads against 5% as
+# many centroids would otherwise be a 27 GB matrix per iteration
+SIMILARITY_ELEMENTS = 1 << 27
+
+
 def spherical_kmeans(keys: torch.Tensor, clusters: int, iterations: int,
                      generator: torch.Generator) -> tuple[torch.Tensor, int]:
     """Labels [H, n] of k-means by cosine similarity over `keys` [H, n, D] (each head on its own), initialised with
@@ -87,8 +92,10 @@ def spherical_kmeans(keys: torch.Tensor, clusters: int, iterations: int,
     centres = unit.gather(1, first[..., None].expand(-1, -1, unit.shape[-1]))
     labels = None
     ran = 0
+    rows = max(1, SIMILARITY_ELEMENTS // (heads * clusters))  # keys scored at once: a bounded similarity matrix
     for ran in range(1, iterations + 1):
-        new = torch.einsum("hnd,hcd->hnc", unit, centres).argmax(dim=-1)
+        new = torch.cat([torch.einsum("hnd,hcd->hnc", unit[:, start:start + rows], centres).argmax(dim=-1)
+                         for start in range(0, n, rows)], dim=1)
         if labels is not None and torch.equal(new, labels):
             break
         labels = new
