@@ -26,7 +26,8 @@ CPU_MODEL = "smollm2_135m"
 
 REPORT_KEYS = {"title", "kind", "x", "series", "panels", "rows", "columns", "categories", "reference", "delta", "note",
                "not_in_kvbench", "efficiency_layout",  # efficiency_layout: a kvbench.figures layout (profiled presets)
-               "compare"}  # compare: [series, against] pairs compared like each series with the reference
+               "compare",  # compare: [series, against] pairs compared like each series with the reference
+               "length_statistics"}  # the prompts' lengths against the budgets (KeyDiff Tables 7-8, Fig. 18)
 KINDS = {"accuracy", "storage_traffic", "math", "claims"}
 COLUMNS = {"budget", "subtask", "category", "turn"}
 POINT_FIELDS = {"model", "task", "method", "budget", "compress_question", "seq_len"}

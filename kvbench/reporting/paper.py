@@ -16,6 +16,7 @@ import pandas as pd
 
 from kvbench.reporting.claims import html_section, verdicts, write_claims
 from kvbench.reporting.efficiency import efficiency_table, render
+from kvbench.reporting.lengths import compression_ratios, length_figure, length_histogram, prompt_lengths
 from kvbench.reporting.paper_figures import (
     accuracy_figure,
     efficiency_figure,
@@ -151,6 +152,8 @@ def build(source: str | Path | Source, out_dir: Path | None = None, overrides: S
     (out / "report.md").write_text(_markdown(src, shown, figure_paths, facts))
     (out / "index.html").write_text(_html(src, shown, figure_paths, facts))
     written += [out / "report.md", out / "index.html"]
+    if spec.length_statistics and len(df):
+        written += _length_statistics(df, out)
     if verdicts(src.root):  # `kvbench analyze` verdicts stored beside the points: their table joins the report
         claims = write_claims(src.root, out, src.spec.title, pages=False)
         (out / "index.html").write_text((out / "index.html").read_text().replace(
@@ -160,6 +163,40 @@ def build(source: str | Path | Source, out_dir: Path | None = None, overrides: S
         written += [out / "claims.md", out / "claims.csv", *claims["figures"].values()]
     return {"out_dir": out, "written": written, "figures": figure_paths, "table": table, "missing": missing,
             "points": points, "source": src, "left_out": left_out, "stats": stats}
+
+
+def _length_statistics(df: pd.DataFrame, out: Path) -> list[Path]:
+    """`report.length_statistics`: the data set's prompt lengths against the sweep's budgets (KeyDiff Tables 7-8,
+    Fig. 18; `reporting.lengths`), as files and as a section of report.md and index.html."""
+    budgets = sorted({int(b) for b in pd.to_numeric(df.get("budget"), errors="coerce").dropna() if b >= 1})
+    lengths = prompt_lengths(df)
+    if not budgets or lengths.empty:
+        return []
+    tables = {"prompt_lengths": ("Prompts per length range (KeyDiff Table 7)", length_histogram(lengths, budgets)),
+              "compression_ratio": ("Average compression ratio, mean of min(1, budget / length) (KeyDiff Table 8)",
+                                    compression_ratios(lengths, budgets).round(2))}
+    written, markdown, parts = [], ["\n## Prompt lengths against the budgets\n"], ["<h2>Prompt lengths against the budgets</h2>"]
+    for name, (title, table) in tables.items():
+        table.to_csv(out / f"{name}.csv", index=False)
+        (out / f"{name}.md").write_text(table.to_markdown(index=False) + "\n")
+        written += [out / f"{name}.csv", out / f"{name}.md"]
+        markdown += [f"### {title}\n", table.to_markdown(index=False), ""]
+        parts.append(f"<h3>{html.escape(title)}</h3>" + table.to_html(index=False, escape=True))
+    fig = length_figure(lengths, budgets)
+    png, pdf = out / "prompt_lengths.png", out / "prompt_lengths.pdf"
+    fig.savefig(png, dpi=120)
+    fig.savefig(pdf)
+    plt.close(fig)
+    written += [png, pdf]
+    data = base64.b64encode(png.read_bytes()).decode()
+    parts.append(f"<h3>Prompt lengths per subtask (KeyDiff Fig. 18)</h3><img alt='prompt lengths' "
+                 f"src='data:image/png;base64,{data}'><p><a href='prompt_lengths.pdf'>PDF</a></p>")
+    markdown.append("![prompt lengths per subtask (KeyDiff Fig. 18)](prompt_lengths.png)\n")
+    with open(out / "report.md", "a") as report:
+        report.write("\n".join(markdown))
+    page = out / "index.html"
+    page.write_text(page.read_text().replace("</body></html>", "\n".join(parts) + "\n</body></html>"))
+    return written
 
 
 def intervals_caption(spec: ReportSpec) -> str:

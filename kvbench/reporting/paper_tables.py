@@ -79,6 +79,8 @@ class ReportSpec:
     note: str | None = None  # how to read the table, printed under it (the sweep's table) and in the report
     # paired comparisons besides every series against `reference`: [series, against] (Ada-KV against SnapKV)
     compare: tuple[tuple[str, str], ...] = ()
+    # the data set's prompt lengths against the sweep's budgets, from its records (KeyDiff Tables 7-8, Fig. 18)
+    length_statistics: bool = False
 
     @classmethod
     def from_block(cls, block: Mapping[str, Any] | None, default_title: str) -> ReportSpec:
