@@ -72,11 +72,16 @@ def test_keydiff_table12_block_sizes(tmp_path: Path):
     ("keydiff_table10_cpu", ["full", "keyl2norm_block"]),
 ])
 def test_keydiff_longbench_tables_per_subtask(tmp_path: Path, preset: str, methods: list[str]):
-    table = _table(run_preset_slice(preset, tmp_path, *SHORT, f"method={','.join(methods)}", "budget=256"))
+    report = run_preset_slice(preset, tmp_path, *SHORT, f"method={','.join(methods)}", "budget=256")
+    table = _table(report)
     # one budget: no budget column (a row field only where it varies)
     assert list(table.columns[:3]) == ["method", "ruler_niah_single_2", "avg"], list(table.columns)
     assert sorted(table["method"]) == sorted(methods)
     _scores(table, ["ruler_niah_single_2", "avg"])
+    if preset == "keydiff_table10_cpu":  # KeyDiff Tables 7-8 from the same records: one prompt, longer than 256
+        ratios = pd.read_csv(report / "compression_ratio.csv").set_index("subtask")
+        assert list(ratios.index) == ["ruler_niah_single_2", "average"] and 0 < ratios.loc["average", "256"] < 1
+        assert pd.read_csv(report / "prompt_lengths.csv")[">= 256"].tolist() == [1]
 
 
 @pytest.mark.parametrize(("preset", "budget"), [("keydiff_fig6_cpu", "256"), ("ctkvr_fig5_cpu", "128")])

@@ -30,8 +30,9 @@ def prompt_lengths(records: pd.DataFrame) -> pd.DataFrame:
             .drop_duplicates(["model", "subtask", "sample_id"]).reset_index(drop=True))
 
 
-def _kilo(tokens: float) -> str:
-    return f"{tokens / 1024:g}K"
+def _kilo(tokens: int) -> str:
+    """A budget as the paper writes it: 2K for 2048, the count itself where it is no whole number of K."""
+    return f"{tokens // 1024}K" if tokens % 1024 == 0 else str(tokens)
 
 
 def length_histogram(lengths: pd.DataFrame, budgets: Sequence[int]) -> pd.DataFrame:
