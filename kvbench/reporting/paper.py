@@ -156,10 +156,8 @@ def build(source: str | Path | Source, out_dir: Path | None = None, overrides: S
         written += _length_statistics(df, out)
     if verdicts(src.root):  # `kvbench analyze` verdicts stored beside the points: their table joins the report
         claims = write_claims(src.root, out, src.spec.title, pages=False)
-        (out / "index.html").write_text((out / "index.html").read_text().replace(
-            "</body></html>", html_section(claims["table"], claims["figures"]) + "\n</body></html>"))
-        with open(out / "report.md", "a") as report:
-            report.write("\n## Claims about attention\n\n" + (out / "claims.md").read_text())
+        _append_section(out, "\n## Claims about attention\n\n" + (out / "claims.md").read_text(),
+                        html_section(claims["table"], claims["figures"]))
         written += [out / "claims.md", out / "claims.csv", *claims["figures"].values()]
     return {"out_dir": out, "written": written, "figures": figure_paths, "table": table, "missing": missing,
             "points": points, "source": src, "left_out": left_out, "stats": stats}
@@ -192,11 +190,16 @@ def _length_statistics(df: pd.DataFrame, out: Path) -> list[Path]:
     parts.append(f"<h3>Prompt lengths per subtask (KeyDiff Fig. 18)</h3><img alt='prompt lengths' "
                  f"src='data:image/png;base64,{data}'><p><a href='prompt_lengths.pdf'>PDF</a></p>")
     markdown.append("![prompt lengths per subtask (KeyDiff Fig. 18)](prompt_lengths.png)\n")
-    with open(out / "report.md", "a") as report:
-        report.write("\n".join(markdown))
-    page = out / "index.html"
-    page.write_text(page.read_text().replace("</body></html>", "\n".join(parts) + "\n</body></html>"))
+    _append_section(out, "\n".join(markdown), "\n".join(parts))
     return written
+
+
+def _append_section(out: Path, markdown: str, html_part: str) -> None:
+    """A section after the report's own: appended to report.md, and to index.html before its end."""
+    with open(out / "report.md", "a") as report:
+        report.write(markdown)
+    page = out / "index.html"
+    page.write_text(page.read_text().replace("</body></html>", html_part + "\n</body></html>"))
 
 
 def intervals_caption(spec: ReportSpec) -> str:
