@@ -16,6 +16,10 @@
 #                                                 # (kernels/stable_topk.py) against PyTorch's; a compiled step's
 #                                                 # top kernels (KERNEL_METHODS, default full,snapkv,quest,
 #                                                 # exact_topk,sparq; <= 7 min)
+#   bash scripts/gpu_session.sh selection OUT_DIR # issue 45 in one call (<= 9 min): the stable top-k's and split-K
+#                                                 # attention's tests compiled on CUDA, bench_stable_topk, the
+#                                                 # compiled phase with the selection methods first, then their
+#                                                 # compiled step's top kernels (quest, sparq, exact_topk)
 #   bash scripts/gpu_session.sh big     OUT_DIR   # a model larger than one GPU in bf16 (scripts/gpu_big_model.py):
 #                                                 # Llama-3.1-70B's shapes in NF4, random weights, the 70B config's
 #                                                 # placement check, prefill + decode per method, memory per device
@@ -33,7 +37,7 @@
 # COMPILED_ARGS (appended: e.g. COMPILED_ARGS="--lengths 32768 --methods full,stock,quest"), its limits with
 # COMPILED_LIMIT and COMPILED_DEADLINE.
 set -uo pipefail
-usage="usage: gpu_session.sh check|profile|breakdown|compiled|kernel|big|all OUT_DIR"
+usage="usage: gpu_session.sh check|profile|breakdown|compiled|kernel|selection|big|all OUT_DIR"
 phase=${1:?$usage}
 out=$(mkdir -p "${2:?$usage}" && cd "$2" && pwd)
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -181,6 +185,34 @@ decode_kernel() {  # the split-K decode attention and the stable top-k on this G
     grep -v -E "^USDT|Online softmax" "$out/kernel_breakdown.log"
 }
 
+selection() {  # what issue 45 still needs a GPU for, in one call of at most 9 minutes, most needed first
+    local topk=() prof=()
+    if [ "${DEVICE:-cuda}" = cpu ]; then  # the shell logic at tiny shapes (the kernels interpreted)
+        topk=(--device cpu --lengths 300 --kv-heads 2 --group 2 --budget 32 --calls 2 --repeats 2)
+        prof=(--device cpu --layers 1 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --head-dim 16
+              --length 64 --budget 16 --dtype float32 --backend eager --warmup 2 --steps 2 --profiled 1)
+    else  # the operators the selection methods' compiled step runs, their unit tests compiled on this GPU
+        local xdist=()
+        $py -c "import xdist" 2>/dev/null && xdist=(-n 8)
+        KVBENCH_KERNEL_DEVICE=cuda TRITON_INTERPRET=0 step selection_kernel_tests 90 $py -m pytest -q \
+            -p no:cacheprovider --rootdir "$repo" -c "$repo/pyproject.toml" "${xdist[@]}" "$repo/tests/test_kernels.py" \
+            -k "flash_decode or stable_topk"
+        tail -n 3 "$out/selection_kernel_tests.log"
+        topk=(--repeats 10)
+        prof=(--layers 8 --length 32768 --budget 1024 --dtype bfloat16 --warmup 4 --steps 6 --profiled 3)
+    fi
+    (cd "$repo/scripts" && step bench_stable_topk 80 $py bench_stable_topk.py "${topk[@]}")
+    grep -v -E "^USDT" "$out/bench_stable_topk.log"
+    if [ "${DEVICE:-cuda}" != cpu ]; then  # selection methods first: the deadline skips the rest
+        COMPILED_LIMIT=${COMPILED_LIMIT:-330} COMPILED_DEADLINE=${COMPILED_DEADLINE:-290} \
+        COMPILED_ARGS="--methods full,quest,rocketkv,sparq,hsa,exact_topk,snapkv,stock,adakv
+                       --methods-at 131072=full,quest,snapkv,stock ${COMPILED_ARGS:-}" compiled
+    fi
+    (cd "$repo/scripts" && step kernel_breakdown 75 $py gpu_decode_breakdown.py --compile --top 12 \
+        --methods quest,sparq,exact_topk "${prof[@]}")
+    grep -v -E "^USDT|Online softmax" "$out/kernel_breakdown.log"
+}
+
 big_model() {  # issue 47: the 70B config's check, then Llama-3.1-70B's shapes in 4-bit on this GPU (<= 4 min)
     local sizes=()
     if [ "${DEVICE:-cuda}" = cpu ]; then  # the script's logic at tiny shapes (bitsandbytes' CPU backend)
@@ -197,6 +229,7 @@ big_model() {  # issue 47: the 70B config's check, then Llama-3.1-70B's shapes i
 case $phase in
     big) big_model ;;
     kernel) decode_kernel ;;
+    selection) selection ;;
     check) check ;;
     profile) profile ;;
     breakdown) breakdown ;;

@@ -216,6 +216,19 @@ def test_session_kernel_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
 
 
 @pytest.mark.integration
+def test_session_selection_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
+    """`DEVICE=cpu gpu_session.sh selection`: issue 45's one-call phase without its CUDA-only steps (the tests
+    compiled on CUDA, the compiled phase, run by the test above): the stable top-k bench and the selection
+    methods' kernel breakdown (~15 s)."""
+    text = run_cpu_phase("selection", tmp_path / "out", tmp_path)
+    for name in ("bench_stable_topk", "kernel_breakdown"):
+        assert re.search(rf"^=== {name}: exit 0 after \d+s$", text, re.M), text
+    assert "=== compiled_decode" not in text
+    for method in ("quest", "sparq", "exact_topk"):
+        assert re.search(rf"^{method}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+$", text, re.M), text
+
+
+@pytest.mark.integration
 def test_session_big_model_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
     """`DEVICE=cpu gpu_session.sh big`: a tiny Llama built in place in NF4 (bitsandbytes' CPU backend), prefill and
     decode for full, SnapKV and OmniKV with the weights counted at their real size (~20 s)."""
@@ -256,4 +269,4 @@ def test_session_names_its_phases_on_a_wrong_one(tmp_path):
     proc = subprocess.run(["bash", str(SCRIPTS / "gpu_session.sh"), "nope", str(tmp_path)], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable,
                                                        "WHEELS": str(tmp_path / "no-wheels")})
-    assert proc.returncode == 2 and "check|profile|breakdown|compiled|kernel|big|all" in proc.stderr
+    assert proc.returncode == 2 and "check|profile|breakdown|compiled|kernel|selection|big|all" in proc.stderr
