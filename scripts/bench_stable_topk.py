@@ -16,10 +16,7 @@ Ways, each timed as `--calls` calls (a step's layers) replayed as one CUDA graph
 - `keys_topk`: `stable_topk_reference` eagerly, PyTorch's int64 radix select;
 - `keys_topk_inductor`: the same compiled by inductor, what the compiled step ran before the kernel (the ratio's base);
 - `float_topk`: `scores.topk(k)`: what the authors' code runs, not stable on ties (a bound for PyTorch's top-k);
-- `stable_topk`: the Triton operator (`kvbench.kernels.stable_topk`), the compiled step's choice on CUDA: from
-  `BY_HISTOGRAM_FROM` scores a row the row-parallel path, below it the per-program one;
-- `stable_topk_segments`: the per-program path at every length (one program per segment, then their candidates),
-  which a row must beat to take the row-parallel one.
+- `stable_topk`: the Triton operator (`kvbench.kernels.stable_topk`), the compiled step's choice on CUDA.
 
 Printed: us per call, the ratio to `keys_topk_inductor`, and whether the indices equal the reference's (the
 float top-k's need not). Ratios, not claims.
@@ -33,7 +30,7 @@ import os
 import torch
 from bench_flash_decode import timed
 
-WAYS = ("keys_topk", "keys_topk_inductor", "float_topk", "stable_topk", "stable_topk_segments")
+WAYS = ("keys_topk", "keys_topk_inductor", "float_topk", "stable_topk")
 
 
 def cases(length: int, capacity: int, budget: int, kv_heads: int, group: int) -> list[tuple[str, int, int, int]]:
@@ -74,7 +71,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "float_topk": lambda scores, k: scores.topk(k, dim=-1).indices,
         # the launch itself: on CUDA the operator runs it, and on the CPU the operator would take the reference
         "stable_topk": launch_stable_topk,
-        "stable_topk_segments": lambda scores, k: launch_stable_topk(scores, k, by_histogram=False),
     }
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
           f"{args.kv_heads} KV heads x group {args.group}, budget {args.budget}, capacity {args.capacity_factor} x "

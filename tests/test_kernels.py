@@ -962,7 +962,7 @@ def _scores_with_ties(gen, rows, length, dtype):
     (1, 9, 4, 2048, None),     # a row shorter than the block
     (3, 1000, 10, 64, 128),    # segments of 128: 7, the last one longer, then their 70 candidates
     (2, 700, 40, 32, 160),     # segments of 160 whose top 40 tie across segments
-    (2, 7000, 3, 1024, None),  # the default below BY_HISTOGRAM_FROM: segments of MIN_SEGMENT (2048), 3 of them
+    (2, 9000, 3, 1024, None),  # the default: segments of MIN_SEGMENT (2048), 4 of them
 ])
 def test_stable_topk_triton_is_the_reference(rows, length, k, block, segment, dtype):
     """The kernel returns the reference's indices exactly, in its order: ties to the lower index, -0.0 tied with
@@ -970,58 +970,7 @@ def test_stable_topk_triton_is_the_reference(rows, length, k, block, segment, dt
     from kvbench.kernels.stable_topk import stable_topk_reference
 
     scores = _scores_with_ties(torch.Generator().manual_seed(length + k), rows, length, dtype)
-    assert torch.equal(launch_stable_topk(scores, k, block, segment, by_histogram=False),
-                       stable_topk_reference(scores, k))
-
-
-def _scores_cases_for_the_histogram():
-    gen = torch.Generator().manual_seed(7)
-    tied = torch.zeros(2, 3000)
-    tied[0, ::3] = 1.0  # 2,000 scores tied in the chosen bin: the finish kernel's candidates over two blocks
-    tied[1, 100] = float("nan")
-    spread = torch.randn(3, 9000, generator=gen)
-    spread[:, 7000:] = float("-inf")  # a static layer's unused slots
-    return [
-        ("ties of every kind", _scores_with_ties(gen, 3, 1000, torch.float32), 129),
-        ("ties of every kind, bf16", _scores_with_ties(gen, 2, 700, torch.bfloat16), 40),
-        ("thousands tied in one bin", tied, 2500),
-        ("all -inf", torch.full((1, 600), float("-inf")), 10),
-        ("distinct, unused slots", spread, 300),
-        ("every score, strided", torch.randn(2, 500, generator=gen).t().contiguous().t(), 500),
-        ("every third column", torch.randn(4, 1501, generator=gen)[:, ::3], 77),
-        ("fp16 with a run of -inf past k", _scores_with_ties(gen, 2, 900, torch.float16), 700),
-    ]
-
-
-@pytest.mark.parametrize("case, scores, k", _scores_cases_for_the_histogram(),
-                         ids=[case for case, *_ in _scores_cases_for_the_histogram()])
-def test_stable_topk_by_histogram_is_the_reference(case, scores, k):
-    """The row-parallel path (a 16-bit histogram of the row by atomic adds, the bin of the k-th score, the rows
-    above it and its candidates written at atomically reserved places, a radix select over the candidates'
-    unique keys, one sort) returns the reference's indices in its order, whatever order its atomic adds
-    wrote them in; chunks of 256 scores, so that every row spans several programs."""
-    from kvbench.kernels.stable_topk import stable_topk_reference
-
-    launch = _on_device(_stable_topk_kernels.launch_stable_topk_by_histogram)
-    assert torch.equal(launch(scores, k, chunk=256), stable_topk_reference(scores, k)), case
-
-
-def test_stable_topk_takes_the_row_parallel_path_from_its_length(monkeypatch):
-    """Rows of at least BY_HISTOGRAM_FROM scores go row-parallel, shorter ones (Quest's pages) per program;
-    a segment asked for keeps the per-program path."""
-    calls = []
-    real = _stable_topk_kernels.launch_stable_topk_by_histogram
-    monkeypatch.setattr(_stable_topk_kernels, "launch_stable_topk_by_histogram",
-                        lambda scores, k: calls.append(scores.shape) or real(scores, k, chunk=2048))
-    monkeypatch.setattr(_stable_topk_kernels, "BY_HISTOGRAM_FROM", 3000)
-    from kvbench.kernels.stable_topk import stable_topk_reference
-
-    gen = torch.Generator().manual_seed(3)
-    long, short = torch.randn(2, 3000, generator=gen), torch.randn(2, 2999, generator=gen)
-    for scores in (long, short):
-        assert torch.equal(launch_stable_topk(scores, 50), stable_topk_reference(scores, 50))
-    assert torch.equal(launch_stable_topk(long, 50, segment=1024), stable_topk_reference(long, 50))
-    assert calls == [long.shape]
+    assert torch.equal(launch_stable_topk(scores, k, block, segment), stable_topk_reference(scores, k))
 
 
 def test_stable_topk_triton_strided_rows_and_a_row_of_one_value():
