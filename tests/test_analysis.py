@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pytest
 import torch
 
@@ -231,3 +232,41 @@ def test_ctkvr_dedup_alpha_is_one_for_one_list_and_at_least_one_over_c_prime(tin
     assert one["effect"] == pytest.approx(1.0) and one["decode_steps"] == 4
     four = build_claim("ctkvr_dedup_alpha", {"rho": 40, "new_tokens": 4}).measure(trace, None, 0)
     assert four["centroids"] == 25 and all(0.25 - 1e-9 <= a <= 1.0 for a in four["alpha_per_layer"])
+
+
+def test_keydiff_key_pca_plane_spread_and_pictures(tiny_llama_deep, tmp_path):
+    """Figs. 4, 11: the plane is the keys' top two principal directions (orthonormal, the first at least as
+    variable, the same signs on every call); the whole cloud's relative spread is 1, a tight cluster's far less;
+    the measure's spreads cover every layer and KV head of the three policies, and its drawings, the first,
+    middle and last layer's first head, thinned to `points` rows with each policy's kept flags (Sink's: its 4
+    sinks and the most recent rows, so the last drawn row is kept); the figure has a row per drawing."""
+    from kvbench.analysis.claims.keydiff_key_pca import pca_plane, spread, thinned_rows
+
+    gen = torch.Generator().manual_seed(0)
+    cloud = torch.randn(500, 8, generator=gen) * torch.tensor([5.0, 3.0, 1, 1, 1, 1, 1, 1])
+    mean, basis = pca_plane(cloud)
+    assert torch.allclose(basis.T @ basis, torch.eye(2, dtype=basis.dtype), atol=1e-9)
+    xy = (cloud.double() - mean) @ basis
+    assert float(xy[:, 0].var()) >= float(xy[:, 1].var()) and abs(float(basis[0, 0])) > 0.9
+    assert torch.equal(pca_plane(cloud)[1], basis)
+    near = (xy - xy[0]).norm(dim=-1).argsort()[:50]  # the 50 keys nearest one key
+    assert spread(xy) / spread(xy) == 1.0 and spread(xy[near]) < 0.2 * spread(xy)
+    assert thinned_rows(10, 4).tolist() == [0, 3, 6, 9] and thinned_rows(3, 10).tolist() == [0, 1, 2]
+
+    trace = capture(tiny_llama_deep, random_ids(200, seed=5), new_tokens=0)
+    claim = build_claim("keydiff_key_pca", {"budget": 48, "block": 32, "points": 60})
+    record = claim.measure(trace, None, 0)
+    layers, heads = len(trace.layers), trace.layers[0].keys.shape[0]
+    assert 0.0 <= record["effect"] <= 1.0 and record["budget_tokens"] == 48
+    for policy in ("keydiff", "tova", "sink"):
+        assert np.asarray(record["spreads"][policy]).shape == (layers, heads)
+    drawings = record["drawings"]
+    assert [d["layer"] for d in drawings] == sorted({0, layers // 2, layers - 1})
+    for d in drawings:
+        assert len(d["keys"]) == len(d["joint_keys"]) == len(d["scores"]) == 60
+        assert len(d["joint_queries"]) == 60 and len(d["anchor"]) == 2
+        assert all(len(flags) == 60 for flags in d["kept"].values()) and d["kept"]["sink"][-1]
+        assert d["kept"]["sink"][0] and sum(d["kept"]["keydiff"]) <= 48
+    fig = claim.figure([record])
+    assert len(fig.axes) == len(drawings) * 4 + len(drawings)  # four panels a row, and Fig. 4's colour bars
+    plt.close(fig)

@@ -13,8 +13,8 @@ import matplotlib.pyplot as plt  # noqa: E402 - after the backend is chosen
 import numpy as np  # noqa: E402
 
 
-def new_figure(columns: int = 1, width: float = 5.5, height: float = 3.8) -> tuple[Any, Any]:
-    fig, axes = plt.subplots(1, columns, figsize=(width * columns, height), squeeze=True)
+def new_figure(columns: int = 1, width: float = 5.5, height: float = 3.8, rows: int = 1) -> tuple[Any, Any]:
+    fig, axes = plt.subplots(rows, columns, figsize=(width * columns, height * rows), squeeze=True)
     return fig, axes
 
 

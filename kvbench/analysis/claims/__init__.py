@@ -9,6 +9,7 @@ from kvbench.analysis.claims import (  # noqa: F401
     ctkvr_topk_overlap,
     keydiff_dissimilarity,
     keydiff_geometry,
+    keydiff_key_pca,
     keydiff_key_volume,
     keydiff_outlier_keys,
     omnikv_interlayer,
