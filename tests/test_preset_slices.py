@@ -187,3 +187,15 @@ def test_adakv_fig7_efficiency(tmp_path: Path):
         ("adakv", "1024"), ("adakv", "512"), ("full", "1024"), ("full", "512")]
     assert table["decode_ms"].map(lambda v: float(v) > 0).all() and table["peak_MiB"].map(lambda v: float(v) > 0).all()
     assert _drawn(report / "omnikv_fig4.png") > 0.02  # decode latency and TTFT against context length
+
+
+def test_ctkvr_table3_prefills_with_minference_before_each_method(tmp_path: Path):
+    """CTKVR Table 3's twin: MInference's sparse prefill, then Full KV and CTKVR; the records say which prefill ran."""
+    import json
+
+    report = run_preset_slice("ctkvr_table3_cpu", tmp_path, *SHORT)
+    table = _table(report)
+    assert list(table["method"]) == ["full", "ctkvr"], list(table.columns)
+    records = [json.loads(line) for path in (tmp_path / "results").rglob("records.jsonl")
+               for line in path.read_text().splitlines()]
+    assert len(records) == 2 and {r["point"]["prefill_attention"] for r in records} == {"minference"}

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from kvbench.config.paths import GROUPS, POINT_GROUPS, choice_name, choices, default_choice, settings
 from kvbench.core.checks import is_int
 from kvbench.core.errors import KVBenchError
-from kvbench.engine.config import check_sampling
+from kvbench.engine.config import PREFILL_ATTENTION, check_sampling
 from kvbench.models import LoadedModel
 
 
@@ -49,6 +49,7 @@ def validate(cfg: DictConfig) -> None:
             raise KVBenchError(f"engine.{key} must be a positive integer, got {engine[key]!r}")
     if "compile" in engine and engine.compile not in ("auto", True, False):
         raise KVBenchError(f"engine.compile must be auto, true or false, got {engine.compile!r}")
+    check_prefill_attention(engine)
     profiler = cfg.get("profiler") or {}
     if "repeats" in profiler and (not is_int(profiler.repeats) or profiler.repeats < 1):
         raise KVBenchError(f"profiler.repeats must be a positive integer, got {profiler.repeats!r}")
@@ -135,3 +136,27 @@ def compresses(method_choice: str) -> bool:
 
     method = METHODS.get(choice_name("method", method_choice))
     return method is None or method.uses_budget
+
+
+def check_prefill_attention(engine: DictConfig) -> None:
+    """`engine.prefill_attention` is dense or minference, and MInference's sizes can run: positive integers
+    (the slash at least the 100 diagonals the authors always keep, so that the block's own diagonal is one),
+    a positive ratio, a starting layer >= 0, a pattern file that exists and names vertical-and-slash heads."""
+    kind = engine.get("prefill_attention", "dense")
+    if kind not in PREFILL_ATTENTION:
+        raise KVBenchError(f"engine.prefill_attention must be one of {', '.join(PREFILL_ATTENTION)}, got {kind!r}")
+    if kind != "minference":
+        return
+    settings = engine.get("minference") or {}
+    for key, low in (("vertical_size", 1), ("slash_size", 1), ("starting_layer", 0)):
+        if key in settings and (not is_int(settings[key]) or settings[key] < low):
+            raise KVBenchError(f"engine.minference.{key} must be an integer >= {low}, got {settings[key]!r}")
+    ratio = settings.get("ratio", 1.0)
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio <= 0:
+        raise KVBenchError(f"engine.minference.ratio must be a positive number, got {ratio!r}")
+    if int(settings.get("slash_size", 6096) * ratio) < 100:
+        raise KVBenchError(f"engine.minference.slash_size x ratio = {int(settings.get('slash_size', 6096) * ratio)}: "
+                           "at least 100 (the nearest diagonals MInference always keeps)")
+    from kvbench.attention.minference import MInference  # the pattern file's own checks
+
+    MInference.from_settings(dict(settings))

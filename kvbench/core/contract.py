@@ -110,6 +110,9 @@ class Step:
     # order. So a stochastic method draws the same in a grouped run as alone, and on a rerun, and differently
     # for two samples. None: a step built without a session (a test's stand-in)
     generator: torch.Generator | None = None
+    # the prompt's first forward's attention when it is not the model's dense causal attention (MInference's
+    # sparse prefill, `engine.prefill_attention`): (layer index, query, keys, values, scaling) -> output
+    prefill_attention: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor] | None = None
 
     @property
     def num_layers(self) -> int:

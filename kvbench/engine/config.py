@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbench.core.errors import KVBenchError
@@ -31,6 +32,32 @@ class EngineConfig:
     # how tokens are picked (kvbench.engine.decoding): auto = the task's protocol (greedy, or seeded sampling where
     # a sample's meta["sampling"] asks for it), greedy = argmax always (records say what was set aside)
     sampling: str = "auto"
+    # the prompt's first forward: dense = the model's causal attention; minference = MInference's vertical-slash
+    # sparse prefill (`kvbench.attention.minference`) with the `minference` settings
+    prefill_attention: str = "dense"
+    minference: dict[str, Any] = field(default_factory=dict)
+
+    def prefill_attention_function(self) -> Any:
+        """The `Step.prefill_attention` of this engine's sessions: None for dense, else the sparse prefill."""
+        if self.prefill_attention == "dense":
+            return None
+        return _minference(tuple(sorted(self.minference.items())))
+
+    def prefill_key(self) -> tuple:
+        """What a shared prefill snapshot depends on beyond the prompt: the prefill attention and its settings."""
+        if self.prefill_attention == "dense":
+            return ()
+        return (self.prefill_attention, tuple(sorted(self.minference.items())))
+
+
+PREFILL_ATTENTION = ("dense", "minference")
+
+
+@functools.lru_cache(maxsize=8)
+def _minference(settings: tuple) -> Any:
+    from kvbench.attention.minference import MInference
+
+    return MInference.from_settings(dict(settings))
 
 
 def task_samples(task: Any) -> bool:

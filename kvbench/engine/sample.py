@@ -244,15 +244,18 @@ def _prefill_segment(
     query, a short enough window)."""
     schedule = method.schedule()
     one_dense_pass = schedule is None or schedule.block_size is None
+    prefill_attention = cfg.prefill_attention_function()
     if not (cfg.reuse_prefill and one_dense_pass and not method.observes and method.obs_window <= cfg.snapshot_window):
         session = Session(lm, method, plan, generator=generator)
+        session.prefill_attention = prefill_attention
         logits, seconds = session.prefill(segment, compress=True)
         return session, logits, seconds, 0.0, False
-    key = (id(lm.model), lm.dtype, cfg.snapshot_window, tuple(segment))
+    key = (id(lm.model), lm.dtype, cfg.snapshot_window, tuple(segment), *cfg.prefill_key())
     hit = snapshots.get(key)
     reused = hit is not None
     if hit is None:
         dense = Session(lm, None, None)
+        dense.prefill_attention = prefill_attention
         dense.query_window = cfg.snapshot_window
         logits, seconds = dense.prefill(segment, compress=False)
         snapshots.put(key, dense.cache, logits, seconds)

@@ -66,6 +66,7 @@ class Session:
         self.shared: dict[str, Any] = {}  # method state shared by the cache's layers (OmniKV)
         self.generator = generator if generator is not None else torch.Generator().manual_seed(0)
         self.rotary = rotary_of(lm)
+        self.prefill_attention = None  # the first forward's attention when not dense (`EngineConfig.prefill_attention`)
         self.cache = cache if cache is not None else KVBenchCache(lm.model.config.num_hidden_layers)
         if cache is None:
             self.track_method_state(self.schedule is not None)
@@ -89,7 +90,7 @@ class Session:
     def step_context(self, evict: bool = False) -> Step:
         return Step(self.cache, self.method, self.plan, evict=evict, observe=self.observe,
                     query_window=self.query_window, measure_recall=self.measure_recall, shared=self.shared,
-                    rotary=self.rotary, generator=self.generator)
+                    rotary=self.rotary, generator=self.generator, prefill_attention=self.prefill_attention)
 
     def track_method_state(self, live: bool) -> None:
         """Keep (and feed) the method's state only while an eviction event can still happen; free it after."""

@@ -81,6 +81,9 @@ def written_point_identity(cfg: DictConfig) -> dict[str, Any]:
     point = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
              for k in POINT_KEYS}
     point["engine"] = {k: v for k, v in point["engine"].items() if k not in NON_IDENTITY_ENGINE_KEYS}
+    if point["engine"].get("prefill_attention", "dense") == "dense":  # keys only when sparse: old hashes hold
+        point["engine"].pop("prefill_attention", None)
+        point["engine"].pop("minference", None)
     if point_samples(cfg.engine, cfg.task):  # a key only when sampled: greedy points keep their hashes
         point["engine"]["decoding"] = "sampled"
     # a null method parameter means "the method's default behaviour": a point from before the parameter

@@ -98,6 +98,8 @@ def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
         "dtype": str(lm.dtype).replace("torch.", ""),
         "seed": cfg.seed,
         **lm.record_fields(),  # quantisation and device map, when not the plain single-device model
+        # the prompt's first forward, when not dense (MInference's sparse prefill)
+        **({"prefill_attention": engine_cfg.prefill_attention} if engine_cfg.prefill_attention != "dense" else {}),
     }
     budget = CompressionRatio(point["compression_ratio"]) if point.get("compression_ratio") is not None else cfg.budget
     snapshots = prefill_snapshots(engine_cfg.snapshot_cache_mb) if engine_cfg.reuse_prefill else None
