@@ -150,13 +150,18 @@ compiled() {  # the compiled decode step: (a) static-decode check, (b) ms/token 
     return $rc
 }
 
+# the stable top-k bench and the compiled step's breakdown at tiny shapes on a CPU (the kernels interpreted):
+# the `kernel` and `selection` phases' CPU smoke runs
+cpu_topk=(--device cpu --lengths 300 --kv-heads 2 --group 2 --budget 32 --calls 2 --repeats 2)
+cpu_breakdown=(--device cpu --layers 1 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --head-dim 16
+               --length 64 --budget 16 --dtype float32 --backend eager --warmup 2 --steps 2 --profiled 1)
+
 decode_kernel() {  # the split-K decode attention and the stable top-k on this GPU, where a compiled step's time goes (<= 7 min)
     local tiny=() bench=() prof=() topk=()
     if [ "${DEVICE:-cuda}" = cpu ]; then  # the shell and script logic at tiny shapes (the kernels interpreted)
         bench=(--device cpu --lengths 200 --kv-heads 2 --head-dim 16 --layers 2 --repeats 2 --selected 24)
-        topk=(--device cpu --lengths 300 --kv-heads 2 --group 2 --budget 32 --calls 2 --repeats 2)
-        prof=(--device cpu --layers 1 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --head-dim 16
-              --length 64 --budget 16 --dtype float32 --backend eager --warmup 2 --steps 2 --profiled 1)
+        topk=("${cpu_topk[@]}")
+        prof=("${cpu_breakdown[@]}")
     else  # correctness first, side by side (no timing runs meanwhile): the kernel's unit tests compiled on this
         # GPU; the graph lint against Triton's own verdicts; the compile fallback on this machine's torch
         local xdist=()
@@ -188,9 +193,8 @@ decode_kernel() {  # the split-K decode attention and the stable top-k on this G
 selection() {  # what issue 45 still needs a GPU for, in one call of at most 9 minutes, most needed first
     local topk=() prof=()
     if [ "${DEVICE:-cuda}" = cpu ]; then  # the shell logic at tiny shapes (the kernels interpreted)
-        topk=(--device cpu --lengths 300 --kv-heads 2 --group 2 --budget 32 --calls 2 --repeats 2)
-        prof=(--device cpu --layers 1 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --head-dim 16
-              --length 64 --budget 16 --dtype float32 --backend eager --warmup 2 --steps 2 --profiled 1)
+        topk=("${cpu_topk[@]}")
+        prof=("${cpu_breakdown[@]}")
     else  # the operators the selection methods' compiled step runs, their unit tests compiled on this GPU
         local xdist=()
         $py -c "import xdist" 2>/dev/null && xdist=(-n 8)

@@ -83,11 +83,12 @@ def _attend(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> 
     own = _own_chunk_attention(layer, step, query, scaling) if q_len > 1 else None
     if own is not None:  # the method attends this chunk itself (InfLLM's chunked prefill)
         out = own[None]
-    elif q_len > 1 and layer.seen == q_len and step.prefill_attention is not None:  # e.g. MInference's
-        out = step.prefill_attention(layer.layer_idx, query, layer.keys, layer.values, scaling)
-    elif q_len > 1 and layer.seen == q_len:  # first prefill chunk: stock causal SDPA
-        out = F.scaled_dot_product_attention(query, layer.keys, layer.values, scale=scaling, is_causal=True,
-                                             enable_gqa=True)
+    elif q_len > 1 and layer.seen == q_len:  # first prefill chunk: stock causal SDPA, or the engine's sparse prefill
+        if step.prefill_attention is not None:  # MInference's (engine.prefill_attention)
+            out = step.prefill_attention(layer.layer_idx, query, layer.keys, layer.values, scaling)
+        else:
+            out = F.scaled_dot_product_attention(query, layer.keys, layer.values, scale=scaling, is_causal=True,
+                                                 enable_gqa=True)
     elif q_len == 1:
         out = _decode(layer, step, query, scaling)
     else:

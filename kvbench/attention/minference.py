@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from kvbench.core.checks import is_int
 from kvbench.core.errors import KVBenchError
 
 BLOCK = 64  # the sparse kernel's query and key blocks (convert_vertical_slash_indexes_64x64)
@@ -62,12 +63,25 @@ class MInference:
 
     @classmethod
     def from_settings(cls, settings: dict[str, Any]) -> "MInference":
+        """From `engine.minference`, each setting checked (one line naming it): positive integer sizes, the
+        slash at least the 100 diagonals the authors always keep (so that a block's own diagonal is one), a
+        positive ratio, a starting layer >= 0, a pattern file that exists and names vertical-and-slash heads."""
         settings = dict(settings)
         pattern_file = settings.pop("pattern_file", None)
         unknown = set(settings) - {"vertical_size", "slash_size", "ratio", "starting_layer"}
         if unknown:
             raise KVBenchError(f"engine.minference: unknown setting(s) {sorted(unknown)}; known: vertical_size, "
                                "slash_size, ratio, starting_layer, pattern_file")
+        for key, low in (("vertical_size", 1), ("slash_size", 1), ("starting_layer", 0)):
+            if key in settings and (not is_int(settings[key]) or settings[key] < low):
+                raise KVBenchError(f"engine.minference.{key} must be an integer >= {low}, got {settings[key]!r}")
+        ratio = settings.get("ratio", cls.ratio)
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio <= 0:
+            raise KVBenchError(f"engine.minference.ratio must be a positive number, got {ratio!r}")
+        slash = int(settings.get("slash_size", cls.slash_size) * ratio)
+        if slash < LOCAL_DIAGONALS:
+            raise KVBenchError(f"engine.minference.slash_size x ratio = {slash}: at least {LOCAL_DIAGONALS} (the "
+                               "nearest diagonals MInference always keeps)")
         return cls(**settings, patterns=load_patterns(pattern_file) if pattern_file else ())
 
     def head_sizes(self, layer: int, head: int, length: int) -> tuple[int, int]:

@@ -138,25 +138,14 @@ def compresses(method_choice: str) -> bool:
     return method is None or method.uses_budget
 
 
+
 def check_prefill_attention(engine: DictConfig) -> None:
-    """`engine.prefill_attention` is dense or minference, and MInference's sizes can run: positive integers
-    (the slash at least the 100 diagonals the authors always keep, so that the block's own diagonal is one),
-    a positive ratio, a starting layer >= 0, a pattern file that exists and names vertical-and-slash heads."""
+    """`engine.prefill_attention` is dense or minference; MInference's settings are checked where they are read
+    (`MInference.from_settings`)."""
     kind = engine.get("prefill_attention", "dense")
     if kind not in PREFILL_ATTENTION:
         raise KVBenchError(f"engine.prefill_attention must be one of {', '.join(PREFILL_ATTENTION)}, got {kind!r}")
-    if kind != "minference":
-        return
-    settings = engine.get("minference") or {}
-    for key, low in (("vertical_size", 1), ("slash_size", 1), ("starting_layer", 0)):
-        if key in settings and (not is_int(settings[key]) or settings[key] < low):
-            raise KVBenchError(f"engine.minference.{key} must be an integer >= {low}, got {settings[key]!r}")
-    ratio = settings.get("ratio", 1.0)
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or ratio <= 0:
-        raise KVBenchError(f"engine.minference.ratio must be a positive number, got {ratio!r}")
-    if int(settings.get("slash_size", 6096) * ratio) < 100:
-        raise KVBenchError(f"engine.minference.slash_size x ratio = {int(settings.get('slash_size', 6096) * ratio)}: "
-                           "at least 100 (the nearest diagonals MInference always keeps)")
-    from kvbench.attention.minference import MInference  # the pattern file's own checks
+    if kind == "minference":
+        from kvbench.attention.minference import MInference
 
-    MInference.from_settings(dict(settings))
+        MInference.from_settings(dict(engine.get("minference") or {}))

@@ -37,17 +37,16 @@ class EngineConfig:
     prefill_attention: str = "dense"
     minference: dict[str, Any] = field(default_factory=dict)
 
-    def prefill_attention_function(self) -> Any:
-        """The `Step.prefill_attention` of this engine's sessions: None for dense, else the sparse prefill."""
-        if self.prefill_attention == "dense":
-            return None
-        return _minference(tuple(sorted(self.minference.items())))
-
     def prefill_key(self) -> tuple:
         """What a shared prefill snapshot depends on beyond the prompt: the prefill attention and its settings."""
         if self.prefill_attention == "dense":
             return ()
         return (self.prefill_attention, tuple(sorted(self.minference.items())))
+
+    def prefill_attention_function(self) -> Any:
+        """The `Step.prefill_attention` of this engine's sessions: None for dense, else the sparse prefill."""
+        key = self.prefill_key()
+        return _minference(key[1]) if key else None
 
 
 PREFILL_ATTENTION = ("dense", "minference")
