@@ -16,10 +16,12 @@ Ways, each timed as `--calls` calls (a step's layers) replayed as one CUDA graph
 - `keys_topk`: `stable_topk_reference` eagerly, PyTorch's int64 radix select;
 - `keys_topk_inductor`: the same compiled by inductor, what the compiled step ran before the kernel (the ratio's base);
 - `float_topk`: `scores.topk(k)`: what the authors' code runs, not stable on ties (a bound for PyTorch's top-k);
-- `stable_topk`: the Triton operator (`kvbench.kernels.stable_topk`), the compiled step's choice on CUDA.
+- `stable_topk`: the Triton operator (`kvbench.kernels.stable_topk`), the compiled step's choice on CUDA for pages;
+- `stable_topk_unordered`: the same without the sort of the k (`ordered=False`), the token-level selections' choice.
 
 Printed: us per call, the ratio to `keys_topk_inductor`, and whether the indices equal the reference's (the
-float top-k's need not). Ratios, not claims.
+unordered way's in ascending order; the float top-k's need not). Ratios, not claims. The H200 rows of
+docs/gpu section 7 are the previous kernel's (a radix select over histograms): compare by the ratio column.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import os
 import torch
 from bench_flash_decode import timed
 
-WAYS = ("keys_topk", "keys_topk_inductor", "float_topk", "stable_topk")
+WAYS = ("keys_topk", "keys_topk_inductor", "float_topk", "stable_topk", "stable_topk_unordered")
 
 
 def cases(length: int, capacity: int, budget: int, kv_heads: int, group: int) -> list[tuple[str, int, int, int]]:
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "float_topk": lambda scores, k: scores.topk(k, dim=-1).indices,
         # the launch itself: on CUDA the operator runs it, and on the CPU the operator would take the reference
         "stable_topk": launch_stable_topk,
+        "stable_topk_unordered": lambda scores, k: launch_stable_topk(scores, k, ordered=False),
     }
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
           f"{args.kv_heads} KV heads x group {args.group}, budget {args.budget}, capacity {args.capacity_factor} x "
@@ -96,7 +99,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     for s in scores:
                         outs["last"] = fn(s, k)
 
-                timings[way] = (timed(run, device, args.repeats) / args.calls, torch.equal(outs["last"].cpu(), want.cpu()))
+                expected = want.sort(dim=-1).values if way == "stable_topk_unordered" else want
+                timings[way] = (timed(run, device, args.repeats) / args.calls,
+                                torch.equal(outs["last"].cpu(), expected.cpu()))
             for way, (seconds, equal) in timings.items():
                 rows_out.append({"length": length, "case": case, "rows": rows, "width": width, "k": k, "way": way,
                                  "us": 1e6 * seconds, "equal": equal})

@@ -34,15 +34,16 @@ def test_every_kvbench_kernel_compiles_for_an_h100_at_the_configured_models_shap
     assert "kvbench.kernels for sm_90" in proc.stdout
     for kernel in ("_flash_decode_split_kernel", "_flash_decode_merge_kernel", "_stable_topk_kernel",
                    "_ragged_decode_kernel", "_topk_attention_kernel", "_page_minmax_kernel", "_page_scores_kernel",
-                   "_reduced_scores_kernel"):
+                   "_group_scores_kernel"):
         assert kernel in proc.stdout, kernel
     # the selected-rows split kernel and the long rows' second top-k pass were compiled too
-    assert "INDEXED=True" in proc.stdout and "BLOCK=512, BLOCK_K=128" in proc.stdout
+    assert "INDEXED=True" in proc.stdout and "GATHER=True, ORDERED=True" in proc.stdout
+    assert "GATHER=False, IEEE=False" in proc.stdout  # the exact logits' bf16 tensor-core product
     # and at every configured model's attention shape: no GQA (Llama-2), groups of 3, 7 and 8, head dim 64
     compiled = re.findall(r"^== (\S+) \(.*\): (\d+) kernels compiled", proc.stdout, re.M)
     assert [model for model, _ in compiled] == ["llama3.1_8b", "llama3.1_70b", "llama3.2_3b", "qwen2.5_7b",
                                                 "qwen2.5_3b", "yi_9b", "longchat_7b", "smollm2_135m"]
-    assert all(int(count) >= 48 for _, count in compiled)  # 12 launches of 1-2 kernels, 2 lengths x 2 dtypes
+    assert all(int(count) >= 48 for _, count in compiled)  # 13 launches of 1-3 kernels, 2 lengths x 2 dtypes
     assert "BLOCK_D=64" in proc.stdout
 
 

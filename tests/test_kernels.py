@@ -29,6 +29,7 @@ pytest.importorskip("triton")
 from kvbench.cache.kvcache import KVBenchCache
 from kvbench.kernels import (
     _flash_decode_kernels,
+    _group_scores_kernels,
     _stable_topk_kernels,
     _triton_kernels,
     ragged_attention,
@@ -88,7 +89,7 @@ topk_attention_triton = _on_device(sparse_attention.topk_attention_triton)
 ragged_decode_attention_triton = _on_device(ragged_attention.ragged_decode_attention_triton)
 launch_page_minmax = _on_device(_triton_kernels.launch_page_minmax)
 launch_page_scores = _on_device(_triton_kernels.launch_page_scores)
-launch_reduced_scores = _on_device(_triton_kernels.launch_reduced_scores)
+launch_group_scores = _on_device(_group_scores_kernels.launch_group_scores)
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 # a bf16 output is the fp32 result cast once: within one ulp (2^-7 relative), not half of one, because the
@@ -562,39 +563,84 @@ def test_page_scores_reference_bounds_every_key(page_size):
             torch.testing.assert_close(bound[:, p], page_max, atol=1e-5, rtol=1e-5)
 
 
-# -- reduced-dimension scores (SparQ) --------------------------------------------------------------------
+# -- a KV group's logits over all or chosen head dimensions (kvbench::group_scores: SparQ, Exact-TopK) -------
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "group, n, r, block_n, block_r",
+    "group, n, r, block_n",
     [
-        (1, 1, 1, 128, 32),  # one token, one dim
-        (4, 70, 32, 16, 8),  # every dim (r = D), five token blocks, the last partial
-        (8, 33, 5, 128, 4),  # r not a multiple of the dim block
+        (1, 1, 1, 128),   # one token, one dim (padded to a 16-wide product)
+        (4, 70, 32, 16),  # every dim (r = D), five token blocks, the last partial
+        (8, 33, 5, 128),  # r below the product's 16
+        (3, 40, None, 16),  # every dim without an index (Exact-TopK's exact logits), a group of 3
     ],
 )
-def test_reduced_scores_triton_matches_reference(group, n, r, block_n, block_r, dtype):
-    gen = torch.Generator().manual_seed(group * 100 + n + r)
+def test_group_scores_triton_matches_reference(group, n, r, block_n, dtype):
+    gen = torch.Generator().manual_seed(group * 100 + n + (r or 0))
     heads, dim = 2, 32
     q = _randn(gen, heads, group, dim, dtype=dtype)
     keys_t = _randn(gen, heads, dim, n, dtype=dtype)
-    dims = torch.stack([torch.randperm(dim, generator=gen)[:r] for _ in range(heads)])
-    ours = launch_reduced_scores(q, keys_t, dims, block_n=block_n, block_r=block_r)
-    ref = reduced_scores_reference(q, keys_t, dims)
+    if r is None:
+        ours = launch_group_scores(q, keys_t, None, block_n=block_n)
+        ref = exact_logits(q, keys_t.transpose(1, 2))  # the CPU reference
+    else:
+        dims = torch.stack([torch.randperm(dim, generator=gen)[:r] for _ in range(heads)])
+        ours = launch_group_scores(q, keys_t, dims, block_n=block_n)
+        ref = reduced_scores_reference(q, keys_t, dims)
     assert ours.dtype == ref.dtype == torch.float32 and ours.shape == ref.shape == (heads, group, n)
     torch.testing.assert_close(ours, ref, **SCORE_TOL)
 
 
-def test_reduced_scores_triton_strided_and_empty():
+def test_group_scores_triton_strided_and_empty():
     gen = torch.Generator().manual_seed(13)
     keys_t = torch.randn(2, 45, 16, generator=gen).transpose(1, 2)  # [H, D, N] with N not contiguous
     q = torch.randn(4, 2, 16, generator=gen).transpose(0, 1)
     dims = torch.randint(0, 16, (2, 3), generator=gen)  # a repeated dim counts twice, as in the reference
     torch.testing.assert_close(
-        launch_reduced_scores(q, keys_t, dims, block_n=16), reduced_scores_reference(q, keys_t, dims), **SCORE_TOL
+        launch_group_scores(q, keys_t, dims, block_n=16), reduced_scores_reference(q, keys_t, dims), **SCORE_TOL
     )
-    assert launch_reduced_scores(q, keys_t[..., :0], dims).shape == (2, 4, 0)
+    # the keys as the static layout holds them ([H, L, D] rows of a flat buffer), transposed by a view
+    keys = torch.randn(2 * 50, 16, generator=gen)
+    by_head = keys.view(2, 50, 16)[:, :45]
+    torch.testing.assert_close(launch_group_scores(q, by_head.transpose(1, 2), None, block_n=32),
+                               exact_logits(q, by_head), **SCORE_TOL)
+    assert launch_group_scores(q, keys_t[..., :0], dims).shape == (2, 4, 0)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="traces the operator on CPU tensors (interpreted launch)")
+def test_group_scores_is_one_operator_in_a_compiled_graph_where_it_applies(monkeypatch):
+    """On CUDA (here: the rule forced, the launch interpreted) SparQ's reduced scores and Exact-TopK's exact logits
+    are the operator, eager and compiled alike, equal to the references; on the CPU the references, traced."""
+    import kvbench.kernels.group_scores as group_scores_module
+    from kvbench.kernels.reduced_scores import reduced_scores as dispatched
+
+    gen = torch.Generator().manual_seed(21)
+    q, keys = torch.randn(2, 4, 32, generator=gen), torch.randn(2, 60, 32, generator=gen)
+    keys_t = keys.transpose(1, 2).contiguous()
+    dims = torch.randint(0, 32, (2, 4), generator=gen)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def traced(fn, *args):
+        graphs.clear()
+        torch._dynamo.reset()
+        out = torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)(*args)
+        return out, {n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+
+    kernel = {torch.ops.kvbench.group_scores, torch.ops.kvbench.group_scores.default}
+    cpu = [traced(exact_logits, q, keys), traced(dispatched, q, keys_t, dims)]
+    assert not any(ops & kernel for _, ops in cpu)
+    monkeypatch.setattr(group_scores_module, "triton_launchable", lambda *tensors: True)  # as on CUDA
+    monkeypatch.setattr(group_scores_module.FALLBACK, "failed", [])
+    for (want, _), fn, args in zip(cpu, (exact_logits, dispatched), ((q, keys), (q, keys_t, dims))):
+        out, ops = traced(fn, *args)
+        assert ops & kernel and not group_scores_module.FALLBACK.failed
+        torch.testing.assert_close(out, want, **SCORE_TOL)
+        torch.testing.assert_close(fn(*args), want, **SCORE_TOL)  # eager: the operator too
 
 
 def test_reduced_scores_reference_is_a_masked_dot_product():
@@ -889,6 +935,7 @@ def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_l
     import kvbench.cache.static as static_layout
     import kvbench.engine.compiled as compiled
     import kvbench.kernels.flash_decode as flash_decode_module
+    import kvbench.kernels.group_scores as group_scores_module
     import kvbench.kernels.stable_topk as stable_topk_module
     from kvbench.engine.session import Session
     from kvbench.methods import build_method
@@ -908,7 +955,13 @@ def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_l
     real_top = _stable_topk_kernels.launch_stable_topk
     monkeypatch.setattr(_stable_topk_kernels, "launch_stable_topk",
                         lambda *a, **kw: tops.append(a[1]) or real_top(*a, **kw))
-    monkeypatch.setattr(stable_topk_module, "_kernel_failed", [])  # a launch error would take the reference
+    monkeypatch.setattr(stable_topk_module.FALLBACK, "failed", [])  # a launch error would take the reference
+    scored = []  # SparQ's reduced scores and Exact-TopK's exact logits by the group-scores operator, as on CUDA
+    monkeypatch.setattr(group_scores_module, "triton_launchable", lambda *tensors: True)
+    real_scores = _group_scores_kernels.launch_group_scores
+    monkeypatch.setattr(_group_scores_kernels, "launch_group_scores",
+                        lambda *a, **kw: scored.append(a[2] is None) or real_scores(*a, **kw))
+    monkeypatch.setattr(group_scores_module.FALLBACK, "failed", [])
     ids = random_ids(150, seed=8)
     settings = {"adakv": {"window": 8}, "streamingllm_rolling": {"decode_every": 1}}.get(method, {})
 
@@ -929,7 +982,9 @@ def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_l
     static, static_tokens, static_logits = run(compiled.CompiledDecoder(tiny_llama, "eager"))
     assert static.decode_path == "compiled" and (calls or selected)  # traced through the operator
     assert bool(selected) == static.method.selects  # a selection's slots by the indexed operator
-    assert bool(tops) == static.method.selects and not stable_topk_module._kernel_failed  # by the operator
+    assert bool(tops) == static.method.selects and not stable_topk_module.FALLBACK.failed  # by the operator
+    assert set(scored) == {"exact_topk": {True}, "sparq": {False}}.get(method, set())  # exact / reduced
+    assert not group_scores_module.FALLBACK.failed
     assert static_tokens == eager_tokens
     torch.testing.assert_close(static_logits, eager_logits, atol=1e-4, rtol=1e-4)
     assert [layer.lengths() for layer in static.cache.layers] == [layer.lengths() for layer in eager.cache.layers]
@@ -954,23 +1009,27 @@ def _scores_with_ties(gen, rows, length, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("rows, length, k, block, segment", [
-    (3, 100, 7, 32, 100),      # one program per row: several blocks, the last one short
-    (2, 50, 50, 16, None),     # every score taken
-    (4, 300, 1, 64, 300),      # the top one only
-    (2, 1000, 129, 256, None),  # k not a power of two
-    (1, 9, 4, 2048, None),     # a row shorter than the block
-    (3, 1000, 10, 64, 128),    # segments of 128: 7, the last one longer, then their 70 candidates
-    (2, 700, 40, 32, 160),     # segments of 160 whose top 40 tie across segments
-    (2, 9000, 3, 1024, None),  # the default: segments of MIN_SEGMENT (2048), 4 of them
+@pytest.mark.parametrize("rows, length, k, block", [
+    (3, 100, 7, None),       # one program per row, its block the row's power of two
+    (2, 50, 50, None),       # every score taken
+    (4, 300, 1, None),       # the top one only
+    (2, 1000, 129, None),    # k not a power of two
+    (1, 9, 4, None),         # a row shorter than the smallest block
+    (3, 1000, 10, 128),      # segments of 128: 8, the last one short, then their 80 candidates
+    (2, 700, 40, 128),       # 6 segments whose top 40 tie across segments, 240 candidates, then 80: three levels
+    (2, 270, 40, 128),       # a last segment of 14 < k: padded, the padding never chosen
+    (2, 9000, 3, 1024),      # 9 segments of 1,024
 ])
-def test_stable_topk_triton_is_the_reference(rows, length, k, block, segment, dtype):
+def test_stable_topk_triton_is_the_reference(rows, length, k, block, dtype):
     """The kernel returns the reference's indices exactly, in its order: ties to the lower index, -0.0 tied with
-    0.0, NaN first, -inf last; a long row by segments, then their candidates, the same."""
+    0.0, NaN first, -inf last; a long row by segments, then their candidates, the same. Unordered, the same
+    indices in ascending order."""
     from kvbench.kernels.stable_topk import stable_topk_reference
 
     scores = _scores_with_ties(torch.Generator().manual_seed(length + k), rows, length, dtype)
-    assert torch.equal(launch_stable_topk(scores, k, block, segment), stable_topk_reference(scores, k))
+    reference = stable_topk_reference(scores, k)
+    assert torch.equal(launch_stable_topk(scores, k, block), reference)
+    assert torch.equal(launch_stable_topk(scores, k, block, ordered=False), reference.sort(dim=-1).values)
 
 
 def test_stable_topk_triton_strided_rows_and_a_row_of_one_value():
@@ -978,10 +1037,10 @@ def test_stable_topk_triton_strided_rows_and_a_row_of_one_value():
 
     scores = torch.randn(40, 6, generator=torch.Generator().manual_seed(3)).t()  # a column stride
     scores[2] = 1.5  # one value: the k lowest indices
-    assert torch.equal(launch_stable_topk(scores, 9, 16), stable_topk_reference(scores, 9))
-    assert launch_stable_topk(scores, 9, 16)[2].tolist() == list(range(9))
-
-
+    assert torch.equal(launch_stable_topk(scores, 9, 32), stable_topk_reference(scores, 9))  # segments 32 and 8
+    assert launch_stable_topk(scores, 9, 32)[2].tolist() == list(range(9))
+    with pytest.raises(ValueError, match="at least 2k"):  # a level of 16-score segments would not halve 9 x 3
+        launch_stable_topk(scores, 9, 16)
 def test_stable_topk_reference_is_a_stable_descending_sort():
     from kvbench.kernels.stable_topk import stable_topk_reference
 
@@ -1015,9 +1074,9 @@ def test_stable_topk_is_one_operator_in_a_compiled_graph_and_the_reference_on_th
     kernel = {torch.ops.kvbench.stable_topk, torch.ops.kvbench.stable_topk.default}
     assert not ops & kernel and "topk" in ops
     monkeypatch.setattr(stable_topk_module, "triton_launchable", lambda *tensors: True)  # as on CUDA
-    monkeypatch.setattr(stable_topk_module, "_kernel_failed", [])
+    monkeypatch.setattr(stable_topk_module.FALLBACK, "failed", [])
     kernel_out, ops = ops_in(fn)
-    assert ops & kernel and "topk" not in ops and not stable_topk_module._kernel_failed  # launched, not replaced
+    assert ops & kernel and "topk" not in ops and not stable_topk_module.FALLBACK.failed  # launched, not replaced
     assert torch.equal(kernel_out, out) and kernel_out.shape == (2, 2, 10)
     # a k the kernel's one-block sort does not take, and an empty row, go to the reference
     assert torch.equal(stable_topk_module.stable_topk(scores, stable_topk_module.MAX_K + 1),
@@ -1029,10 +1088,10 @@ def test_stable_topk_is_one_operator_in_a_compiled_graph_and_the_reference_on_th
 def test_a_failing_stable_topk_launch_warns_once_and_the_reference_runs(monkeypatch, caplog):
     import kvbench.kernels.stable_topk as stable_topk_module
 
-    monkeypatch.setattr(stable_topk_module, "_kernel_failed", [])
+    monkeypatch.setattr(stable_topk_module.FALLBACK, "failed", [])
     launches = []
 
-    def refused(scores, k):
+    def refused(scores, k, ordered=True):
         launches.append(k)
         raise RuntimeError("PassManager::run failed\nmore lines")
 
@@ -1044,4 +1103,4 @@ def test_a_failing_stable_topk_launch_warns_once_and_the_reference_runs(monkeypa
     assert launches == [5]  # not tried again
     warnings = [r.getMessage() for r in caplog.records if "stable_topk" in r.getMessage()]
     assert warnings == ["stable_topk: the Triton kernel failed (RuntimeError: PassManager::run failed); "
-                        "the PyTorch top-k runs instead"]
+                        "PyTorch's int64 topk runs instead"]

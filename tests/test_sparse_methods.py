@@ -11,6 +11,7 @@ from kvbench.core.contract import Plan, Selection, Step
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
+from kvbench.kernels.distinct_rows import distinct_rows
 from kvbench.kernels.sparse_attention import topk_attention
 from kvbench.methods import build_method
 from kvbench.methods.common.pages import PageSummary
@@ -71,6 +72,23 @@ def test_selection_traffic_is_counted_on_the_device_and_read_once(tiny_llama):
     distinct = sum(int(torch.unique(idx[h]).numel()) for h in range(layer.num_heads))  # repeats read once per group
     traffic = session.method.step_traffic(layer, Selection(idx), session.step_context())
     assert int(traffic) == 2 * layer.head_dim * distinct
+
+
+def test_sparq_shared_selection_traffic_is_the_distinct_count_without_counting(tiny_llama):
+    """SparQ's group-shared tokens are distinct (a top-k), so its step traffic counts k rows per KV head, as
+    `distinct_rows` over the expanded selection would, plus the r rows of the transposed keys and the mean value."""
+    session = Session(tiny_llama, build_method("sparq"), 32, sequence_length=PROMPT + 8)
+    logits, _ = session.prefill(random_ids(PROMPT, seed=57), compress=True)
+    decode(session, logits, 2)
+    layer, step = session.cache.layers[0], session.step_context()
+    heads, group, dim = layer.num_heads, tiny_llama.model.config.num_attention_heads // layer.num_heads, layer.head_dim
+    q = torch.randn(heads, group, dim, generator=torch.Generator().manual_seed(1))
+    selection = session.method.select(layer, q, layer.head_view(), step, dim ** -0.5)
+    idx = selection.idx
+    assert idx.stride(1) == 0 and idx.shape[-1] == step.plan.derived["k2"]  # one selection shared by the group
+    counted = 2 * dim * int(distinct_rows(idx.reshape(heads, -1), layer.physical_length()))
+    estimate = heads * step.plan.derived["r"] * int(session.method._state(layer).length)
+    assert int(session.method.step_traffic(layer, selection, step)) == estimate + counted + heads * dim
 
 
 def test_hsa_with_every_dimension_and_unit_pages_is_exact_top_k_and_all_tokens_exact_attention():

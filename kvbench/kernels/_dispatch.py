@@ -8,9 +8,12 @@ out). triton itself is imported only by `kvbench.kernels._triton_kernels`, on th
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 
 import torch
+
+from kvbench.core.errors import one_line
 
 # find_spec rather than an import: importing triton costs ~0.2 s and fixes, for the whole process, whether
 # its standard library (tl.sum, tl.max...) is compiled or interpreted (TRITON_INTERPRET); a CPU-only run
@@ -18,6 +21,7 @@ import torch
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 ENV_VAR = "KVBENCH_KERNELS"
 _CHOICES = ("auto", "torch")
+log = logging.getLogger("kvbench")
 
 
 def use_triton(*tensors: torch.Tensor) -> bool:
@@ -40,3 +44,32 @@ def triton_launchable(*tensors: torch.Tensor) -> bool:
     if choice not in _CHOICES:
         raise ValueError(f"{ENV_VAR}={choice!r}: expected one of {', '.join(_CHOICES)}")
     return choice == "auto" and HAS_TRITON and all(t.is_cuda for t in tensors)
+
+
+class LaunchFallback:
+    """A Triton operator's guard: a launch that raises (a Triton or driver error on some GPU) logs one warning
+    line, and the PyTorch reference runs instead, for that call and every later one in the process. The
+    references give the same results (or the same up to the order of float sums), so a run goes on, slower."""
+
+    def __init__(self, name: str, reference_name: str):
+        self.name, self.reference_name = name, reference_name
+        self.failed: list[str] = []  # the first launch error, once a launch has failed
+
+    def run(self, launch, reference):
+        """`launch()`, or `reference()` once a launch has failed."""
+        if not self.failed:
+            try:
+                return launch()
+            except Exception as exc:  # noqa: BLE001 - any launch error: the reference computes the same
+                self.failed.append(one_line(exc))
+                log.warning("%s: the Triton kernel failed (%s); %s runs instead", self.name, self.failed[0],
+                            self.reference_name)
+        return reference()
+
+    def implementation(self, device: "torch.device | str", operator: str) -> str:
+        """Which implementation runs on `device`: the Triton operator, or the reference (where the operator does
+        not apply, or with the reason its launch failed)."""
+        if self.failed:
+            return f"{self.reference_name} (the Triton operator failed: {self.failed[0]})"
+        return f"the Triton operator ({operator})" if triton_launchable(torch.empty(0, device=device)) else \
+            self.reference_name

@@ -1,56 +1,57 @@
-"""The Triton kernel behind `kvbench.kernels.stable_topk`: the stable top-k of each row (or segment of a long row).
+"""The Triton kernel behind `kvbench.kernels.stable_topk`: the stable top-k of each row, by segments held in registers.
 
 Imported only on the first launch (see `kvbench.kernels._dispatch`).
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-BLOCK = 2048  # scores read per iteration of a pass
-MIN_SEGMENT = 2048  # a row up to twice this is one program's (a page row: a second launch would cost more)
+BLOCK = 8192  # scores one program holds, 32 a thread at 8 warps: a long row's segment
 NUM_WARPS = 8
 
 
-def launch_stable_topk(scores: torch.Tensor, k: int, block: int = BLOCK, segment: int | None = None) -> torch.Tensor:
-    """Indices [R, k] (int64) of each row's k highest scores of `scores` [R, L], in the order of a stable
-    descending sort (`stable_topk.stable_topk_reference`), for 0 < k <= L.
+def launch_stable_topk(scores: torch.Tensor, k: int, block: int | None = None, ordered: bool = True) -> torch.Tensor:
+    """Indices [R, k] (int64) of each row's k highest scores of `scores` [R, L], for 0 < k <= L: with `ordered`,
+    in the order of a stable descending sort (`stable_topk.stable_topk_reference`); without, the same indices
+    in ascending order (no sort at all).
 
-    A program finds the top k of one row, or of one segment of a long row (`_stable_topk_kernel`). Each score is
-    mapped to its 32 order-preserving bits (`descending_keys`' high half, with the sign bit flipped so that the
-    unsigned order of the bits is the order of the scores). Passes 1-4 are a radix select from the top byte
-    down: each counts, in a 256-bin histogram, the next byte of the scores whose higher bytes equal the prefix
-    found so far, and takes the byte whose bin holds the k-th highest. They end with T, the k-th highest score's
-    bits, and `need`, how many of the scores equal to T are among the k (the others are above T). Pass 5 walks
-    the row in index order and writes the rows above T and the first `need` rows equal to T: which tied rows a
-    stable sort keeps is the lowest indices. Then the k written indices are read back, keyed as
-    `descending_keys` keys them, and sorted in one block: the reference's order.
+    One program takes a segment of at most `block` scores, loaded once into registers (`_stable_topk_kernel`).
+    Each score is mapped to its 32 order-preserving bits (`descending_keys`' high half). The k-th highest's bits
+    T are found by bisection over the 2^32 bit patterns, 32 counts of the scores at or above a midpoint, each a
+    reduction over the registers (the previous kernel's radix select counted 256-bin histograms in 4 passes over
+    global memory, and histograms cost a Triton program far more than sums: docs/gpu section 7). Then the
+    scores above T and the first `need` equal to T in index order (which tied rows a stable sort keeps: the
+    lowest indices) are written in index order, by a cumulative sum.
 
-    A program's passes are work for one SM, so a row much longer than k is cut into segments of `segment` scores
-    (the last one longer), one program each, and the segments' top k (k x segments candidates, in segment order)
-    go through the kernel again: every score of the row's top k is in its segment's top k, and among equal
-    scores a candidate's position orders them as its index does, so the second pass returns the same k in the
-    same order. `segment` defaults to about sqrt(L k) (the two passes' rows balanced), at least 4 k and
-    `MIN_SEGMENT`."""
+    A row longer than `block` is cut into segments of `block` (the last one shorter), one program each, and the
+    segments' top k (fewer where a segment holds fewer: padded with -1) become the next level's candidates, in
+    segment order, read through their indices, until one segment is left. Every score of the row's top k is in
+    its segment's top k, and equal scores keep their index order through every level (a segment writes in
+    index order; segments follow each other), so the last level returns the same k. Only there, with
+    `ordered`, are the k keyed as `descending_keys` keys them and sorted in one block (the reference's order).
+    `block` (a power of two) must be at least 2k so that each level at least halves the candidates."""
     rows, length = scores.shape
-    segment = segment or max(4 * k, MIN_SEGMENT, triton.next_power_of_2(int(math.sqrt(length * k))))
-    segments = length // segment if length >= 2 * segment else 1
-    out = torch.empty((rows, segments, k), dtype=torch.int64, device=scores.device)
-    _stable_topk_kernel[(rows, segments)](
-        scores, out, length, k, length if segments == 1 else segment, *scores.stride(), *out.stride(),
-        BLOCK=min(block, triton.next_power_of_2(length if segments == 1 else 2 * segment)),
-        BLOCK_K=triton.next_power_of_2(k),
-        num_warps=NUM_WARPS,
-    )
-    if segments == 1:
-        return out.view(rows, k)
-    candidates = out.view(rows, segments * k)
-    chosen = launch_stable_topk(scores.gather(1, candidates), k, block, segment=segments * k)  # one segment
-    return candidates.gather(1, chosen)
+    block = block or (max(16, triton.next_power_of_2(length)) if length <= BLOCK else BLOCK)
+    if block < 2 * k and length > block:
+        raise ValueError(f"stable_topk: a segment of {block} scores cannot take k = {k} (at least 2k)")
+    candidates, width = None, length
+    while True:
+        segments = triton.cdiv(width, block)
+        out = torch.empty((rows, segments, k), dtype=torch.int64, device=scores.device)
+        last = segments == 1
+        _stable_topk_kernel[(rows, segments)](
+            scores, out if candidates is None else candidates, out, width, k,
+            *scores.stride(), width if candidates is None else candidates.stride(0), segments * k,
+            BLOCK=min(block, max(16, triton.next_power_of_2(width))), BLOCK_K=triton.next_power_of_2(k),
+            GATHER=candidates is not None, ORDERED=ordered and last,
+            num_warps=NUM_WARPS if block >= 4096 else 4,
+        )
+        if last:
+            return out.view(rows, k)
+        candidates, width = out.view(rows, segments * k), segments * k
 
 
 @triton.jit
@@ -63,62 +64,45 @@ def _ordered_bits(ptr, i, ok):
 
 
 @triton.jit
-def _radix_pass(row_ptr, stride, length, prefix, need, SHIFT: tl.constexpr, BLOCK: tl.constexpr):
-    """One pass of the radix select: the byte at SHIFT of the k-th highest (the `need`-th highest of the scores
-    whose bytes above SHIFT equal `prefix`'s). Bits are compared with the sign bit flipped (unsigned order)."""
-    offsets = tl.arange(0, BLOCK)
-    bins = tl.arange(0, 256)
-    counts = tl.zeros([256], dtype=tl.int32)
-    for start in range(0, length, BLOCK):
-        i = start + offsets
-        ok = i < length
-        u = _ordered_bits(row_ptr, i * stride, ok) ^ -2147483648  # sign flipped: unsigned order
-        if SHIFT < 24:
-            ok = ok & ((u >> (SHIFT + 8)) == (prefix >> (SHIFT + 8)))  # arithmetic shifts on both: same bits
-        counts += tl.histogram((u >> SHIFT) & 255, 256, mask=ok)
-    at_or_above = tl.sum(counts, axis=0) - tl.cumsum(counts, 0) + counts  # scores whose byte is >= each bin's
-    byte = tl.sum((at_or_above >= need).to(tl.int32), axis=0) - 1  # the highest bin still holding the need-th
-    above = tl.sum(tl.where(bins > byte, counts, 0), axis=0)
-    return prefix | (byte << SHIFT), need - above
-
-
-@triton.jit
 def _stable_topk_kernel(
-    s_ptr, out_ptr, length, k, segment,
-    s_row, s_col, o_row, o_seg, o_col,
-    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+    s_ptr, c_ptr, out_ptr, width, k,
+    s_row, s_col, c_row, o_row,
+    BLOCK: tl.constexpr, BLOCK_K: tl.constexpr, GATHER: tl.constexpr, ORDERED: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     seg = tl.program_id(1)
-    first = seg * segment  # this program's scores: [first, first + segment), the last segment to the row's end
-    count = tl.where(seg == tl.num_programs(1) - 1, length - first, segment)
-    row_ptr = s_ptr + row * s_row + first.to(tl.int64) * s_col
-    out_row = out_ptr + row * o_row + seg.to(tl.int64) * o_seg
-    prefix = tl.zeros([], dtype=tl.int32)
-    need = k + tl.zeros([], dtype=tl.int32)
-    prefix, need = _radix_pass(row_ptr, s_col, count, prefix, need, 24, BLOCK)
-    prefix, need = _radix_pass(row_ptr, s_col, count, prefix, need, 16, BLOCK)
-    prefix, need = _radix_pass(row_ptr, s_col, count, prefix, need, 8, BLOCK)
-    prefix, need = _radix_pass(row_ptr, s_col, count, prefix, need, 0, BLOCK)
-    threshold = prefix ^ -2147483648  # the k-th highest score's bits, back in signed order
-    offsets = tl.arange(0, BLOCK)
-    taken = tl.zeros([], dtype=tl.int32)
-    ties = tl.zeros([], dtype=tl.int32)
-    for start in range(0, count, BLOCK):
-        i = start + offsets
-        ok = i < count
-        bits = _ordered_bits(row_ptr, i * s_col, ok)
-        tied = (ok & (bits == threshold)).to(tl.int32)
-        tie_rank = ties + tl.cumsum(tied, 0) - tied  # tied rows before this one
-        chosen = ok & ((bits > threshold) | ((tied == 1) & (tie_rank < need)))
-        c = chosen.to(tl.int32)
-        tl.store(out_row + (taken + tl.cumsum(c, 0) - c) * o_col, i.to(tl.int64), mask=chosen)
-        taken += tl.sum(c, axis=0)
-        ties += tl.sum(tied, axis=0)
-    tl.debug_barrier()  # this program's writes above are read back by its other threads below
+    position = seg * BLOCK + tl.arange(0, BLOCK)  # in this level's row of `width` scores or candidates
+    ok = position < width
+    if GATHER:  # the candidates' indices into the row; -1 pads a segment that held fewer than k
+        index = tl.load(c_ptr + row * c_row + position, mask=ok, other=-1).to(tl.int32)  # rows < 2^31: registers
+        ok = index >= 0
+    else:
+        index = position
+    row_ptr = s_ptr + row * s_row
+    bits = _ordered_bits(row_ptr, index * s_col, ok)
+    take = tl.minimum(k, tl.sum(ok.to(tl.int32), axis=0))  # k, or all of a short segment
+    # bisection: count(bits >= lo) >= take > count(bits >= hi), until hi = lo + 1; then lo is the take-th's bits
+    lo = tl.full([], -2147483648, tl.int64)
+    hi = tl.full([], 2147483648, tl.int64)
+    for _ in range(32):
+        mid = lo + ((hi - lo) >> 1)
+        enough = tl.sum((ok & (bits >= mid.to(tl.int32))).to(tl.int32), axis=0) >= take
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid)
+    threshold = lo.to(tl.int32)
+    above = ok & (bits > threshold)
+    tied = (ok & (bits == threshold)).to(tl.int32)
+    need = take - tl.sum(above.to(tl.int32), axis=0)
+    chosen = above | ((tied == 1) & (tl.cumsum(tied, 0) - tied < need))  # the first `need` ties by index
+    c = chosen.to(tl.int32)
+    out_row = out_ptr + row * o_row + seg * k
+    tl.store(out_row + tl.cumsum(c, 0) - c, index.to(tl.int64), mask=chosen)
     j = tl.arange(0, BLOCK_K)
-    live = j < k
-    idx = tl.load(out_row + j * o_col, mask=live, other=0)
-    keys = (_ordered_bits(row_ptr, idx * s_col, live).to(tl.int64) << 32) | (2147483647 - idx)
-    keys = tl.sort(tl.where(live, keys, -9223372036854775807 - 1), descending=True)  # padding sorts last
-    tl.store(out_row + j * o_col, first.to(tl.int64) + (2147483647 - (keys - ((keys >> 32) << 32))), mask=live)
+    tl.store(out_row + j, tl.full([BLOCK_K], -1, tl.int64), mask=(j >= take) & (j < k))
+    if ORDERED:  # the last level: the k in the reference's order, keyed as `descending_keys` keys them
+        tl.debug_barrier()  # this program's writes above are read back by its other threads below
+        live = j < k
+        idx = tl.load(out_row + j, mask=live, other=0)
+        keys = (_ordered_bits(row_ptr, idx * s_col, live).to(tl.int64) << 32) | (2147483647 - idx)
+        keys = tl.sort(tl.where(live, keys, -9223372036854775807 - 1), descending=True)  # padding sorts last
+        tl.store(out_row + j, 2147483647 - (keys - ((keys >> 32) << 32)), mask=live)

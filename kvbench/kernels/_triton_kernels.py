@@ -1,10 +1,9 @@
-"""The Triton kernels behind `kvbench.kernels.sparse_attention`, `.ragged_attention`, `.page_summary` and
-`.reduced_scores`.
+"""The Triton kernels behind `kvbench.kernels.sparse_attention`, `.ragged_attention` and `.page_summary`.
 
 Imported only on the first Triton launch (see `kvbench.kernels._dispatch`). The attention kernels are
 decode-time GEMVs, one program per (KV head, group member) with an online softmax in fp32, so they use
 elementwise products and reductions rather than tl.dot (a single query row is below tl.dot's minimum tile);
-the scoring kernels are GEMVs too, over a gathered handful of head dimensions. Every launcher takes
+the page scoring kernel is a GEMV too, over a gathered handful of head dimensions. Every launcher takes
 shape-checked inputs of any strides and returns fresh outputs.
 """
 
@@ -320,56 +319,3 @@ def _page_scores_kernel(
         ).to(tl.float32)
         score = tl.sum(bound * qs[None, :], axis=1)
         tl.store(out_ptr + h * s_oh + g * s_og + p * s_op, score, mask=p_ok)
-
-
-def launch_reduced_scores(
-    q: torch.Tensor, keys_t: torch.Tensor, dims: torch.Tensor, block_n: int = 128, block_r: int = 32
-) -> torch.Tensor:
-    """Run `_reduced_scores_kernel`: see `reduced_scores_reference`. Returns [H, G, N] fp32.
-
-    One program per (head, group member, block of `block_n` tokens), reading the chosen rows of keys_t
-    `block_r` at a time: each row is contiguous along N, so every load of a program is coalesced.
-    """
-    heads, group, dim = q.shape
-    n, r = keys_t.shape[2], dims.shape[1]
-    if keys_t.shape[:2] != (heads, dim) or dims.shape[0] != heads:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, keys_t {tuple(keys_t.shape)}, "
-                         f"dims {tuple(dims.shape)}")
-    out = torch.empty((heads, group, n), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out
-    block_n = min(block_n, triton.next_power_of_2(n))
-    _reduced_scores_kernel[(triton.cdiv(n, block_n), heads * group)](
-        q, keys_t, dims, out,
-        group, n, r,
-        *q.stride(), *keys_t.stride(), *dims.stride(), *out.stride(),
-        BLOCK_N=block_n, BLOCK_R=min(block_r, triton.next_power_of_2(max(r, 1))),
-    )
-    return out
-
-
-@triton.jit
-def _reduced_scores_kernel(
-    q_ptr, k_ptr, dims_ptr, out_ptr,
-    group, n, r,
-    s_qh, s_qg, s_qd, s_kh, s_kd, s_kn, s_dh, s_dr, s_oh, s_og, s_on,
-    BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
-):
-    pid = tl.program_id(1)
-    # int64: h * s_kh passes 2^31 once H * D * N does
-    h = (pid // group).to(tl.int64)
-    g = pid % group
-    t = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    t_ok = t < n
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for j0 in range(0, r, BLOCK_R):
-        j = j0 + tl.arange(0, BLOCK_R)
-        j_ok = j < r
-        dd = tl.load(dims_ptr + h * s_dh + j * s_dr, mask=j_ok, other=0)
-        qs = tl.load(q_ptr + h * s_qh + g * s_qg + dd * s_qd, mask=j_ok, other=0.0).to(tl.float32)
-        kt = tl.load(
-            k_ptr + h * s_kh + dd[:, None] * s_kd + t[None, :] * s_kn, mask=j_ok[:, None] & t_ok[None, :], other=0.0
-        )
-        acc += tl.sum(kt.to(tl.float32) * qs[:, None], axis=0)
-    tl.store(out_ptr + h * s_oh + g * s_og + t * s_on, acc, mask=t_ok)
-

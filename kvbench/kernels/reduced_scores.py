@@ -1,21 +1,22 @@
 """Approximate attention logits from a few head dimensions (SparQ's first step).
 
 SparQ keeps a second, transposed copy of the keys (`[H, D, N]`) so that reading r of the D dimensions for
-every token is r contiguous rows. `reduced_scores` dispatches between its Triton kernel (CUDA) and its
-PyTorch reference, which documents the semantics.
+every token is r contiguous rows. `reduced_scores` dispatches between the `kvbench::group_scores` operator
+(CUDA, eager and compiled alike) and its PyTorch reference, which documents the semantics.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvbench.kernels._dispatch import use_triton
+from kvbench.kernels.group_scores import group_scores, group_scores_applies
 
 
 def reduced_scores(q: torch.Tensor, keys_t: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
-    """`reduced_scores_reference`'s result, computed by the Triton kernel when `use_triton` allows it."""
-    impl = reduced_scores_triton if use_triton(q, keys_t, dims) else reduced_scores_reference
-    return impl(q, keys_t, dims)
+    """`reduced_scores_reference`'s result, computed by the Triton operator where `group_scores_applies`."""
+    if group_scores_applies(q, keys_t, dims):
+        return group_scores(q, keys_t, dims)
+    return reduced_scores_reference(q, keys_t, dims)
 
 
 def reduced_scores_reference(q: torch.Tensor, keys_t: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
@@ -32,7 +33,7 @@ def reduced_scores_reference(q: torch.Tensor, keys_t: torch.Tensor, dims: torch.
 
 
 def reduced_scores_triton(q: torch.Tensor, keys_t: torch.Tensor, dims: torch.Tensor) -> torch.Tensor:
-    """`reduced_scores_reference` as a Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
-    from kvbench.kernels._triton_kernels import launch_reduced_scores
+    """`reduced_scores_reference` by the Triton kernel, launched directly (CUDA, or CPU under TRITON_INTERPRET=1)."""
+    from kvbench.kernels._group_scores_kernels import launch_group_scores
 
-    return launch_reduced_scores(q, keys_t, dims)
+    return launch_group_scores(q, keys_t, dims)

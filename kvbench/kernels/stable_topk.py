@@ -7,32 +7,35 @@ largest single kernel of Quest's selection (docs/gpu section 5: 104 us of its co
 pages; the token-level methods run it over rows of 40K-160K slots): PyTorch's radix select passes over the
 row once per radix digit of the key, twice as many digits for 64 bits as for 32.
 
-On CUDA the Triton kernel (`_stable_topk_kernels.launch_stable_topk`, whose docstring gives the algorithm: a
-radix select over the scores' 32 order-preserving bits, a long row by segments) finds the same indices in the
-same order: it is integer arithmetic on the scores' bits, exact, not approximate. It is registered as a PyTorch
-operator (`kvbench::stable_topk`, with a fake implementation), so that the compiled decode step captures it as
-one node, as `kvbench::flash_decode` is. On the CPU the reference runs, inside `torch.compile` as outside (the
-CPU's records and graphs are unchanged); the kernel runs there only in Triton's interpreter, in the tests.
+On CUDA the Triton kernel (`_stable_topk_kernels.launch_stable_topk`, whose docstring gives the algorithm: segments
+held in registers, the k-th score's bits found by bisection, a long row in levels of candidates) finds the same
+indices in the same order: it is integer arithmetic on the scores' bits, exact, not approximate. It is
+registered as a PyTorch operator (`kvbench::stable_topk`, with a fake implementation), so that the compiled
+decode step captures it as one node, as `kvbench::flash_decode` is. On the CPU the reference runs, inside
+`torch.compile` as outside (the CPU's records and graphs are unchanged); the kernel runs there only in Triton's
+interpreter, in the tests.
 
-The kernel has not yet run on a GPU (it was written in a session without one; `gpu_session.sh kernel` checks and
-times it). So that a Triton error on some GPU cannot stop a run, a launch that raises logs one warning line and
-the reference runs instead, for that call and every later one in the process: the indices are the same, only
-the time differs.
+`ordered=False` asks for the same indices in any order that depends only on the scores: the token-level
+selections (`methods.common.pages.top_tokens`) attend to a set, and the sort of the k chosen in stable
+descending order was a large part of the kernel's time on an H200 (docs/gpu section 7). The kernel then returns
+them in ascending index order; the reference, which sorts anyway, in its own order, so the CPU path is unchanged.
+
+This kernel has not yet run on a GPU (written in a session without one; `gpu_session.sh selection` checks and
+times it; its predecessor, a radix select over histograms, ran on an H100 and an H200). So that a Triton error
+on some GPU cannot stop a run, a launch that raises logs one warning line and the reference runs instead, for
+that call and every later one in the process: the indices are the same, only the time (and, unordered, their
+order) differs.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from kvbench.core.errors import one_line
-from kvbench.kernels._dispatch import triton_launchable
+from kvbench.kernels._dispatch import LaunchFallback, triton_launchable
 
-MAX_K = 4096  # the kernel sorts the k chosen keys in one block; a larger k takes the reference
+MAX_K = 4096  # the kernel sorts the k chosen keys in one block, and a segment holds 2k; a larger k takes the reference
 
-log = logging.getLogger("kvbench")
-_kernel_failed: list[str] = []  # the first launch error, once a launch has failed in this process
+FALLBACK = LaunchFallback("stable_topk", "PyTorch's int64 topk")
 
 
 def descending_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -61,42 +64,37 @@ def stable_topk_reference(scores: torch.Tensor, k: int) -> torch.Tensor:
     return descending_keys(scores).topk(min(k, scores.shape[-1]), dim=-1).indices
 
 
-def stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
+def stable_topk(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
     """`stable_topk_reference(scores, k)`, by the Triton kernel on CUDA (also inside the compiled step, where it is
-    one operator) when k <= `MAX_K`, by the reference otherwise (CPU, `KVBENCH_KERNELS=torch`)."""
+    one operator) when k <= `MAX_K`, by the reference otherwise (CPU, `KVBENCH_KERNELS=torch`). Without
+    `ordered`, the same indices in an order that depends only on the scores (the kernel's: ascending)."""
     length = scores.shape[-1]
     k = min(k, length)
     if 0 < k <= MAX_K and scores.numel() > 0 and triton_launchable(scores):
         rows = scores.reshape(-1, length)
-        return torch.ops.kvbench.stable_topk(rows, k).view(*scores.shape[:-1], k)
+        return torch.ops.kvbench.stable_topk(rows, k, ordered).view(*scores.shape[:-1], k)
     return stable_topk_reference(scores, k)
 
 
 def implementation(device: "torch.device | str") -> str:
-    """Which top-k `stable_topk` runs on `device` for k <= `MAX_K`: the Triton operator, or PyTorch's (where the
-    operator does not apply, or with the reason its launch failed)."""
-    if _kernel_failed:
-        return f"PyTorch's int64 topk (the Triton operator failed: {_kernel_failed[0]})"
-    launchable = triton_launchable(torch.empty(0, device=device))
-    return "the Triton operator (kvbench::stable_topk)" if launchable else "PyTorch's int64 topk"
+    """Which top-k `stable_topk` runs on `device` for k <= `MAX_K`."""
+    return FALLBACK.implementation(device, "kvbench::stable_topk")
 
 
 @torch.library.custom_op("kvbench::stable_topk", mutates_args=())
-def _stable_topk_op(scores: torch.Tensor, k: int) -> torch.Tensor:
+def _stable_topk_op(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
     if scores.dim() != 2 or not scores.is_floating_point() or not 0 < k <= min(MAX_K, scores.shape[1]):
         raise ValueError(f"stable_topk: scores {tuple(scores.shape)} {scores.dtype}, k {k}: expected [rows, L] "
                          f"floats and 0 < k <= min({MAX_K}, L)")
-    if not _kernel_failed:
-        try:
-            from kvbench.kernels._stable_topk_kernels import launch_stable_topk  # triton on the first launch
 
-            return launch_stable_topk(scores, k)
-        except Exception as exc:  # noqa: BLE001 - any Triton or driver error: the reference gives the same indices
-            _kernel_failed.append(one_line(exc))
-            log.warning("stable_topk: the Triton kernel failed (%s); the PyTorch top-k runs instead", _kernel_failed[0])
-    return stable_topk_reference(scores, k)
+    def launch():
+        from kvbench.kernels._stable_topk_kernels import launch_stable_topk  # triton on the first launch
+
+        return launch_stable_topk(scores, k, ordered=ordered)
+
+    return FALLBACK.run(launch, lambda: stable_topk_reference(scores, k))
 
 
 @_stable_topk_op.register_fake
-def _(scores, k):
+def _(scores, k, ordered=True):
     return scores.new_empty((scores.shape[0], k), dtype=torch.int64)

@@ -173,4 +173,9 @@ class SparQ(Method):
         heads, group = selection.idx.shape[:2]
         estimate = heads * (group if self.granularity == "head" else 1) * r * state.length
         mean_value = heads * layer.head_dim if self.reallocation else 0
-        return estimate + super().step_traffic(layer, selection, step) + mean_value
+        if self.granularity == "group":  # a group's k distinct tokens: what `distinct_rows` would count, without
+            # its zeroed mask, scatter and sum (two of a compiled step's kernels per layer on an H200, docs/gpu)
+            attended = 2 * layer.head_dim * heads * selection.idx.shape[-1]
+        else:
+            attended = super().step_traffic(layer, selection, step)
+        return estimate + attended + mean_value

@@ -217,8 +217,10 @@ def top_tokens(token_scores: torch.Tensor, k: int) -> torch.Tensor:
     RocketKV's code selects tokens, not pages: all tokens of a page tie, so whole pages are taken and the
     boundary page is cut; with this rule it keeps its first tokens (specs/rocketkv.md §8.2).
 
-    `kernels.stable_topk` (one `topk` of int64 keys with no ties left to break; one Triton operator on CUDA): the
-    stable sort's first k, in its order. A stable sort of every score cost 1.5 ms per layer at 8K tokens on two
+    `kernels.stable_topk` (one `topk` of int64 keys with no ties left to break; one Triton operator on CUDA). The
+    callers attend to the chosen tokens as a set, so their order is left to the implementation (`ordered=False`):
+    the reference's stable descending order on the CPU (the records' order), ascending on CUDA, where the
+    kernel then skips its sort of the k. A stable sort of every score cost 1.5 ms per layer at 8K tokens on two
     CPU cores (46 ms of a SparQ step); the k-th value from a float `topk`, then two cumulative sums, a scatter
     and a sort of the k to restore the order, cost a third of that and most of the compiled step's selection."""
-    return stable_topk(token_scores, k)
+    return stable_topk(token_scores, k, ordered=False)
