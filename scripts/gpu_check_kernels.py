@@ -445,12 +445,36 @@ def _reduced_strided(dtype):
     return [("", _ratio(got, want, _sum_bound(16, abs_sum)))]
 
 
+def check_exact_logits(dtype: torch.dtype, grid: str) -> None:
+    """The group-scores operator over every dimension (Exact-TopK's logits), keys as the static layout holds them:
+    [H, L, D] rows of a flat buffer, transposed by a view."""
+    lengths = {"full": (1, 127, 129, 4099, 32771), "quick": (129,), "tiny": (1, 37)}[grid]
+    dims, groups = _dims_groups(grid)
+    for dim in dims:
+        for group in groups:
+            for n in lengths:
+                _run("exact_logits", dtype, f"D={dim} G={group} N={n}", lambda: _exact_case(dtype, 8, group, dim, n))
+
+
+def _exact_case(dtype, heads, group, dim, n):
+    from kvbench.kernels._group_scores_kernels import launch_group_scores
+
+    gen = torch.Generator(device=DEVICE).manual_seed(n + group + dim)
+    q = _randn(gen, heads, group, dim, dtype=dtype)
+    keys = _randn(gen, heads * (n + 3), dim, dtype=dtype).view(heads, n + 3, dim)[:, :n]  # capacity slack unread
+    got = launch_group_scores(q, keys.transpose(1, 2), None)
+    want = torch.einsum("hgd,hnd->hgn", q.double(), keys.double()).float()
+    abs_sum = torch.einsum("hgd,hnd->hgn", q.abs().double(), keys.abs().double()).float()
+    return [("", _ratio(got, want, _sum_bound(dim, abs_sum)))]
+
+
 CHECKS = {
     "topk_attention": check_topk,
     "ragged_decode": check_ragged,
     "page_minmax": check_page_minmax,
     "page_scores": check_page_scores,
     "reduced_scores": check_reduced_scores,
+    "exact_logits": check_exact_logits,
 }
 
 

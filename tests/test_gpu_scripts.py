@@ -41,7 +41,7 @@ def test_check_kernels_runs_its_tiny_grid_in_the_interpreter():
                   env={"TRITON_INTERPRET": "1"})
     out = proc.stdout
     assert out.startswith("CPU (Triton interpreter)")
-    for kernel in ("topk_attention", "ragged_decode", "page_minmax", "page_scores", "reduced_scores"):
+    for kernel in ("topk_attention", "ragged_decode", "page_minmax", "page_scores", "reduced_scores", "exact_logits"):
         for dtype in ("fp32", "bf16"):
             row = re.search(rf"^{kernel}\s+{dtype}\s+(\d+)\s+(\d+)\s+0\s+\S+\s+\S+\s+PASS$", out, re.M)
             assert row and int(row.group(1)) == int(row.group(2)) >= 2, (kernel, dtype, out[-2000:])

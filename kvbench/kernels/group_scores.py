@@ -37,12 +37,19 @@ def group_scores(q: torch.Tensor, keys_t: torch.Tensor, dims: torch.Tensor | Non
     return torch.ops.kvbench.group_scores(q, keys_t, dims)
 
 
-def _reference(q: torch.Tensor, keys_t: torch.Tensor, dims: torch.Tensor | None) -> torch.Tensor:
+def group_scores_reference(q: torch.Tensor, keys_t: torch.Tensor, dims: torch.Tensor | None = None) -> torch.Tensor:
+    """Dot products of the queries with every key over chosen dimensions only (PyTorch), or over all of them.
+
+    q: [H, G, D]; keys_t: [H, D, N] (keys transposed); dims: [H, r] int64 dimensions shared by the group, or None.
+    Returns [H, G, N] fp32: out[h, g, n] = sum_j q[h, g, dims[h, j]] * keys_t[h, dims[h, j], n].
+    """
     if dims is None:
         return torch.einsum("hgd,hdn->hgn", q.float(), keys_t.float())
-    from kvbench.kernels.reduced_scores import reduced_scores_reference
-
-    return reduced_scores_reference(q, keys_t, dims)
+    heads, group, _ = q.shape
+    r = dims.shape[1]
+    q_sel = q.float().gather(2, dims[:, None, :].expand(heads, group, r))  # [H, G, r]
+    k_sel = keys_t.gather(1, dims[:, :, None].expand(heads, r, keys_t.shape[2])).float()  # [H, r, N], r rows only
+    return torch.bmm(q_sel, k_sel)
 
 
 @torch.library.custom_op("kvbench::group_scores", mutates_args=())
@@ -57,7 +64,7 @@ def _group_scores_op(q: torch.Tensor, keys_t: torch.Tensor, dims: torch.Tensor |
 
         return launch_group_scores(q, keys_t, dims)
 
-    return FALLBACK.run(launch, lambda: _reference(q, keys_t, dims))
+    return FALLBACK.run(launch, lambda: group_scores_reference(q, keys_t, dims))
 
 
 @_group_scores_op.register_fake
