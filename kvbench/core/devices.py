@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -12,9 +14,7 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-_cpu_threads_started = False
-
-
+@functools.cache
 def start_cpu_threads() -> None:
     """Start the process's OpenMP worker threads with one throwaway parallel operation, before any model exists.
 
@@ -24,9 +24,7 @@ def start_cpu_threads() -> None:
     thread's half (up to 1.5e-4), so the first point of a process was not bitwise reproducible (and
     `test_budget_at_or_above_the_sequence_is_bitwise_full` failed now and then). With the threads started first
     by this call: 0 of 180 processes, and 0 of 50 runs of that test (the root cause, somewhere in the worker's
-    start-up, was not found; with one thread: 0 of 40). A cosine over 2^20 elements is far above ATen's grain size, so it runs on every thread; about a
-    millisecond, once per process."""
-    global _cpu_threads_started
-    if not _cpu_threads_started and torch.get_num_threads() > 1:
+    start-up, was not found; with one thread: 0 of 40). A cosine over 2^20 elements is far above ATen's grain
+    size, so it runs on every thread; about a millisecond, once per process (cached)."""
+    if torch.get_num_threads() > 1:
         torch.ones(1 << 20).cos_()
-    _cpu_threads_started = True
