@@ -72,6 +72,7 @@ def kernel_launches(length: int, dtype: torch.dtype, shape: tuple[int, int, int]
     head dim): each launch calls the launcher a GPU run calls, with tensors of the run's shapes (never filled:
     only shapes, dtypes and strides reach the compiler)."""
     from kvbench.kernels import page_summary, ragged_attention, reduced_scores, sparse_attention
+    from kvbench.kernels._distinct_rows_kernels import launch_distinct_rows
     from kvbench.kernels._group_scores_kernels import launch_group_scores
     from kvbench.kernels._stable_topk_kernels import launch_stable_topk
     from kvbench.kernels.flash_decode import flash_decode, flash_decode_selected
@@ -104,6 +105,7 @@ def kernel_launches(length: int, dtype: torch.dtype, shape: tuple[int, int, int]
         ("page_scores", lambda: page_summary.page_scores_triton(q, kmin, kmin, dims, positive)),
         ("reduced_scores", lambda: reduced_scores.reduced_scores_triton(q, keys_t, dims)),
         ("exact logits", lambda: launch_group_scores(q, by_head.transpose(1, 2), None)),
+        ("distinct_rows (per query head)", lambda: launch_distinct_rows(per_head.view(kv_heads, -1), rows)),
     ]
     for case, n_rows, row_length, k in topk_cases(length, rows, BUDGET, kv_heads, group):
         scores = torch.empty(n_rows, row_length, dtype=dtype)

@@ -561,9 +561,11 @@ def _main(args: argparse.Namespace, elapsed) -> int:
         print_table(rows, bench)
         print(f"\n{len([r for r in rows if r.status == 'ok'])} of {len(rows)} items measured in {elapsed():.0f} s"
               + (f"; CSV: {args.csv}" if args.csv else ""), flush=True)
-        from kvbench.kernels import stable_topk
+        from kvbench.kernels import distinct_rows, group_scores, stable_topk
 
         print(f"selection top-k: {stable_topk.implementation(args.device)}", flush=True)
+        for what, module in (("scores", group_scores), ("traffic count", distinct_rows)):  # a launch that failed
+            print(f"selection {what}: {module.FALLBACK.implementation(args.device, f'kvbench::{module.FALLBACK.name}')}")
     failed = [f"{r.length} {r.method}" for r in rows if r.status == "error"]
     if failed:
         print(f"errors: {', '.join(failed)}")

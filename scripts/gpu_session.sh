@@ -168,7 +168,7 @@ decode_kernel() {  # the split-K decode attention and the stable top-k on this G
         local xdist=()
         $py -c "import xdist" 2>/dev/null && xdist=(-n 4)
         KVBENCH_KERNEL_DEVICE=cuda TRITON_INTERPRET=0 step flash_decode_tests 100 $py -m pytest -q -p no:cacheprovider \
-            --rootdir "$repo" -c "$repo/pyproject.toml" "${xdist[@]}" "$repo/tests/test_kernels.py" -k "flash_decode or stable_topk or group_scores" &
+            --rootdir "$repo" -c "$repo/pyproject.toml" "${xdist[@]}" "$repo/tests/test_kernels.py" -k "flash_decode or stable_topk or group_scores or distinct_rows" &
         (cd "$repo" && step probe_triton_lint 100 $py scripts/probe_triton_lint.py) &
         (cd "$repo" && step compile_fallback_tests 100 $py -m pytest -q -p no:cacheprovider tests/test_compile_fallback.py) &
         wait
@@ -201,7 +201,7 @@ selection() {  # what issue 45 still needs a GPU for, in one call of at most 9 m
         $py -c "import xdist" 2>/dev/null && xdist=(-n 8)
         KVBENCH_KERNEL_DEVICE=cuda TRITON_INTERPRET=0 step selection_kernel_tests 90 $py -m pytest -q \
             -p no:cacheprovider --rootdir "$repo" -c "$repo/pyproject.toml" "${xdist[@]}" "$repo/tests/test_kernels.py" \
-            -k "flash_decode or stable_topk or group_scores"
+            -k "flash_decode or stable_topk or group_scores or distinct_rows"
         tail -n 3 "$out/selection_kernel_tests.log"
         topk=(--repeats 10)
         prof=(--layers 8 --length 32768 --budget 1024 --dtype bfloat16 --warmup 4 --steps 6 --profiled 3)

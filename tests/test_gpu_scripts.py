@@ -167,6 +167,7 @@ def test_compiled_decode_measures_eager_compiled_and_stock_at_tiny_shapes(tmp_pa
                   "--backend", "eager", "--no-check", "--csv", str(table))
     assert "3 of 3 items measured" in proc.stdout
     assert "selection top-k: PyTorch's int64 topk\n" in proc.stdout  # the CPU's (a GPU names the operator)
+    assert "selection scores: PyTorch's product\nselection traffic count: a mask, a scatter and a sum\n" in proc.stdout
     _check_compiled_rows(proc.stdout, table, [(256, "full"), (256, "stock"), (256, "quest")])
 
 

@@ -28,6 +28,7 @@ pytest.importorskip("triton")
 
 from kvbench.cache.kvcache import KVBenchCache
 from kvbench.kernels import (
+    _distinct_rows_kernels,
     _flash_decode_kernels,
     _group_scores_kernels,
     _stable_topk_kernels,
@@ -37,9 +38,10 @@ from kvbench.kernels import (
 )
 from kvbench.kernels._dispatch import ENV_VAR, use_triton
 from kvbench.kernels.decode_attention import decode_attention
-from kvbench.kernels.distinct_rows import distinct_rows
+from kvbench.kernels.distinct_rows import distinct_rows, distinct_rows_reference
 from kvbench.kernels.exact_scores import exact_logits
 from kvbench.kernels.page_summary import (
+    group_page_bounds,
     page_minmax,
     page_minmax_reference,
     page_scores,
@@ -750,6 +752,22 @@ def test_distinct_rows_counts_each_row_once_inside_and_outside_compile(backend):
     assert int(compiled(idx)) == 2 * want
 
 
+launch_distinct_rows = _on_device(_distinct_rows_kernels.launch_distinct_rows)
+
+
+@pytest.mark.parametrize("rows, m, length", [(3, 96, 40), (2, 3000, 5000), (4, 4096, 40960), (1, 1, 1), (2, 70, 64)])
+def test_distinct_rows_triton_is_the_reference(rows, m, length):
+    """The bitmap kernel counts what the mask counts: slots repeated within a program and across programs (m
+    over one program's 1,024), a length that is not a multiple of 64, a row of one slot, strided indices."""
+    gen = torch.Generator().manual_seed(m)
+    idx = torch.randint(0, length, (rows, m), generator=gen)
+    idx[0, : m // 2] = length - 1  # one slot, half the row
+    want = distinct_rows_reference(idx, length)
+    got = launch_distinct_rows(idx, length)
+    assert got.shape == () and got.dtype == torch.int64 and int(got) == int(want)
+    assert int(launch_distinct_rows(idx.t().contiguous().t(), length)) == int(want)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("group, k1, shared_sign", [(4, 5, True), (1, 32, False), (8, 1, True), (4, None, False)])
 def test_page_scores_traced_is_the_reference(group, k1, shared_sign, dtype):
@@ -761,6 +779,21 @@ def test_page_scores_traced_is_the_reference(group, k1, shared_sign, dtype):
         dims, positive = None, q > 0
     torch.testing.assert_close(page_scores_traced(q, kmin, kmax, dims, positive),
                                page_scores_reference(q, kmin, kmax, dims, positive), **SCORE_TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 4])
+def test_group_page_bounds_compiled_is_the_group_sum_of_quests_bounds(group, dtype):
+    """Quest's bounds summed over a group: outside compile exactly the query heads' bounds summed; inside, the
+    group's summed positive and negative query parts times the bounds, equal up to float rounding (a zero
+    query dimension included)."""
+    gen = torch.Generator().manual_seed(group)
+    q, kmin, kmax, _, _ = _page_score_inputs(gen, group, 67, 32, 3, 32, False, dtype)
+    q[0, :, 5] = 0.0
+    want = page_scores_reference(q, kmin, kmax, None, q > 0).sum(dim=1)
+    assert torch.equal(group_page_bounds(q, kmin, kmax), want)
+    compiled = torch.compile(_own_code(group_page_bounds), backend="inductor", fullgraph=True)
+    torch.testing.assert_close(compiled(q, kmin, kmax), want, **SCORE_TOL)
 
 
 # -- split-K decode attention over the static layout (kvbench::flash_decode) ------------------------------
@@ -934,6 +967,7 @@ def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_l
     eager path's tokens and logits."""
     import kvbench.cache.static as static_layout
     import kvbench.engine.compiled as compiled
+    import kvbench.kernels.distinct_rows as distinct_rows_module
     import kvbench.kernels.flash_decode as flash_decode_module
     import kvbench.kernels.group_scores as group_scores_module
     import kvbench.kernels.stable_topk as stable_topk_module
@@ -962,6 +996,12 @@ def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_l
     monkeypatch.setattr(_group_scores_kernels, "launch_group_scores",
                         lambda *a, **kw: scored.append(a[2] is None) or real_scores(*a, **kw))
     monkeypatch.setattr(group_scores_module.FALLBACK, "failed", [])
+    counted = []  # Exact-TopK's per-query-head traffic by the distinct-rows operator, as on CUDA
+    monkeypatch.setattr(distinct_rows_module, "triton_launchable", lambda *tensors: True)
+    real_count = _distinct_rows_kernels.launch_distinct_rows
+    monkeypatch.setattr(_distinct_rows_kernels, "launch_distinct_rows",
+                        lambda *a: counted.append(a[1]) or real_count(*a))
+    monkeypatch.setattr(distinct_rows_module.FALLBACK, "failed", [])
     ids = random_ids(150, seed=8)
     settings = {"adakv": {"window": 8}, "streamingllm_rolling": {"decode_every": 1}}.get(method, {})
 
@@ -985,6 +1025,7 @@ def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_l
     assert bool(tops) == static.method.selects and not stable_topk_module.FALLBACK.failed  # by the operator
     assert set(scored) == {"exact_topk": {True}, "sparq": {False}}.get(method, set())  # exact / reduced
     assert not group_scores_module.FALLBACK.failed
+    assert bool(counted) == (method == "exact_topk") and not distinct_rows_module.FALLBACK.failed
     assert static_tokens == eager_tokens
     torch.testing.assert_close(static_logits, eager_logits, atol=1e-4, rtol=1e-4)
     assert [layer.lengths() for layer in static.cache.layers] == [layer.lengths() for layer in eager.cache.layers]
@@ -1030,6 +1071,22 @@ def test_stable_topk_triton_is_the_reference(rows, length, k, block, dtype):
     reference = stable_topk_reference(scores, k)
     assert torch.equal(launch_stable_topk(scores, k, block), reference)
     assert torch.equal(launch_stable_topk(scores, k, block, ordered=False), reference.sort(dim=-1).values)
+
+
+@pytest.mark.parametrize("ordered", [True, False])
+def test_stable_topk_triton_stops_its_bisection_early_only_where_no_tie_crosses_the_kth(ordered):
+    """Distinct scores stop the bisection at a midpoint with exactly k scores at or above it (the usual case:
+    about 19 counts of 32 for 8,192 logits); a tie across the k-th score (row 1: the k-th and (k+1)-th equal)
+    needs every count. Both keep the reference's indices, through two levels of segments."""
+    from kvbench.kernels.stable_topk import stable_topk_reference
+
+    scores = torch.randn(3, 1500, generator=torch.Generator().manual_seed(5))
+    order = scores[1].sort(descending=True).indices
+    scores[1, order[60]] = scores[1, order[59]]  # the 60th and 61st tie: the lower index is kept
+    scores[2] = scores[2].exp() / scores[2].exp().sum()  # probabilities, like SparQ's estimate
+    reference = stable_topk_reference(scores, 60)
+    got = launch_stable_topk(scores, 60, 256, ordered=ordered)
+    assert torch.equal(got, reference if ordered else reference.sort(dim=-1).values)
 
 
 def test_stable_topk_triton_strided_rows_and_a_row_of_one_value():

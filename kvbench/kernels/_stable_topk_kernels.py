@@ -20,9 +20,10 @@ def launch_stable_topk(scores: torch.Tensor, k: int, block: int | None = None, o
 
     One program takes a segment of at most `block` scores, loaded once into registers (`_stable_topk_kernel`).
     Each score is mapped to its 32 order-preserving bits (`descending_keys`' high half). The k-th highest's bits
-    T are found by bisection over the 2^32 bit patterns, 32 counts of the scores at or above a midpoint, each a
-    reduction over the registers (the previous kernel's radix select counted 256-bin histograms in 4 passes over
-    global memory, and histograms cost a Triton program far more than sums: docs/gpu section 7). Then the
+    T are found by bisection over the 2^32 bit patterns, at most 32 counts of the scores at or above a midpoint,
+    each a reduction over the registers (the previous kernel's radix select counted 256-bin histograms in 4
+    passes over global memory, and histograms cost a Triton program far more than sums: docs/gpu section 7); it
+    stops early at a midpoint with exactly k scores at or above it. Then the
     scores above T and the first `need` equal to T in index order (which tied rows a stable sort keeps: the
     lowest indices) are written in index order, by a cumulative sum.
 
@@ -81,12 +82,16 @@ def _stable_topk_kernel(
     row_ptr = s_ptr + row * s_row
     bits = _ordered_bits(row_ptr, index * s_col, ok)
     take = tl.minimum(k, tl.sum(ok.to(tl.int32), axis=0))  # k, or all of a short segment
-    # bisection: count(bits >= lo) >= take > count(bits >= hi), until hi = lo + 1; then lo is the take-th's bits
+    # bisection: count(bits >= lo) >= take > count(bits >= hi), until hi = lo + 1 (then lo is the take-th's bits)
+    # or until exactly `take` scores are at or above lo (then lo is a threshold that keeps them all, ties
+    # included: the scores' top `take` have no tie across it). Distinct scores usually stop it well before 32.
     lo = tl.full([], -2147483648, tl.int64)
     hi = tl.full([], 2147483648, tl.int64)
-    for _ in range(32):
+    count = take - take - 1  # not counted yet
+    while (hi - lo > 1) & (count != take):
         mid = lo + ((hi - lo) >> 1)
-        enough = tl.sum((ok & (bits >= mid.to(tl.int32))).to(tl.int32), axis=0) >= take
+        count = tl.sum((ok & (bits >= mid.to(tl.int32))).to(tl.int32), axis=0)
+        enough = count >= take
         lo = tl.where(enough, mid, lo)
         hi = tl.where(enough, hi, mid)
     threshold = lo.to(tl.int32)
