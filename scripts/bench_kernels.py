@@ -115,9 +115,9 @@ def bench_page_minmax(n_kv: int, dim: int, dtype: torch.dtype) -> None:
 
 
 def bench_page_scores(n_kv: int, group: int, dim: int, dtype: torch.dtype) -> None:
-    from kvbench.kernels.page_summary import page_scores_reference, page_scores_triton
+    from kvbench.kernels.page_summary import page_scores_by_group_scores, page_scores_reference
 
-    impls = {"reference": page_scores_reference, "triton": page_scores_triton}
+    impls = {"reference": page_scores_reference, "triton": page_scores_by_group_scores}  # kvbench::group_scores
     for pages in (2048, 8192, 32768):
         q = torch.randn(n_kv, group, dim, device="cuda", dtype=dtype)
         kmin = torch.randn(n_kv, pages, dim, device="cuda", dtype=dtype)

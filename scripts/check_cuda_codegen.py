@@ -90,7 +90,6 @@ def kernel_launches(length: int, dtype: torch.dtype, shape: tuple[int, int, int]
     page = 16
     kmin = torch.empty(kv_heads, rows // page, dim, dtype=dtype)
     dims = torch.zeros(kv_heads, dim // 4, dtype=torch.int64)  # chosen dimensions (HSA, RocketKV: a quarter)
-    positive = torch.zeros(kv_heads, group, dim // 4, dtype=torch.bool)
     keys_t = torch.empty(kv_heads, dim, rows, dtype=dtype)  # SparQ's second, transposed copy of the keys
     launches = [
         ("flash_decode (full)", lambda: flash_decode(q, keys, keys, starts, fill, scale)),
@@ -102,7 +101,8 @@ def kernel_launches(length: int, dtype: torch.dtype, shape: tuple[int, int, int]
             q, keys, keys, starts, [length] * kv_heads, scale)),
         ("topk_attention", lambda: sparse_attention.topk_attention_triton(q, by_head, by_head, per_head, scale)),
         ("page_minmax", lambda: page_summary.page_minmax_triton(by_head, page)),
-        ("page_scores", lambda: page_summary.page_scores_triton(q, kmin, kmin, dims, positive)),
+        ("page_scores (Quest's, every dimension)", lambda: launch_group_scores(q, kmin.transpose(1, 2), None)),
+        ("page_scores (HSA's chosen dimensions)", lambda: launch_group_scores(q, kmin.transpose(1, 2), dims)),
         ("reduced_scores", lambda: reduced_scores.reduced_scores_triton(q, keys_t, dims)),
         ("exact logits", lambda: launch_group_scores(q, by_head.transpose(1, 2), None)),
         ("distinct_rows (per query head)", lambda: launch_distinct_rows(per_head.view(kv_heads, -1), rows)),

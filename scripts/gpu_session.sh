@@ -20,7 +20,8 @@
 #                                                 # scores' and split-K attention's tests compiled on CUDA,
 #                                                 # bench_stable_topk (docs/gpu section 8's kernels), the
 #                                                 # compiled phase with the selection methods first, then their
-#                                                 # compiled step's top kernels (quest, sparq, exact_topk)
+#                                                 # compiled step's top kernels (BREAKDOWN_METHODS, default
+#                                                 # quest,sparq,exact_topk, in BREAKDOWN_LIMIT s, default 75)
 #   bash scripts/gpu_session.sh big     OUT_DIR   # a model larger than one GPU in bf16 (scripts/gpu_big_model.py):
 #                                                 # Llama-3.1-70B's shapes in NF4, random weights, the 70B config's
 #                                                 # placement check, prefill + decode per method, memory per device
@@ -213,8 +214,8 @@ selection() {  # what issue 45 still needs a GPU for, in one call of at most 9 m
         COMPILED_ARGS="--methods full,quest,rocketkv,sparq,hsa,exact_topk,snapkv,stock,adakv
                        --methods-at 131072=full,quest,snapkv,stock ${COMPILED_ARGS:-}" compiled
     fi
-    (cd "$repo/scripts" && step kernel_breakdown 75 $py gpu_decode_breakdown.py --compile --top 12 \
-        --methods quest,sparq,exact_topk "${prof[@]}")
+    (cd "$repo/scripts" && step kernel_breakdown "${BREAKDOWN_LIMIT:-75}" $py gpu_decode_breakdown.py --compile --top 12 \
+        --methods "${BREAKDOWN_METHODS:-quest,sparq,exact_topk}" "${prof[@]}")
     grep -v -E "^USDT|Online softmax" "$out/kernel_breakdown.log"
 }
 

@@ -33,8 +33,8 @@ def test_every_kvbench_kernel_compiles_for_an_h100_at_the_configured_models_shap
     assert "nothing refused" in proc.stdout
     assert "kvbench.kernels for sm_90" in proc.stdout
     for kernel in ("_flash_decode_split_kernel", "_flash_decode_merge_kernel", "_stable_topk_kernel",
-                   "_ragged_decode_kernel", "_topk_attention_kernel", "_page_minmax_kernel", "_page_scores_kernel",
-                   "_group_scores_kernel"):
+                   "_ragged_decode_kernel", "_topk_attention_kernel", "_page_minmax_kernel",
+                   "_group_scores_kernel", "_distinct_rows_kernel"):
         assert kernel in proc.stdout, kernel
     # the selected-rows split kernel and the long rows' second top-k pass were compiled too
     assert "INDEXED=True" in proc.stdout and "GATHER=True, ORDERED=True" in proc.stdout

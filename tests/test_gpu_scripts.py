@@ -230,6 +230,16 @@ def test_session_selection_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
         assert re.search(rf"^{method}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+$", text, re.M), text
 
 
+def test_bisection_counts_replay_the_kernels_early_stop():
+    """`stable_topk_bisection_counts.py` (docs/gpu section 8b's counts): fewer than 32 counts on distinct fp32 rows,
+    never more than 32."""
+    proc = script("stable_topk_bisection_counts.py", "--rows", "3")
+    rows = re.findall(r"^(.+?)\s+([\d.]+)\s+(\d+)\s+(\d+)$", proc.stdout, re.M)
+    assert len(rows) == 5, proc.stdout
+    assert all(float(mean) < 32 for name, mean, *_ in rows if "bf16" not in name), rows
+    assert all(int(most) <= 32 for *_, most in rows), rows
+
+
 @pytest.mark.integration
 def test_session_big_model_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
     """`DEVICE=cpu gpu_session.sh big`: a tiny Llama built in place in NF4 (bitsandbytes' CPU backend), prefill and

@@ -33,6 +33,7 @@ from kvbench.kernels import (
     _group_scores_kernels,
     _stable_topk_kernels,
     _triton_kernels,
+    page_summary,
     ragged_attention,
     sparse_attention,
 )
@@ -41,7 +42,6 @@ from kvbench.kernels.decode_attention import decode_attention
 from kvbench.kernels.distinct_rows import distinct_rows, distinct_rows_reference
 from kvbench.kernels.exact_scores import exact_logits
 from kvbench.kernels.page_summary import (
-    group_page_bounds,
     page_minmax,
     page_minmax_reference,
     page_scores,
@@ -90,7 +90,7 @@ def _on_device(launch):
 topk_attention_triton = _on_device(sparse_attention.topk_attention_triton)
 ragged_decode_attention_triton = _on_device(ragged_attention.ragged_decode_attention_triton)
 launch_page_minmax = _on_device(_triton_kernels.launch_page_minmax)
-launch_page_scores = _on_device(_triton_kernels.launch_page_scores)
+page_scores_by_group_scores = _on_device(page_summary.page_scores_by_group_scores)
 launch_group_scores = _on_device(_group_scores_kernels.launch_group_scores)
 
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -448,22 +448,26 @@ def _page_score_inputs(gen, group, n, dim, page_size, k1, shared_sign, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "group, n, page_size, k1, shared_sign, block_p, pages_per_program",
+    "group, n, page_size, k1, shared_sign",
     [
-        (1, 70, 16, 32, False, 64, 1024),  # Quest: all dims, own signs, partial last page
-        (4, 67, 2, 1, True, 4, 8),  # one dim, group-shared signs ([H, 1, k1]), five programs per head
-        (8, 64, 3, 5, True, 8, 8),  # HSA-like, G = 8
-        (4, 1, 1, 32, False, 64, 1024),  # a single page of a single token
-        (8, 33, 1, 32, True, 16, 16),  # page size 1: the bound is q . k itself
+        (1, 70, 16, 32, False),  # Quest: all dims, own signs, partial last page
+        (4, 67, 2, 1, True),  # one dim, group-shared signs ([H, 1, k1])
+        (8, 300, 3, 5, True),  # HSA-like, G = 8, pages over several programs of the operator
+        (4, 1, 1, 32, False),  # a single page of a single token
+        (8, 33, 1, 32, True),  # page size 1: the bound is q . k itself
     ],
 )
-def test_page_scores_triton_matches_reference(group, n, page_size, k1, shared_sign, block_p, pages_per_program, dtype):
+def test_page_scores_by_group_scores_matches_reference(group, n, page_size, k1, shared_sign, dtype):
+    """The two group-scores products (CUDA's page scores, eager and compiled) give the reference's bounds."""
     gen = torch.Generator().manual_seed(group * 1000 + n)
     q, kmin, kmax, dims, positive = _page_score_inputs(gen, group, n, 32, page_size, k1, shared_sign, dtype)
-    ours = launch_page_scores(q, kmin, kmax, dims, positive, block_p=block_p, pages_per_program=pages_per_program)
+    ours = page_scores_by_group_scores(q, kmin, kmax, dims, positive)
     ref = page_scores_reference(q, kmin, kmax, dims, positive)
     assert ours.dtype == ref.dtype == torch.float32 and ours.shape == ref.shape == (2, group, kmin.shape[1])
     torch.testing.assert_close(ours, ref, **SCORE_TOL)
+    if k1 == 32:  # every dimension: dims None, each query head's own signs
+        torch.testing.assert_close(page_scores_by_group_scores(q, kmin, kmax, None, q > 0),
+                                   page_scores_reference(q, kmin, kmax, None, q > 0), **SCORE_TOL)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -510,16 +514,17 @@ def test_page_scores_reference_is_bitwise_its_einsum_definition():
             assert torch.equal(page_scores_reference(q, kmin, kmax, chosen, pos), want)
 
 
-def test_page_scores_triton_strided_inputs():
-    # summaries and q as views with odd strides, positive already expanded over the group (stride 0)
+def test_page_scores_by_group_scores_strided_inputs():
+    # summaries (their transposes, the operator's keys) and q as views with odd strides, positive already expanded
+    # over the group (stride 0)
     gen = torch.Generator().manual_seed(11)
     wide = torch.randn(2, 9, 40, generator=gen)
     kmin, kmax = wide[..., :16], wide[..., 20:36]  # [H, P=9, D=16]
     q = torch.randn(4, 2, 16, generator=gen).transpose(0, 1)  # [H, G, D], not contiguous
-    dims = torch.randint(0, 16, (2, 6), generator=gen)
+    dims = torch.stack([torch.randperm(16, generator=gen)[:6] for _ in range(2)])
     positive = (torch.rand(2, 1, 6, generator=gen) > 0.5).expand(2, 4, 6)
     torch.testing.assert_close(
-        launch_page_scores(q, kmin, kmax, dims, positive, block_p=4, pages_per_program=4),
+        page_scores_by_group_scores(q, kmin, kmax, dims, positive),
         page_scores_reference(q, kmin, kmax, dims, positive),
         **SCORE_TOL,
     )
@@ -781,21 +786,6 @@ def test_page_scores_traced_is_the_reference(group, k1, shared_sign, dtype):
                                page_scores_reference(q, kmin, kmax, dims, positive), **SCORE_TOL)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("group", [1, 4])
-def test_group_page_bounds_compiled_is_the_group_sum_of_quests_bounds(group, dtype):
-    """Quest's bounds summed over a group: outside compile exactly the query heads' bounds summed; inside, the
-    group's summed positive and negative query parts times the bounds, equal up to float rounding (a zero
-    query dimension included)."""
-    gen = torch.Generator().manual_seed(group)
-    q, kmin, kmax, _, _ = _page_score_inputs(gen, group, 67, 32, 3, 32, False, dtype)
-    q[0, :, 5] = 0.0
-    want = page_scores_reference(q, kmin, kmax, None, q > 0).sum(dim=1)
-    assert torch.equal(group_page_bounds(q, kmin, kmax), want)
-    compiled = torch.compile(_own_code(group_page_bounds), backend="inductor", fullgraph=True)
-    torch.testing.assert_close(compiled(q, kmin, kmax), want, **SCORE_TOL)
-
-
 # -- split-K decode attention over the static layout (kvbench::flash_decode) ------------------------------
 
 launch_flash_decode = _on_device(_flash_decode_kernels.launch_flash_decode)
@@ -958,13 +948,14 @@ def test_flash_decode_is_one_operator_in_a_compiled_graph():
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="forces the operator onto CPU tensors (interpreted launch)")
 @pytest.mark.parametrize("method, budget", [("full", 10**6), ("adakv", 48), ("streamingllm_rolling", 40),
-                                            ("quest", 48), ("exact_topk", 40), ("rocketkv", 64), ("sparq", 48)])
+                                            ("quest", 48), ("exact_topk", 40), ("rocketkv", 64), ("sparq", 48),
+                                            ("hsa", 64)])
 def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_llama, monkeypatch, method, budget):
     """The static layout's dense attention by the operator (uniform, ragged, and a layer that evicts into its
     slots while decoding) and the selection methods' selected slots by its indexed form (a group's pages,
     Exact-TopK's per-query-head tokens, RocketKV's two stages, SparQ's shared tokens), chosen by the stable top-k
-    operator, as on CUDA, here with the launches interpreted: the compiled step (dynamo's eager backend) gives the
-    eager path's tokens and logits."""
+    operator from scores and page bounds by the group-scores operator, as on CUDA, here with the launches
+    interpreted: the compiled step (dynamo's eager backend) gives the eager path's tokens and logits."""
     import kvbench.cache.static as static_layout
     import kvbench.engine.compiled as compiled
     import kvbench.kernels.distinct_rows as distinct_rows_module
@@ -1023,7 +1014,9 @@ def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_l
     assert static.decode_path == "compiled" and (calls or selected)  # traced through the operator
     assert bool(selected) == static.method.selects  # a selection's slots by the indexed operator
     assert bool(tops) == static.method.selects and not stable_topk_module.FALLBACK.failed  # by the operator
-    assert set(scored) == {"exact_topk": {True}, "sparq": {False}}.get(method, set())  # exact / reduced
+    # every dimension (exact logits, Quest's bounds) / chosen ones (SparQ's, HSA's and RocketKV's estimates)
+    assert set(scored) == {"exact_topk": {True}, "quest": {True}, "sparq": {False}, "hsa": {False},
+                           "rocketkv": {False}}.get(method, set())
     assert not group_scores_module.FALLBACK.failed
     assert bool(counted) == (method == "exact_topk") and not distinct_rows_module.FALLBACK.failed
     assert static_tokens == eager_tokens

@@ -1,10 +1,10 @@
-"""The Triton kernels behind `kvbench.kernels.sparse_attention`, `.ragged_attention` and `.page_summary`.
+"""The Triton kernels behind `kvbench.kernels.sparse_attention`, `.ragged_attention` and `.page_summary`'s minmax.
 
 Imported only on the first Triton launch (see `kvbench.kernels._dispatch`). The attention kernels are
 decode-time GEMVs, one program per (KV head, group member) with an online softmax in fp32, so they use
-elementwise products and reductions rather than tl.dot (a single query row is below tl.dot's minimum tile);
-the page scoring kernel is a GEMV too, over a gathered handful of head dimensions. Every launcher takes
-shape-checked inputs of any strides and returns fresh outputs.
+elementwise products and reductions rather than tl.dot (a single query row is below tl.dot's minimum tile).
+(The page scores are `kvbench::group_scores` products: `page_summary.page_scores_by_group_scores`.) Every
+launcher takes shape-checked inputs of any strides and returns fresh outputs.
 """
 
 from __future__ import annotations
@@ -237,85 +237,3 @@ def _page_minmax_kernel(
     tl.store(min_ptr + h * s_ih + p[:, None] * s_ip + d[None, :] * s_id, lo.to(min_ptr.dtype.element_ty), mask=tile)
     tl.store(max_ptr + h * s_ah + p[:, None] * s_ap + d[None, :] * s_ad, hi.to(max_ptr.dtype.element_ty), mask=tile)
 
-
-def launch_page_scores(
-    q: torch.Tensor,
-    kmin: torch.Tensor,
-    kmax: torch.Tensor,
-    dims: torch.Tensor,
-    positive: torch.Tensor,
-    block_p: int = 64,
-    pages_per_program: int = 256,
-    tile: int = 4096,
-) -> torch.Tensor:
-    """Run `_page_scores_kernel`: see `page_scores_reference`. Returns [H, G, P] fp32.
-
-    One program per (head, group member) and span of `pages_per_program` pages, looping over its span
-    `block_p` pages (at most `tile` gathered elements) at a time: a short cache is one program per query
-    head, and a long one (thousands of pages at decode) still spreads over the GPU's SMs instead of
-    running as H * G long programs.
-    """
-    heads, group, dim = q.shape
-    pages, k1 = kmin.shape[1], dims.shape[1]
-    if (
-        kmin.shape != kmax.shape
-        or kmin.shape[0] != heads
-        or kmin.shape[2] != dim
-        or dims.shape[0] != heads
-        or positive.shape not in ((heads, group, k1), (heads, 1, k1))
-    ):
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, kmin {tuple(kmin.shape)}, kmax {tuple(kmax.shape)}, "
-                         f"dims {tuple(dims.shape)}, positive {tuple(positive.shape)}")
-    out = torch.empty((heads, group, pages), dtype=torch.float32, device=q.device)
-    if out.numel() == 0:
-        return out
-    pos_u8 = positive.view(torch.uint8)  # loaded as bytes; a bool tensor is one byte per element
-    s_ph, s_pg, s_pk = pos_u8.stride()
-    if positive.shape[1] == 1:
-        s_pg = 0  # one sign pattern for the whole group
-    block_k = triton.next_power_of_2(max(k1, 1))
-    block_p = max(1, min(block_p, triton.next_power_of_2(pages), tile // block_k))
-    span = triton.cdiv(pages_per_program, block_p) * block_p
-    _page_scores_kernel[(triton.cdiv(pages, span), heads * group)](
-        q, kmin, kmax, dims, pos_u8, out,
-        group, pages, k1, span,
-        *q.stride(), *kmin.stride(), *kmax.stride(), *dims.stride(), s_ph, s_pg, s_pk, *out.stride(),
-        BLOCK_P=block_p, BLOCK_K=block_k,
-    )
-    return out
-
-
-@triton.jit
-def _page_scores_kernel(
-    q_ptr, min_ptr, max_ptr, dims_ptr, pos_ptr, out_ptr,
-    group, pages, k1, span,
-    s_qh, s_qg, s_qd, s_ih, s_ip, s_id, s_ah, s_ap, s_ad, s_dh, s_dk, s_ph, s_pg, s_pk, s_oh, s_og, s_op,
-    BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr,
-):
-    pid = tl.program_id(1)
-    h = (pid // group).to(tl.int64)
-    g = pid % group
-    j = tl.arange(0, BLOCK_K)
-    j_ok = j < k1
-    dd = tl.load(dims_ptr + h * s_dh + j * s_dk, mask=j_ok, other=0)
-    qs = tl.load(q_ptr + h * s_qh + g * s_qg + dd * s_qd, mask=j_ok, other=0.0).to(tl.float32)
-    sign = tl.load(pos_ptr + h * s_ph + g * s_pg + j * s_pk, mask=j_ok, other=0)
-    use_max = j_ok & (sign != 0)
-    use_min = j_ok & (sign == 0)
-    start = tl.program_id(0) * span
-    end = tl.minimum(start + span, pages)
-    for p0 in range(start, end, BLOCK_P):
-        p = p0 + tl.arange(0, BLOCK_P)
-        p_ok = p < end
-        # each dimension reads one bound: the other's lanes are masked off, so the sum of the two loads is the
-        # chosen bound, and the page summaries are read once rather than twice
-        bound = tl.load(
-            max_ptr + h * s_ah + p[:, None] * s_ap + dd[None, :] * s_ad, mask=p_ok[:, None] & use_max[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        bound += tl.load(
-            min_ptr + h * s_ih + p[:, None] * s_ip + dd[None, :] * s_id, mask=p_ok[:, None] & use_min[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        score = tl.sum(bound * qs[None, :], axis=1)
-        tl.store(out_ptr + h * s_oh + g * s_og + p * s_op, score, mask=p_ok)

@@ -6,8 +6,8 @@ attention logit from a query without reading its keys: per chosen head dimension
 max where the sign says positive, times the page min otherwise (Quest with all dimensions and each query
 head's own signs; HSA with the k1 dimensions of largest group |q| and the group's signs).
 
-Each function dispatches between its Triton kernel (CUDA) and its PyTorch reference, which documents the
-semantics; both compute the same function.
+Each function dispatches between a Triton kernel or operator (CUDA) and its PyTorch reference, which documents
+the semantics; both compute the same function.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from kvbench.kernels._dispatch import use_triton
+from kvbench.kernels.group_scores import group_scores, group_scores_applies
 
 
 def page_minmax(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,32 +50,14 @@ def page_minmax_triton(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor
 def page_scores(
     q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, dims: torch.Tensor | None, positive: torch.Tensor
 ) -> torch.Tensor:
-    """`page_scores_reference`'s result, computed by the Triton kernel when `use_triton` allows it, and by
-    `page_scores_traced` inside the compiled decode step."""
-    if use_triton(q, kmin, kmax, positive):
-        if dims is None:
-            dims = torch.arange(q.shape[-1], device=q.device).expand(q.shape[0], -1)
-        return page_scores_triton(q, kmin, kmax, dims, positive)
+    """`page_scores_reference`'s result: by the group-scores operator on CUDA, eagerly and inside the compiled
+    step alike (`page_scores_by_group_scores`), by `page_scores_traced` inside a compiled step elsewhere, by the
+    reference otherwise (the CPU's records)."""
+    if group_scores_applies(q, kmin, kmax, positive):
+        return page_scores_by_group_scores(q, kmin, kmax, dims, positive)
     if torch.compiler.is_compiling():
         return page_scores_traced(q, kmin, kmax, dims, positive)
     return page_scores_reference(q, kmin, kmax, dims, positive)
-
-
-def group_page_bounds(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """Quest's bound of every page summed over each KV group's query heads, `[H, P]` fp32:
-    `page_scores(q, kmin, kmax, None, q > 0).sum(dim=1)`, which it is outside `torch.compile`.
-
-    Inside the compiled decode step, the same sum in another order. The sign of q_d picks the bound, so a query
-    head's bound is max(q, 0) . kmax + min(q, 0) . kmin, and its group's is (sum_g max(q_g, 0)) . kmax +
-    (sum_g min(q_g, 0)) . kmin: one reduction over the head dimension per page and KV head, reading each bound
-    once, with G times fewer products than the query heads' bounds and no `[H, G, P]` tensor. Inductor compiled
-    those (a reduction per query head and page, then the group's sum) into 11 us per layer of Quest's step for
-    2.6 MB of bounds on an H200 (docs/gpu section 7)."""
-    if torch.compiler.is_compiling():
-        signed = q.float()
-        up, down = signed.clamp(min=0).sum(dim=1), signed.clamp(max=0).sum(dim=1)  # [H, D]
-        return (kmax.float() * up[:, None, :] + kmin.float() * down[:, None, :]).sum(-1)
-    return page_scores(q, kmin, kmax, None, q > 0).sum(dim=1)
 
 
 def page_scores_reference(
@@ -132,10 +115,27 @@ def page_scores_traced(
     return torch.bmm(q_on * sign, kmax.float().transpose(1, 2)) + torch.bmm(q_on * ~sign, kmin.float().transpose(1, 2))
 
 
-def page_scores_triton(
-    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, dims: torch.Tensor, positive: torch.Tensor
+def page_scores_by_group_scores(
+    q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, dims: torch.Tensor | None, positive: torch.Tensor
 ) -> torch.Tensor:
-    """`page_scores_reference` as a Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1)."""
-    from kvbench.kernels._triton_kernels import launch_page_scores
+    """`page_scores_reference` as two products of the `kvbench::group_scores` operator (CUDA), equal up to the
+    order of float sums.
 
-    return launch_page_scores(q, kmin, kmax, dims, positive)
+    The sign picks a dimension's bound, so the score is (q where positive) . kmax + (q elsewhere) . kmin over
+    the chosen dimensions: each product reads the chosen dimensions of one bound, the bounds transposed by a
+    view (`[H, D, P]`), once per KV group, on tensor cores, with no fp32 copy of either bound. What it replaces:
+    eagerly, a per-query-head Triton kernel (40 us for 16 of 128 dimensions of 8 x 8,192 pages, 66 us for
+    Quest's bound over 8 x 2,048 pages, on an H100: docs/gpu section 2); in the compiled step, inductor's
+    reduction with the rotary embedding inlined (Quest: 11 us a layer for 2.6 MB of bounds on an H200, section
+    7), and for HSA's and RocketKV's chosen dimensions two fp32 copies of both bounds and two batched GEMVs.
+    A dimension chosen twice must have one sign (every caller's sign is that of q, or of its group sum, there)."""
+    heads, group, dim = q.shape
+    if dims is None:
+        sign = positive.expand(heads, group, dim)
+    else:  # the chosen dimensions' signs, at their places among the D (the operator gathers q at `dims`)
+        k1 = dims.shape[1]
+        sign = torch.zeros(heads, group, dim, dtype=torch.bool, device=q.device).scatter(
+            2, dims[:, None, :].expand(heads, group, k1), positive.expand(heads, group, k1))
+    zero = q.new_zeros(())
+    return (group_scores(torch.where(sign, q, zero), kmax.transpose(1, 2), dims)
+            + group_scores(torch.where(sign, zero, q), kmin.transpose(1, 2), dims))

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvbench.core.contract import Plan
-from kvbench.kernels.page_summary import group_page_bounds
+from kvbench.kernels.page_summary import page_scores
 from kvbench.methods.base import Method, register_method
 from kvbench.methods.common.pages import PageSummary, layer_pages, top_page_tokens
 
@@ -63,7 +63,7 @@ class Quest(Method):
             return None
         pages = layer_pages(layer, page)
         heads, group, _ = q.shape
-        bound = group_page_bounds(q, pages.kmin, pages.kmax)  # [H, P], summed over the group
+        bound = page_scores(q, pages.kmin, pages.kmax, None, q > 0).sum(dim=1)  # [H, P], summed over the group
         unused = pages.unused_pages()  # a static layer's pages past its tokens
         if unused is not None:
             bound = bound.masked_fill(unused, float("-inf"))
