@@ -240,6 +240,18 @@ def test_bisection_counts_replay_the_kernels_early_stop():
     assert all(int(most) <= 32 for *_, most in rows), rows
 
 
+def test_count_step_kernels_traces_each_selection_through_the_cuda_operators():
+    """`count_step_kernels.py` on the tiny Llama: under the CUDA rule each layer of Quest's step holds its two page-bound
+    products, its page top-k, the held tokens' top-k and the attention as kvbench operators (four more than full's),
+    Exact-TopK's its exact logits, top-k, traffic count and attention, SparQ's its reduced scores and top-k
+    besides the attention."""
+    proc = script("count_step_kernels.py", "--model", "tiny_llama", "--methods", "full,quest,exact_topk,sparq",
+                  "--list")
+    rows = dict(re.findall(r"^(\w+)\s+\d+\s+\d+\s+-?\d+\s+(-?\d+)$", proc.stdout, re.M))
+    assert rows == {"full": "0", "quest": "8", "exact_topk": "6", "sparq": "4"}, proc.stdout  # two layers
+    assert "op kvbench.distinct_rows" in proc.stdout.split("exact_topk:")[1].split("sparq:")[0]
+
+
 @pytest.mark.integration
 def test_session_big_model_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
     """`DEVICE=cpu gpu_session.sh big`: a tiny Llama built in place in NF4 (bitsandbytes' CPU backend), prefill and

@@ -431,11 +431,24 @@ def test_the_latency_benchmark_decodes_every_method_on_both_paths(eager_backend,
     assert ran == {(m, p) for m in ("full", "quest", "exact_topk") for p in ("eager", "compiled")}, rows
 
 
-def test_held_tokens_first_is_the_stable_sort_of_the_past_mask():
+@pytest.mark.parametrize("impl", ["reference", "operator"])
+def test_held_tokens_first_is_the_stable_sort_of_the_past_mask(impl, monkeypatch):
+    """The first k after a stable sort of the past mask: in that order by the CPU's reference; as the same set
+    by the stable top-k operator (CUDA's rule, the launch interpreted)."""
+    import kvbench.kernels.stable_topk as stable_topk_module
+
+    if impl == "operator":
+        monkeypatch.setattr(stable_topk_module, "triton_launchable", lambda *tensors: True)
+        monkeypatch.setattr(stable_topk_module.FALLBACK, "failed", [])
     gen = torch.Generator().manual_seed(3)
-    for heads, n in ((1, 1), (3, 17), (4, 64), (2, 100), (8, 1056)):  # one block, several, a ragged last
+    for heads, n, k in ((1, 1, 1), (3, 17, 9), (4, 64, 64), (2, 100, 37), (8, 1056, 1000)):
         tokens = torch.randint(0, 1000, (heads, n), generator=gen)
         for share in (0.0, 0.3, 1.0):
             past = torch.rand(heads, n, generator=gen) < share
-            stable = tokens.gather(-1, torch.sort(past.to(torch.uint8), dim=-1, stable=True).indices)
-            assert torch.equal(held_first(tokens, past), stable)
+            stable = tokens.gather(-1, torch.sort(past.to(torch.uint8), dim=-1, stable=True).indices)[:, :k]
+            got = held_first(tokens, past, k)
+            if impl == "reference":
+                assert torch.equal(got, stable)
+            else:  # the same entries, by position in `tokens`
+                assert torch.equal(got.sort(-1).values, stable.sort(-1).values)
+    assert not stable_topk_module.FALLBACK.failed

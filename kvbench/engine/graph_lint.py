@@ -28,7 +28,7 @@ The patterns, each one that Triton refuses and the CPU's C++ accepts:
   Triton code for Quest's `held.cumsum(-1)` over 8 heads x 640 pages failed to generate (`InductorError:
   TypeError: list indices must be integers or slices, not NoneType`), so Quest, and every method choosing pages
   with it, decoded eagerly. 32 is inductor's bound: it splits no reduction or scan of 32 elements or fewer. The
-  step keeps no scan now (`pages.held_first` counts by reductions); a scan over the capacity is flagged whatever
+  step keeps no scan now (`pages.held_first` is a stable top-k); a scan over the capacity is flagged whatever
   its dtype, since whether a split scan generates is the torch version's to decide and CI cannot ask a GPU.
 
 `cuda_codegen_backend()` asks Triton itself instead of guessing: inductor's Triton code for the graph, compiled

@@ -131,11 +131,11 @@ def page_scores_by_group_scores(
     A dimension chosen twice must have one sign (every caller's sign is that of q, or of its group sum, there)."""
     heads, group, dim = q.shape
     if dims is None:
-        sign = positive.expand(heads, group, dim)
-    else:  # the chosen dimensions' signs, at their places among the D (the operator gathers q at `dims`)
-        k1 = dims.shape[1]
-        sign = torch.zeros(heads, group, dim, dtype=torch.bool, device=q.device).scatter(
-            2, dims[:, None, :].expand(heads, group, k1), positive.expand(heads, group, k1))
+        sign = positive
+    else:  # the chosen dimensions' signs at their places among the D (the operator gathers q at `dims`), by a
+        # comparison, not a scatter: inductor fuses it with both halves of the query into one kernel
+        at = dims[:, None, :, None] == torch.arange(dim, device=q.device)  # [H, 1, k1, D]
+        sign = (at & positive[..., None]).any(dim=2)  # [H, G or 1, D]
     zero = q.new_zeros(())
     return (group_scores(torch.where(sign, q, zero), kmax.transpose(1, 2), dims)
             + group_scores(torch.where(sign, zero, q), kmin.transpose(1, 2), dims))

@@ -176,39 +176,18 @@ def top_page_tokens(page_scores: torch.Tensor, page_size: int, length: "int | to
     order = stable_topk(page_scores, k // page_size + 2)  # the pages in stable descending order
     tokens = (order[..., None] * page_size + torch.arange(page_size, device=order.device)).reshape(heads, -1)
     if static or length % page_size:
-        tokens = held_first(tokens, tokens >= (length[:, None] if static else length))
+        return held_first(tokens, tokens >= (length[:, None] if static else length), k)
     return tokens[:, :k]
 
 
-HELD_FIRST_BLOCK = 32  # held_first's block of entries
-
-
-def held_first(tokens: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
-    """`tokens` `[H, n]` with those not `past` first and the `past` ones after, each group in its order: what a
-    stable sort of `past` orders them as, by a scatter to positions (the stable sort it replaces cost more than the
-    page top-k on an H100: 74 + 32 against 104 us per Quest step).
-
-    A position is the count of held entries before it, made without a cumulative sum: a scan over more than 32
-    elements is one inductor splits across blocks on CUDA, and its Triton code for Quest's `held.cumsum(-1)` over
-    640 pages failed to generate on an H100 (torch 2.11; `kvbench.engine.graph_lint`'s `SPLIT_SCAN`). So the entries
-    are cut into blocks of `HELD_FIRST_BLOCK`: the held entries before each one within its block, and the held
-    entries of the blocks before it, are sums of comparisons (reductions, which every backend splits soundly);
-    n B + (n / B)^2 products per head, fused. In int64, padded after the cast: inductor's C++ code (torch 2.13)
-    summed int32 products wrongly, and did not compile a padded bool cast to int64."""
-    heads, n = past.shape
-    block = HELD_FIRST_BLOCK
-    pad = -n % block
-    held = torch.nn.functional.pad((~past).long(), (0, pad)).view(heads, -1, block)  # padding: 0 held
-    blocks = held.shape[1]
-    lane = torch.arange(block, device=past.device)
-    within = (held[:, :, None, :] * (lane[None, :] < lane[:, None])).sum(-1)  # [H, nb, B]
-    counts = held.sum(-1)  # [H, nb]
-    order = torch.arange(blocks, device=past.device)
-    before = (counts[:, None, :] * (order[None, :] < order[:, None])).sum(-1)  # [H, nb]
-    held_before = (before[..., None] + within).view(heads, -1)[:, :n]
-    total = counts.sum(-1, keepdim=True)
-    position = torch.where(past, total + torch.arange(n, device=past.device) - held_before, held_before)
-    return torch.empty_like(tokens).scatter_(-1, position, tokens)
+def held_first(tokens: torch.Tensor, past: torch.Tensor, k: int) -> torch.Tensor:
+    """The first k of `tokens` `[H, n]` once those not `past` are put first and the `past` ones after, each group
+    in its order (what a stable sort of `past` orders them as): the stable top-k of 0 for a held entry and -1 for
+    one past, gathered. One `topk` of int64 keys on the CPU, in that order; on CUDA one launch of the stable
+    top-k operator, as a set (ascending), where the reductions that replaced a cumulative sum (which inductor
+    split across blocks and, for Quest's 640 pages on an H100, failed to generate: `graph_lint`'s `SPLIT_SCAN`)
+    were four kernels a layer of Quest's, HSA's and RocketKV's compiled steps (`scripts/count_step_kernels.py`)."""
+    return tokens.gather(1, stable_topk(torch.where(past, -1.0, 0.0), k, ordered=False))
 
 
 def top_tokens(token_scores: torch.Tensor, k: int) -> torch.Tensor:

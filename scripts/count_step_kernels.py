@@ -1,0 +1,118 @@
+"""The kernels of each method's compiled decode step as a GPU's compile generates them, counted on a CPU.
+
+    python scripts/count_step_kernels.py                      # one layer of Llama-3.1-8B's widths, bf16
+    python scripts/count_step_kernels.py --methods quest,hsa --list
+    python scripts/count_step_kernels.py --model tiny_llama --methods full,quest      # a smoke run
+
+On a GPU the compiled step is one CUDA graph whose kernels run back to back, and a selection's small kernels
+cost a few microseconds each whatever they compute (docs/gpu section 7: the selection methods' steps launched
+258-379 kernels for 8 layers, SnapKV's 171). Here each static method's step is traced under the CUDA rule
+(`kvbench::flash_decode`, `::stable_topk`, `::group_scores` and `::distinct_rows` in the graph, as on CUDA),
+inductor generates the graph's Triton code (`graph_lint.inductor_triton_sources`; nothing is compiled or run),
+and the step then decodes eagerly. Printed per method: inductor's kernels and kvbench's operators, each also
+minus full's (what a layer's selection adds). Not counted: cuBLAS products and ATen fallbacks (a float `topk`),
+nor a second launch of an operator (the stable top-k's second level, split-K's merge); and the launch
+heuristics are a CPU's (a reduction a GPU splits in two counts once). A count, not a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import check_static_decode  # noqa: E402
+from gpu_decode_floor import random_model_cfg  # noqa: E402
+
+LAYER_MODEL = "llama3.1_8b_layer"
+SELECTION = "full,snapkv,quest,sparq,hsa,rocketkv,exact_topk"
+
+
+class Counted(Exception):
+    """Raised by the counting backend once it has the graph's kernels: the step then decodes eagerly."""
+
+
+def force_cuda_rule() -> None:
+    """Trace every kvbench operator into the graph as on CUDA; at run time a launch on the CPU falls back (the
+    operators' `LaunchFallback`) or the step is eager, where the static layout's attention is not used."""
+    import kvbench.cache.static as static_layout
+    from kvbench.kernels import distinct_rows, group_scores, stable_topk
+
+    static_layout.flash_decode_applies = lambda keys: True
+    for module in (stable_topk, group_scores, distinct_rows):
+        module.triton_launchable = lambda *tensors: True
+
+
+def count(model: str, methods: list[str], listing: bool) -> dict[str, tuple[int, int]]:
+    """{method: (inductor kernels, kvbench operators)} of one decode step, and the kernels' names with `listing`."""
+    from kvbench.engine import graph_lint
+    from kvbench.engine.compiled import CompiledDecoder
+    from kvbench.models import load_model
+
+    if model == LAYER_MODEL:
+        cfg = random_model_cfg(argparse.Namespace(layers=1, hidden=4096, intermediate=14336, heads=32, kv_heads=8,
+                                                  head_dim=128, dtype="bfloat16", device="cpu"))
+    else:
+        cfg = OmegaConf.load(check_static_decode.CONF / "model" / f"{model}.yaml")
+    lm = load_model(cfg)
+    names: list[str] = []
+
+    def backend(graph_module: torch.fx.GraphModule, example_inputs: list) -> None:
+        names.extend(name for name, _ in graph_lint.inductor_triton_sources(graph_module, example_inputs))
+        names.extend(f"op {node.target}" for node in graph_module.graph.nodes
+                     if node.op == "call_function" and str(node.target).startswith("kvbench.")
+                     and "blocked_linear" not in str(node.target))  # the CPU's linear, cuBLAS on CUDA
+        raise Counted
+
+    decoder = CompiledDecoder(lm, backend)
+    counts = {}
+    for label, name, settings, budget in check_static_decode.STATIC:
+        if label not in methods:
+            continue
+        names.clear()
+        session = check_static_decode.Session(lm, check_static_decode.method_for(lm, name, settings), budget)
+        logits, _ = session.prefill(check_static_decode.prompt(budget + 10 if budget > 640 else 200, seed=1),
+                                    compress=True)
+        session.decoder = decoder
+        session.begin_decode(1)
+        session.step(int(logits.argmax()))
+        session.end_decode()
+        ops = sum(n.startswith("op ") for n in names)
+        counts[label] = (len(names) - ops, ops)
+        if listing:
+            print(f"\n{label}:\n    " + "\n    ".join(names))
+    return counts
+
+
+def main(argv: list[str] | None = None) -> dict[str, tuple[int, int]]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=LAYER_MODEL, help=f"{LAYER_MODEL} or a model config (tiny_llama)")
+    parser.add_argument("--methods", default=SELECTION, help="labels of scripts/check_static_decode.py's table")
+    parser.add_argument("--list", action="store_true", help="also each step's kernels and operators")
+    args = parser.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)  # inductor's code generation only: nothing is interpreted
+    logging.getLogger("kvbench").setLevel(logging.ERROR)  # each step's eager fallback, by design
+    force_cuda_rule()
+    methods = args.methods.split(",")
+    counts = count(args.model, methods, args.list)
+    base = counts.get("full")
+    print(f"\n{args.model}: one decode step (every layer) under the CUDA rule, inductor's Triton code generated on "
+          "the CPU")
+    print(f"{'method':22} {'kernels':>7} {'operators':>9}" + (f" {'kernels - full':>14} {'operators - full':>16}"
+                                                              if base else ""))
+    for label in methods:
+        if label in counts:
+            kernels, ops = counts[label]
+            extra = f" {kernels - base[0]:14d} {ops - base[1]:16d}" if base else ""
+            print(f"{label:22} {kernels:7d} {ops:9d}{extra}")
+    return counts
+
+
+if __name__ == "__main__":
+    main()
