@@ -148,6 +148,21 @@ def check_kernels(arch: int, dtypes: list[torch.dtype], shapes: list[str]) -> li
     return refused
 
 
+def model_config(model: str, dtype: str | None = None):
+    """The config of `LAYER_MODEL` (one decoder layer of Llama-3.1-8B's widths, random bf16 weights) or of a
+    configured model (`kvbench/conf/model`), in `dtype` if given."""
+    if model == LAYER_MODEL:
+        from gpu_decode_floor import random_model_cfg
+
+        cfg = random_model_cfg(argparse.Namespace(layers=1, hidden=4096, intermediate=14336, heads=32,
+                                                  kv_heads=8, head_dim=128, dtype="bfloat16", device="cpu"))
+    else:
+        cfg = OmegaConf.load(check_static_decode.CONF / "model" / f"{model}.yaml")
+    if dtype is not None:
+        cfg.dtype = dtype
+    return cfg
+
+
 def check_steps(arch: int, models: list[str], methods: set[str] | None, dtype: str | None = None) -> list[str]:
     """Every static method's decode step (the model in `dtype`, default its config's), its inductor code compiled
     for sm_`arch`; the refusals."""
@@ -158,16 +173,7 @@ def check_steps(arch: int, models: list[str], methods: set[str] | None, dtype: s
     kernels: list[int] = []  # per graph compiled, for the method at hand
     refused = []
     for model in models:
-        if model == LAYER_MODEL:
-            from gpu_decode_floor import random_model_cfg
-
-            cfg = random_model_cfg(argparse.Namespace(layers=1, hidden=4096, intermediate=14336, heads=32,
-                                                      kv_heads=8, head_dim=128, dtype="bfloat16", device="cpu"))
-        else:
-            cfg = OmegaConf.load(check_static_decode.CONF / "model" / f"{model}.yaml")
-        if dtype is not None:
-            cfg.dtype = dtype
-        lm = load_model(cfg)
+        lm = load_model(model_config(model, dtype))
         decoder = CompiledDecoder(lm, graph_lint.cuda_codegen_backend(arch, kernels))
         print(f"\n{model} ({lm.dtype}): each static method's decode step, inductor's Triton code for sm_{arch}")
         print(f"{'method':22} {'path':9} {'graphs':>6} {'kernels':>7} {'s':>5}")

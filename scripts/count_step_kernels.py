@@ -24,13 +24,11 @@ import sys
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import check_static_decode  # noqa: E402
-from gpu_decode_floor import random_model_cfg  # noqa: E402
+from check_cuda_codegen import LAYER_MODEL, model_config  # noqa: E402
 
-LAYER_MODEL = "llama3.1_8b_layer"
 SELECTION = "full,snapkv,quest,sparq,hsa,rocketkv,exact_topk"
 
 
@@ -55,12 +53,7 @@ def count(model: str, methods: list[str], listing: bool) -> dict[str, tuple[int,
     from kvbench.engine.compiled import CompiledDecoder
     from kvbench.models import load_model
 
-    if model == LAYER_MODEL:
-        cfg = random_model_cfg(argparse.Namespace(layers=1, hidden=4096, intermediate=14336, heads=32, kv_heads=8,
-                                                  head_dim=128, dtype="bfloat16", device="cpu"))
-    else:
-        cfg = OmegaConf.load(check_static_decode.CONF / "model" / f"{model}.yaml")
-    lm = load_model(cfg)
+    lm = load_model(model_config(model))
     names: list[str] = []
 
     def backend(graph_module: torch.fx.GraphModule, example_inputs: list) -> None:
@@ -79,7 +72,7 @@ def count(model: str, methods: list[str], listing: bool) -> dict[str, tuple[int,
         session = check_static_decode.Session(lm, check_static_decode.method_for(lm, name, settings), budget)
         logits, _ = session.prefill(check_static_decode.prompt(budget + 10 if budget > 640 else 200, seed=1),
                                     compress=True)
-        session.decoder = decoder
+        session.decoder = decoder  # no recall measured: a timed run's step
         session.begin_decode(1)
         session.step(int(logits.argmax()))
         session.end_decode()

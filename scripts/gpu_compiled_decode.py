@@ -563,9 +563,8 @@ def _main(args: argparse.Namespace, elapsed) -> int:
               + (f"; CSV: {args.csv}" if args.csv else ""), flush=True)
         from kvbench.kernels import distinct_rows, group_scores, stable_topk
 
-        print(f"selection top-k: {stable_topk.implementation(args.device)}", flush=True)
-        for what, module in (("scores", group_scores), ("traffic count", distinct_rows)):  # a launch that failed
-            print(f"selection {what}: {module.FALLBACK.implementation(args.device, f'kvbench::{module.FALLBACK.name}')}")
+        for what, module in (("top-k", stable_topk), ("scores", group_scores), ("traffic count", distinct_rows)):
+            print(f"selection {what}: {module.FALLBACK.implementation(args.device)}", flush=True)  # or why not
     failed = [f"{r.length} {r.method}" for r in rows if r.status == "error"]
     if failed:
         print(f"errors: {', '.join(failed)}")

@@ -66,10 +66,10 @@ class LaunchFallback:
                             self.reference_name)
         return reference()
 
-    def implementation(self, device: "torch.device | str", operator: str) -> str:
-        """Which implementation runs on `device`: the Triton operator, or the reference (where the operator does
-        not apply, or with the reason its launch failed)."""
+    def implementation(self, device: "torch.device | str") -> str:
+        """Which implementation runs on `device`: the Triton operator (`kvbench::<name>`), or the reference (where
+        the operator does not apply, or with the reason its launch failed)."""
         if self.failed:
             return f"{self.reference_name} (the Triton operator failed: {self.failed[0]})"
-        return f"the Triton operator ({operator})" if triton_launchable(torch.empty(0, device=device)) else \
-            self.reference_name
+        return f"the Triton operator (kvbench::{self.name})" if triton_launchable(torch.empty(0, device=device)) \
+            else self.reference_name

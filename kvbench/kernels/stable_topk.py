@@ -76,11 +76,6 @@ def stable_topk(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Ten
     return stable_topk_reference(scores, k)
 
 
-def implementation(device: "torch.device | str") -> str:
-    """Which top-k `stable_topk` runs on `device` for k <= `MAX_K`."""
-    return FALLBACK.implementation(device, "kvbench::stable_topk")
-
-
 @torch.library.custom_op("kvbench::stable_topk", mutates_args=())
 def _stable_topk_op(scores: torch.Tensor, k: int, ordered: bool = True) -> torch.Tensor:
     if scores.dim() != 2 or not scores.is_floating_point() or not 0 < k <= min(MAX_K, scores.shape[1]):
