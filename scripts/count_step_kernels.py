@@ -8,9 +8,10 @@ On a GPU the compiled step is one CUDA graph whose kernels run back to back, and
 cost a few microseconds each whatever they compute (docs/gpu section 7: the selection methods' steps launched
 258-379 kernels for 8 layers, SnapKV's 171). Here each static method's step is traced under the CUDA rule
 (`kvbench::flash_decode`, `::stable_topk`, `::group_scores` and `::distinct_rows` in the graph, as on CUDA),
-inductor generates the graph's Triton code (`graph_lint.inductor_triton_sources`; nothing is compiled or run),
-and the step then decodes eagerly. Printed per method: inductor's kernels and kvbench's operators, each also
-minus full's (what a layer's selection adds). Not counted: cuBLAS products and ATen fallbacks (a float `topk`),
+inductor generates the graph's Triton code under a GPU's lowering and fusion rules
+(`graph_lint.inductor_triton_sources`, `gpu_lowering_rules`: a `cat` fused into its consumer, not copied input
+by input as the CPU's rule does; nothing is compiled or run), and the step then decodes eagerly. Printed per
+method: inductor's kernels and kvbench's operators, each also minus full's (what a layer's selection adds). Not counted: cuBLAS products and ATen fallbacks (a float `topk`),
 nor a second launch of an operator (the stable top-k's second level, split-K's merge); and the launch
 heuristics are a CPU's (a reduction a GPU splits in two counts once). A count, not a time.
 """

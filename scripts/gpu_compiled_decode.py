@@ -35,8 +35,12 @@ reads its whole static cache.
 for an earlier run of the same layout shape, e.g. SnapKV's budgeted cache at another prompt length).
 
 Printed as one markdown table, with compiled/floor, compiled/stock (at the same length), the speedup over full
-(full's compiled ms / the method's) next to full's bytes over the method's (what the bytes alone allow), and
-written as CSV (`--csv`). Work runs in priority order, interleaving the lengths (each length's first method,
+(full's compiled ms / the method's) next to full's bytes over the method's (what the bytes alone allow), their
+quotient ("of bytes": issue 45 asks a selection method for 0.8), and compiled/snapkv: the step over SnapKV's at
+the same length and budget, which reads about the bytes a selection method's budget allows and selects nothing
+at decode, so what is left is what the selection itself costs. SnapKV's own "of bytes", printed under the table
+for each length, is then about the most that a method reading its bytes reaches while the rest of the step
+(weights, norms, the rotary embedding, the attention's launches) costs what it does. Written as CSV (`--csv`). Work runs in priority order, interleaving the lengths (each length's first method,
 then each one's second, ...), and stops starting new work when the estimate of the next item would pass
 `--deadline-s` (counted from the start, the check included): skipped items get a row saying so, and the table
 is printed anyway (also on SIGTERM, e.g. from `timeout`).
@@ -69,8 +73,8 @@ LABELS = {"full_repeated_kv": ("full", {"repeat_kv": True})}
 COLUMNS = ["length", "method", "status", "eager_ms", "compiled_ms", "compile_s", "compiles", "replayed", "path",
            "weights_mb",
            "kv_aux_mb", "bytes_mb", "floor_ms", "eager_over_floor", "compiled_over_floor", "compiled_over_stock",
-           "speedup_vs_full", "full_bytes_over_bytes", "eager_p90_ms", "compiled_p90_ms", "prefill_s", "seconds",
-           "note"]
+           "speedup_vs_full", "full_bytes_over_bytes", "of_bytes", "compiled_over_snapkv", "eager_p90_ms",
+           "compiled_p90_ms", "prefill_s", "seconds", "note"]
 
 
 class Deadline(Exception):
@@ -433,6 +437,11 @@ def add_ratios(rows: list[Row], bench: Bench | None) -> None:
             v["speedup_vs_full"] = full.get("compiled_ms") / v["compiled_ms"]
         if full is not None and full.get("bytes_mb") and v.get("bytes_mb"):
             v["full_bytes_over_bytes"] = full.get("bytes_mb") / v["bytes_mb"]
+        if v.get("speedup_vs_full") and v.get("full_bytes_over_bytes"):
+            v["of_bytes"] = v["speedup_vs_full"] / v["full_bytes_over_bytes"]
+        snapkv = same.get("snapkv")
+        if snapkv is not None and snapkv.get("compiled_ms") and v.get("compiled_ms"):
+            v["compiled_over_snapkv"] = v["compiled_ms"] / snapkv.get("compiled_ms")
 
 
 def fmt(value: Any, digits: int = 2) -> str:
@@ -449,12 +458,13 @@ def print_table(rows: list[Row], bench: Bench | None) -> None:
               f"{bench.args.steps} timed steps after {bench.args.warmup}; copy rate {bench.gbps:.0f} GB/s; weights "
               f"{bench.weights / 1e6:.0f} MB/step (floor {bench.floor_ms(bench.weights):.3f} ms)")
     print("\n| L | method | eager ms | compiled ms | compile s | MB read/step (KV+aux) | floor ms | eager/floor "
-          "| compiled/floor | compiled/stock | speedup vs full | full bytes/bytes | path, note |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| compiled/floor | compiled/stock | speedup vs full | full bytes/bytes | of bytes | compiled/snapkv "
+          "| path, note |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for row in rows:
         v = row.values
         if row.status != "ok":
-            print(f"| {row.length} | {row.method} | - | - | - | - | - | - | - | - | - | - | {row.status}"
+            print(f"| {row.length} | {row.method} | - | - | - | - | - | - | - | - | - | - | - | - | {row.status}"
                   + (f": {v['note']}" if v.get("note") else "") + " |")
             continue
         mb = f"{v['bytes_mb']:.4g} ({v['kv_aux_mb']:.4g})" if v.get("bytes_mb") else "-"
@@ -462,7 +472,12 @@ def print_table(rows: list[Row], bench: Bench | None) -> None:
         print(f"| {row.length} | {row.method} | {fmt(v.get('eager_ms'))} | {fmt(v.get('compiled_ms'))} "
               f"| {fmt(v.get('compile_s'), 1)} | {mb} | {fmt(v.get('floor_ms'), 3)} | {fmt(v.get('eager_over_floor'))} "
               f"| {fmt(v.get('compiled_over_floor'))} | {fmt(v.get('compiled_over_stock'))} "
-              f"| {fmt(v.get('speedup_vs_full'))} | {fmt(v.get('full_bytes_over_bytes'))} | {note} |")
+              f"| {fmt(v.get('speedup_vs_full'))} | {fmt(v.get('full_bytes_over_bytes'))} | {fmt(v.get('of_bytes'))} "
+              f"| {fmt(v.get('compiled_over_snapkv'))} | {note} |")
+    for row in rows:
+        if row.method == "snapkv" and row.values.get("of_bytes"):
+            print(f"L={row.length}: SnapKV, selecting nothing at decode, reaches {row.values['of_bytes']:.2f} of its "
+                  "bytes; a method reading as many bytes and selecting at each step reaches at most about that")
     sys.stdout.flush()
 
 

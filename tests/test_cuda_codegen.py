@@ -118,3 +118,41 @@ def test_what_triton_refuses_on_a_gpu_is_refused_here_naming_the_kernel(tmp_path
     # Quest's step selects pages by the old keys: refused, so it falls back to eager, as on the H100; SnapKV's does not
     assert "tiny_llama quest: compile failed: BackendCompilerFailed: TritonRefusal: triton_" in refused
     assert "4294967295 is out of range" in refused and "snapkv" not in refused
+
+
+def test_the_rotary_embeddings_rotate_half_is_one_kernel_as_a_gpu_lowers_it():
+    """`gpu_lowering_rules`: inductor's CPU rule copies each input of a `cat` by a kernel of its own, so the rotary
+    embedding (`x cos + cat(-x2, x1) sin`) became three kernels where a GPU's compile makes one (the H200's
+    profile names the rotary kernels `..._cat_cos_mul_neg_sin_...`, docs/gpu section 7). Generated as for a GPU,
+    it is one kernel; the rules are undone on leaving (inductor's own table is the CPU's again)."""
+    program = textwrap.dedent("""
+        import torch
+        import torch._inductor.lowering as lowering
+        from kvbench.engine import graph_lint
+
+        def rotary(x, cos, sin):
+            return x * cos + torch.cat((-x[..., 64:], x[..., :64]), dim=-1) * sin
+
+        cpu_cat = lowering.lowerings[torch.ops.aten.cat.default]
+        for rules in ("gpu", "cpu"):
+            names = []
+
+            def backend(graph_module, example_inputs):
+                if rules == "cpu":  # the CPU's rule for the cat, inside the same code generation
+                    graph_lint.gpu_lowering_rules = graph_lint.contextlib.nullcontext
+                names.extend(name for name, _ in graph_lint.inductor_triton_sources(graph_module, example_inputs))
+                return graph_module.forward
+
+            torch._dynamo.reset()
+            x, angle = torch.randn(1, 8, 1, 128, dtype=torch.bfloat16), torch.randn(1, 1, 1, 128)
+            torch.compile(rotary, backend=backend)(x, angle.cos(), angle.sin())
+            print(rules, names)
+        print("restored", lowering.lowerings[torch.ops.aten.cat.default] is cpu_cat)
+    """)
+    proc = run(["-c", program], timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    gpu = re.search(r"^gpu \[(.*)\]$", proc.stdout, re.M).group(1).split(", ")
+    cpu = re.search(r"^cpu \[(.*)\]$", proc.stdout, re.M).group(1).split(", ")
+    assert len(gpu) == 1 and "cat" in gpu[0] and "neg" in gpu[0], proc.stdout
+    assert len(cpu) == 3, proc.stdout
+    assert "restored True" in proc.stdout

@@ -128,7 +128,7 @@ def _compiled_table(text: str) -> dict[tuple[int, str], list[str]]:
     rows = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 13 and cells[0].isdigit():
+        if len(cells) == 15 and cells[0].isdigit():
             rows[int(cells[0]), cells[1]] = cells[2:]
     return rows
 
@@ -138,7 +138,7 @@ def _check_compiled_rows(text: str, table: Path, expected: list[tuple[int, str]]
     rows = _compiled_table(text)
     assert list(rows) == expected, text
     for (length, method), cells in rows.items():
-        eager, compiled, compile_s, _, floor, *ratios = cells[:10]
+        eager, compiled, compile_s, _, floor, *ratios = cells[:11]
         assert float(eager) > 0 and float(compiled) > 0 and float(compile_s) >= 0 and float(floor) > 0, cells
         assert all(float(r) > 0 for r in ratios), cells
         assert cells[-1].startswith("compiled"), cells
@@ -150,8 +150,14 @@ def _check_compiled_rows(text: str, table: Path, expected: list[tuple[int, str]]
             assert int(r["replayed"]) > 0, r
         assert float(r["bytes_mb"]) == pytest.approx(float(r["weights_mb"]) + float(r["kv_aux_mb"]))
         assert float(r["compiled_over_floor"]) == pytest.approx(float(r["compiled_ms"]) / float(r["floor_ms"]))
+        assert float(r["of_bytes"]) == pytest.approx(float(r["speedup_vs_full"]) / float(r["full_bytes_over_bytes"]))
         if method == "full":
             assert float(r["speedup_vs_full"]) == 1.0 and float(r["full_bytes_over_bytes"]) == 1.0
+        if (length, "snapkv") in records:  # the same budget's step selecting nothing at decode
+            assert float(r["compiled_over_snapkv"]) == pytest.approx(
+                float(r["compiled_ms"]) / float(records[length, "snapkv"]["compiled_ms"]))
+        else:
+            assert r["compiled_over_snapkv"] == ""
         if method == "stock":
             assert float(r["compiled_over_stock"]) == 1.0
             # stock reads its whole static cache: the prompt, the decoded steps and 8 spare rows, K and V

@@ -31,8 +31,9 @@ The patterns, each one that Triton refuses and the CPU's C++ accepts:
   step keeps no scan now (`pages.held_first` is a stable top-k); a scan over the capacity is flagged whatever
   its dtype, since whether a split scan generates is the torch version's to decide and CI cannot ask a GPU.
 
-`cuda_codegen_backend()` asks Triton itself instead of guessing: inductor's Triton code for the graph, compiled
-by Triton's CUDA compiler for an H100 on the CPU (`kvbench.kernels.cuda_target`). On the six graphs of
+`cuda_codegen_backend()` asks Triton itself instead of guessing: inductor's Triton code for the graph, generated
+under a GPU's lowering rules (`gpu_lowering_rules`) and compiled by Triton's CUDA compiler for an H100 on the CPU
+(`kvbench.kernels.cuda_target`). On the six graphs of
 `scripts/probe_triton_lint.py` its verdicts are the H100's (`tests/test_cuda_codegen.py`), where the lint flags
 one graph Triton accepts. It takes minutes where the lint takes seconds, and cannot see a split scan (inductor
 splits by a GPU's processor count, and generated Quest's old scan unsplit for the CPU device), so both stay.
@@ -44,6 +45,7 @@ and float64 (Triton has those types; inductor's own kernels use uint32 and uint6
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -203,8 +205,9 @@ def inductor_triton_sources(graph_module: torch.fx.GraphModule, example_inputs: 
                             arch: int = 90) -> list[tuple[str, str]]:
     """(name, source) of each Triton kernel inductor generates for a dynamo graph, as a GPU compile would generate
     them: inductor's Triton code generation pointed at the graph's CPU tensors (`cpu_backend="triton"`, the same
-    code generator a CUDA device gets, with a CPU's launch heuristics), Triton's compiler not called. Inductor's
-    caches are off: a cached graph would generate nothing."""
+    code generator a CUDA device gets), under the lowering and fusion rules a GPU gets (`gpu_lowering_rules`),
+    with a CPU's launch heuristics; Triton's compiler not called. Inductor's caches are off: a cached graph would
+    generate nothing."""
     from unittest import mock
 
     from torch._inductor import config as inductor_config
@@ -219,9 +222,52 @@ def inductor_triton_sources(graph_module: torch.fx.GraphModule, example_inputs: 
         sources.append((kernel_name, source_code))
 
     settings = dict(cpu_backend="triton", fx_graph_cache=False, fx_graph_remote_cache=False, compile_threads=1)
-    with inductor_config.patch(settings), mock.patch.object(AsyncCompile, "triton", keep_source), cuda_target(arch):
+    with inductor_config.patch(settings), mock.patch.object(AsyncCompile, "triton", keep_source), cuda_target(arch), \
+            gpu_lowering_rules():
         compile_fx(graph_module, example_inputs)
     return sources
+
+
+@contextlib.contextmanager
+def gpu_lowering_rules() -> Iterator[None]:
+    """Inductor's lowering and fusion rules for a GPU while it lowers CPU tensors, where it asks whether the device
+    is a CPU rather than what the GPU has:
+
+    - a `cat` whose inputs are pointwise becomes one pointwise kernel, which its consumer fuses; the CPU rule
+      copies each input by its own kernel instead (`ConcatKernel`): the rotary embedding's `rotate_half`
+      (`cat(-x2, x1)`) then cost four kernels a layer that the H200's profile shows fused into the rotary
+      kernels (docs/gpu section 8b);
+    - a pointwise result read several times is recomputed by each reader unless it holds more than 30 operations
+      or 8 accumulated reads (a CPU's thresholds: 50 and 12), whatever transcendental it computes (the CPU
+      stores any result that computes `exp`, `log`, `tanh`... once);
+    - the scheduler may reorder a node's loops to fuse it with another (the CPU's C++ code never does).
+
+    What stays a CPU's: the choices inductor makes by a GPU's properties (a split reduction or scan, block sizes)
+    and pad-as-cat (a `constant_pad_nd` as a `cat`, which no decode step has). On a torch whose `cat` lowering
+    has no CPU rule written as this one's, its `cat` keeps the CPU rule: the counts then include the copies."""
+    import inspect
+    import textwrap
+    from unittest import mock
+
+    from torch._inductor import config as inductor_config
+    from torch._inductor import ir, lowering, scheduler
+
+    cpu_rule = "    if cpu_device:\n        return TensorBox(ir.ConcatKernel.create(inputs, dim))\n"
+    source = textwrap.dedent(inspect.getsource(lowering.cat))
+    gpu_cat: dict[Any, Any] = {}
+    if cpu_rule in source and source.startswith("@register_lowering(aten.cat)\n"):
+        registered: dict[Any, Any] = {}  # the copy's decorator registers it here, not in inductor's table
+        namespace = dict(vars(lowering), registered=registered)  # the lowering module's globals
+        source = source.replace("@register_lowering(aten.cat)", "@register_lowering(aten.cat, lowering_dict=registered)")
+        exec(compile(source.replace(cpu_rule, ""), lowering.__file__, "exec"), namespace)  # noqa: S102
+        cpu_cat = lowering.lowerings[torch.ops.aten.cat.default]
+        gpu_cat = {op: registered[torch.ops.aten.cat] for op, rule in lowering.lowerings.items() if rule is cpu_cat}
+    thresholds = dict(realize_opcount_threshold=inductor_config._realize_opcount_threshold_default,
+                      realize_acc_reads_threshold=inductor_config._realize_acc_reads_threshold_default)
+    with inductor_config.patch(thresholds), mock.patch.dict(lowering.lowerings, gpu_cat), \
+            mock.patch.object(ir, "is_cpu", lambda node: False), \
+            mock.patch.object(scheduler.BaseSchedulerNode, "is_cpu", lambda self: False):
+        yield
 
 
 def cuda_codegen_backend(arch: int = 90, kernels_per_graph: list[int] | None = None) -> Callable[..., Any]:
