@@ -20,7 +20,14 @@ from kvbench.kernels.decode_attention import (
 )
 from kvbench.methods import build_method
 from kvbench.methods.common.pages import page_tokens, top_page_tokens, top_tokens
-from kvbench.models import PackedProduct, fast_cpu_bfloat16, load_model, model_head_dim, pack_linear_weights
+from kvbench.models import (
+    PackedProduct,
+    fast_cpu_bfloat16,
+    load_model,
+    model_head_dim,
+    pack_linear_weights,
+    pack_projections,
+)
 from tests.conftest import model_cfg, random_ids
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
@@ -157,6 +164,38 @@ def test_packed_projections_serve_any_call_order_and_input():
             expected = torch.nn.functional.linear(inp, *weights[name])
             torch.testing.assert_close(getattr(parent, name)(inp), expected, atol=2e-2, rtol=2e-2)
     assert parent.q_proj.weight is None and sum(p.numel() for p in parent.parameters()) == 16 * 16 + 16
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
+def test_dense_stacked_projections_keep_the_models_tokens_eager_and_compiled(model, monkeypatch):
+    """`pack_projections` (what a CUDA model in 16-bit floats gets): q/k/v and gate/up become one dense product
+    each, holding the same parameters; greedy decoding keeps the unstacked model's tokens (its logits within
+    bf16 rounding: the stacked sums may round otherwise), and the compiled step traces the stacked products."""
+    from kvbench.engine import compiled
+
+    monkeypatch.setattr(models, "pack_linear_weights", lambda module: None)  # plain F.linear layers on any CPU
+    stock, lm = (load_model(model_cfg(model, dtype="bfloat16")) for _ in range(2))
+    count = sum(p.numel() for p in lm.model.parameters())
+    pack_projections(lm.model)
+    packed = [m for m in lm.model.modules() if isinstance(m, PackedProduct)]
+    assert len(packed) == 2 * lm.model.config.num_hidden_layers and not any(m.blocked for m in packed)
+    assert sum(p.numel() for p in lm.model.parameters()) == count and all(m.weight.is_contiguous() for m in packed)
+    ids = random_ids(120, seed=11)
+    tokens, logits = _greedy(lm, "snapkv", ids)
+    stock_tokens, stock_logits = _greedy(stock, "snapkv", ids)
+    assert tokens == stock_tokens
+    for ours, theirs in zip(logits, stock_logits):
+        torch.testing.assert_close(ours, theirs, atol=0.1, rtol=0.05)
+    session = Session(lm, build_method("snapkv"), 48)
+    first, _ = session.prefill(ids, compress=True)
+    session.decoder = compiled.CompiledDecoder(lm, "eager")
+    session.begin_decode(5)
+    replayed = [int(first.argmax())]
+    for _ in range(5):
+        replayed.append(int(session.step(replayed[-1]).argmax()))
+    session.end_decode()
+    assert session.decode_path == "compiled" and session.compiles == 1 and replayed == tokens  # one graph
+    assert all(m._output is None and m._input is None for m in packed)  # no activation outlives its layer
 
 
 def _logits(lm, ids: torch.Tensor) -> torch.Tensor:

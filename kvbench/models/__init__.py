@@ -36,6 +36,7 @@ from kvbench.models.packed import (  # noqa: F401
     PackedProduct,
     blocked_linear,
     pack_linear_weights,
+    pack_projections,
     weight_products,
 )
 from kvbench.models.placement import (  # noqa: F401
@@ -217,6 +218,8 @@ def load_model(cfg: Any) -> LoadedModel:
     check_supported(loaded.model)
     if device.type == "cpu" and dtype == torch.bfloat16 and fast_cpu_bfloat16() and not loaded.sharded:
         pack_linear_weights(loaded.model)  # an offloaded layer's weights are swapped in by its hook: left as they are
+    elif device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and not loaded.sharded:
+        pack_projections(loaded.model)
     return loaded
 
 
