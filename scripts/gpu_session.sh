@@ -18,7 +18,8 @@
 #                                                 # exact_topk,sparq; <= 7 min)
 #   bash scripts/gpu_session.sh selection OUT_DIR # issue 45 in one call (<= 9 min): the stable top-k's, group
 #                                                 # scores' and split-K attention's tests compiled on CUDA,
-#                                                 # bench_stable_topk (docs/gpu section 8's kernels), the
+#                                                 # bench_stable_topk (docs/gpu section 8's kernels),
+#                                                 # bench_stacked_projections (section 8c), the
 #                                                 # compiled phase with the selection methods first, then their
 #                                                 # compiled step's top kernels (BREAKDOWN_METHODS, default
 #                                                 # quest,sparq,exact_topk, in BREAKDOWN_LIMIT s, default 75)
@@ -155,6 +156,7 @@ compiled() {  # the compiled decode step: (a) static-decode check, (b) ms/token 
 # the stable top-k bench and the compiled step's breakdown at tiny shapes on a CPU (the kernels interpreted):
 # the `kernel` and `selection` phases' CPU smoke runs
 cpu_topk=(--device cpu --lengths 300 --kv-heads 2 --group 2 --budget 32 --calls 2 --repeats 2)
+cpu_stacked=(--device cpu --layers 2 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --head-dim 16 --repeats 2)
 cpu_breakdown=(--device cpu --layers 1 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2 --head-dim 16
                --length 64 --budget 16 --dtype float32 --backend eager --warmup 2 --steps 2 --profiled 1)
 
@@ -193,10 +195,11 @@ decode_kernel() {  # the split-K decode attention and the stable top-k on this G
 }
 
 selection() {  # what issue 45 still needs a GPU for, in one call of at most 9 minutes, most needed first
-    local topk=() prof=()
+    local topk=() prof=() stacked=()
     if [ "${DEVICE:-cuda}" = cpu ]; then  # the shell logic at tiny shapes (the kernels interpreted)
         topk=("${cpu_topk[@]}")
         prof=("${cpu_breakdown[@]}")
+        stacked=("${cpu_stacked[@]}")
     else  # the operators the selection methods' compiled step runs, their unit tests compiled on this GPU
         local xdist=()
         $py -c "import xdist" 2>/dev/null && xdist=(-n 8)
@@ -209,8 +212,11 @@ selection() {  # what issue 45 still needs a GPU for, in one call of at most 9 m
     fi
     (cd "$repo/scripts" && step bench_stable_topk 80 $py bench_stable_topk.py "${topk[@]}")
     grep -v -E "^USDT" "$out/bench_stable_topk.log"
+    # every method's weight products: the projections of one input separate (stock) or stacked (kvbench on CUDA)
+    (cd "$repo/scripts" && step bench_stacked_projections 30 $py bench_stacked_projections.py "${stacked[@]}")
+    grep -v -E "^USDT" "$out/bench_stacked_projections.log"
     if [ "${DEVICE:-cuda}" != cpu ]; then  # selection methods first: the deadline skips the rest
-        COMPILED_LIMIT=${COMPILED_LIMIT:-330} COMPILED_DEADLINE=${COMPILED_DEADLINE:-290} \
+        COMPILED_LIMIT=${COMPILED_LIMIT:-320} COMPILED_DEADLINE=${COMPILED_DEADLINE:-280} \
         COMPILED_ARGS="--methods full,quest,rocketkv,sparq,hsa,exact_topk,snapkv,stock,adakv
                        --methods-at 131072=full,quest,snapkv,stock ${COMPILED_ARGS:-}" compiled
     fi

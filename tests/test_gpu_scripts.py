@@ -229,11 +229,27 @@ def test_session_selection_phase_runs_on_cpu_at_tiny_shapes(tmp_path):
     compiled on CUDA, the compiled phase, run by the test above): the stable top-k bench and the selection
     methods' kernel breakdown (~15 s)."""
     text = run_cpu_phase("selection", tmp_path / "out", tmp_path)
-    for name in ("bench_stable_topk", "kernel_breakdown"):
+    for name in ("bench_stable_topk", "bench_stacked_projections", "kernel_breakdown"):
         assert re.search(rf"^=== {name}: exit 0 after \d+s$", text, re.M), text
     assert "=== compiled_decode" not in text
+    # the weight products separate and stacked: the stacked outputs within 16-bit rounding of the separate ones
+    ways = re.findall(r"^\| (separate|stacked) \| (\d) \| [\d.]+ \| [\d.]+ \| ([\d.]+) \| \d+ \| [\d.]+ \| ([\d.e+-]+) \|$",
+                      text, re.M)
+    assert [(way, products) for way, products, *_ in ways] == [("separate", "7"), ("stacked", "4")], text
+    assert ways[0][2] == "1.000" and all(float(diff) < 0.05 for *_, diff in ways), ways
     for method in ("quest", "sparq", "exact_topk"):
         assert re.search(rf"^{method}\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+\d+$", text, re.M), text
+
+
+def test_stacked_projections_bench_runs_the_models_stacking_at_tiny_shapes():
+    """`bench_stacked_projections.py`: seven products a layer separate, four once `pack_projections` stacks them
+    (the assertion inside counts two stacked products a layer), the same outputs within bf16 rounding."""
+    import bench_stacked_projections
+
+    with redirect_stdout(io.StringIO()):
+        rows = bench_stacked_projections.main(["--device", "cpu", *TINY, "--layers", "2", "--repeats", "2"])
+    assert [row["way"] for row in rows] == ["separate", "stacked"] and rows[0]["ratio"] == 1.0
+    assert all(row["us"] > 0 and row["diff"] < 0.05 for row in rows), rows
 
 
 def test_bisection_counts_replay_the_kernels_early_stop():
