@@ -11,9 +11,11 @@ cost a few microseconds each whatever they compute (docs/gpu section 7: the sele
 inductor generates the graph's Triton code under a GPU's lowering and fusion rules
 (`graph_lint.inductor_triton_sources`, `gpu_lowering_rules`: a `cat` fused into its consumer, not copied input
 by input as the CPU's rule does; nothing is compiled or run), and the step then decodes eagerly. Printed per
-method: inductor's kernels and kvbench's operators, each also minus full's (what a layer's selection adds). Not counted: cuBLAS products and ATen fallbacks (a float `topk`),
-nor a second launch of an operator (the stable top-k's second level, split-K's merge); and the launch
-heuristics are a CPU's (a reduction a GPU splits in two counts once). A count, not a time.
+method: inductor's kernels and kvbench's operators, each also minus full's (what a layer's selection adds), and
+the weight products (cuBLAS's on CUDA; with the projections of one input stacked, as `load_model` leaves a
+16-bit model on CUDA: 4 a layer and the output head). Not counted: cuBLAS's split-sum reductions, ATen fallbacks
+(a float `topk`), a second launch of an operator (the stable top-k's second level, split-K's merge); and the
+launch heuristics are a CPU's (a reduction a GPU splits in two counts once). A count, not a time.
 """
 
 from __future__ import annotations
@@ -48,20 +50,27 @@ def force_cuda_rule() -> None:
         module.triton_launchable = lambda *tensors: True
 
 
-def count(model: str, methods: list[str], listing: bool) -> dict[str, tuple[int, int]]:
-    """{method: (inductor kernels, kvbench operators)} of one decode step, and the kernels' names with `listing`."""
+def count(model: str, methods: list[str], listing: bool) -> dict[str, tuple[int, int, int]]:
+    """{method: (inductor kernels, kvbench operators, weight products)} of one decode step, and the kernels' names
+    with `listing`. The model's projections are stacked as `load_model` stacks them on CUDA (`pack_projections`,
+    16-bit models), where this CPU did not pack them already (`pack_linear_weights`, blocked)."""
     from kvbench.engine import graph_lint
     from kvbench.engine.compiled import CompiledDecoder
-    from kvbench.models import load_model
+    from kvbench.models import PackedProduct, load_model, pack_projections
 
     lm = load_model(model_config(model))
+    if not any(isinstance(module, PackedProduct) for module in lm.model.modules()):
+        pack_projections(lm.model)  # a float32 model stays as it is, as on CUDA
     names: list[str] = []
+    products: list[int] = []
 
     def backend(graph_module: torch.fx.GraphModule, example_inputs: list) -> None:
         names.extend(name for name, _ in graph_lint.inductor_triton_sources(graph_module, example_inputs))
-        names.extend(f"op {node.target}" for node in graph_module.graph.nodes
-                     if node.op == "call_function" and str(node.target).startswith("kvbench.")
+        calls = [node for node in graph_module.graph.nodes if node.op == "call_function"]
+        names.extend(f"op {node.target}" for node in calls if str(node.target).startswith("kvbench.")
                      and "blocked_linear" not in str(node.target))  # the CPU's linear, cuBLAS on CUDA
+        products.append(sum(node.target is torch._C._nn.linear or "blocked_linear" in str(node.target)
+                            for node in calls))
         raise Counted
 
     decoder = CompiledDecoder(lm, backend)
@@ -70,6 +79,7 @@ def count(model: str, methods: list[str], listing: bool) -> dict[str, tuple[int,
         if label not in methods:
             continue
         names.clear()
+        products.clear()
         session = check_static_decode.Session(lm, check_static_decode.method_for(lm, name, settings), budget)
         logits, _ = session.prefill(check_static_decode.prompt(budget + 10 if budget > 640 else 200, seed=1),
                                     compress=True)
@@ -78,13 +88,13 @@ def count(model: str, methods: list[str], listing: bool) -> dict[str, tuple[int,
         session.step(int(logits.argmax()))
         session.end_decode()
         ops = sum(n.startswith("op ") for n in names)
-        counts[label] = (len(names) - ops, ops)
+        counts[label] = (len(names) - ops, ops, sum(products))
         if listing:
             print(f"\n{label}:\n    " + "\n    ".join(names))
     return counts
 
 
-def main(argv: list[str] | None = None) -> dict[str, tuple[int, int]]:
+def main(argv: list[str] | None = None) -> dict[str, tuple[int, int, int]]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=LAYER_MODEL, help=f"{LAYER_MODEL} or a model config (tiny_llama)")
     parser.add_argument("--methods", default=SELECTION, help="labels of scripts/check_static_decode.py's table")
@@ -98,13 +108,13 @@ def main(argv: list[str] | None = None) -> dict[str, tuple[int, int]]:
     base = counts.get("full")
     print(f"\n{args.model}: one decode step (every layer) under the CUDA rule, inductor's Triton code generated on "
           "the CPU")
-    print(f"{'method':22} {'kernels':>7} {'operators':>9}" + (f" {'kernels - full':>14} {'operators - full':>16}"
-                                                              if base else ""))
+    print(f"{'method':22} {'kernels':>7} {'operators':>9} {'weight products':>15}"
+          + (f" {'kernels - full':>14} {'operators - full':>16}" if base else ""))
     for label in methods:
         if label in counts:
-            kernels, ops = counts[label]
+            kernels, ops, weight_products = counts[label]
             extra = f" {kernels - base[0]:14d} {ops - base[1]:16d}" if base else ""
-            print(f"{label:22} {kernels:7d} {ops:9d}{extra}")
+            print(f"{label:22} {kernels:7d} {ops:9d} {weight_products:15d}{extra}")
     return counts
 
 

@@ -269,8 +269,11 @@ def test_count_step_kernels_traces_each_selection_through_the_cuda_operators():
     besides the attention."""
     proc = script("count_step_kernels.py", "--model", "tiny_llama", "--methods", "full,quest,exact_topk,sparq",
                   "--list")
-    rows = dict(re.findall(r"^(\w+)\s+\d+\s+\d+\s+-?\d+\s+(-?\d+)$", proc.stdout, re.M))
-    assert rows == {"full": "0", "quest": "8", "exact_topk": "6", "sparq": "4"}, proc.stdout  # two layers
+    rows = re.findall(r"^(\w+)\s+\d+\s+\d+\s+(\d+)\s+-?\d+\s+(-?\d+)$", proc.stdout, re.M)
+    assert {method: ops for method, _, ops in rows} == {"full": "0", "quest": "8", "exact_topk": "6", "sparq": "4"}, \
+        proc.stdout  # two layers
+    # float32: unstacked, as on CUDA: seven products a layer and the output head
+    assert {products for _, products, _ in rows} == {"15"}, proc.stdout
     assert "op kvbench.distinct_rows" in proc.stdout.split("exact_topk:")[1].split("sparq:")[0]
 
 
