@@ -148,6 +148,33 @@ def test_decode_eviction_overwrites_slots_and_comes_back_in_position_order(tiny_
     assert eager.cache.evictions() == static.cache.evictions() and eager.cache.kv_bytes() == static.cache.kv_bytes()
 
 
+@pytest.mark.parametrize("steps", [5, 13])  # fewer decode steps than RocketKV's window of 8, and more
+def test_the_static_query_window_is_a_ring_that_comes_back_as_the_eager_window(tiny_llama, eager_backend, steps):
+    """The static layout keeps the last queries in a ring (each step overwrites the oldest entry, at
+    `query_slot`); while static, a reader gets them oldest first (`recent_queries`), and leaving the layout
+    puts them back in order: the window RocketKV's next turn re-compresses with is the eager one (its positions
+    exactly, its queries up to the compiled step's rounding)."""
+    ids = random_ids(150, seed=6)
+
+    def run(decoder):
+        session, _ = greedy_decode(tiny_llama, build_method("rocketkv", window=8), 64, ids, steps, decoder)
+        layer = session.cache.layers[0]
+        during = [t.clone() for t in layer.recent_queries(3)] if session.cache.is_static else None
+        slot = int(layer.query_slot) if layer.query_slot is not None else None
+        session.end_decode()
+        return session, during, slot
+
+    eager, _, _ = run(None)
+    static, during, slot = run(compiled.decoder_for(tiny_llama))
+    assert slot == (static.static_steps % 8) and slot != 0  # the ring has turned
+    ordered = eager.cache.layers[0]
+    torch.testing.assert_close(during[0], ordered.queries[:, -3:], atol=1e-6, rtol=1e-6)
+    assert torch.equal(during[1], ordered.query_positions[-3:])
+    for a, b in zip(eager.cache.layers, static.cache.layers):
+        assert b.query_slot is None and torch.equal(b.query_positions, a.query_positions)
+        torch.testing.assert_close(b.queries, a.queries, atol=1e-6, rtol=1e-6)
+
+
 def test_each_decoder_compiles_and_runs_its_own_graphs(tiny_llama):
     """A decoder never runs another decoder's graph. Dynamo keys compiled code by the function's code object, and
     a decoder drops the guards on its model's modules: were the code object shared by every `CompiledDecoder`, a

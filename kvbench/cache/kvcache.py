@@ -119,7 +119,7 @@ class KVBenchCache(Cache):
         for layer in self.layers:
             st = layer.static
             tensors += [*layer.buffers.values(), st.fill, st.next_slot, st.peak, st.evictions]
-            tensors += [t for t in (layer.queries, layer.query_positions) if t is not None]
+            tensors += [t for t in (layer.queries, layer.query_positions, layer.query_slot) if t is not None]
             for state in layer.derived.values():
                 tensors += state.static_tensors()
         return tensors

@@ -105,6 +105,7 @@ class KVLayer(StaticLayout, CacheLayerMixin):
         self.seen = 0
         self.queries: torch.Tensor | None = None  # [H_q, w, D]: the last queries attended with
         self.query_positions: torch.Tensor | None = None  # [w] their logical positions
+        self.query_slot: torch.Tensor | None = None  # the static layout's window is a ring: its oldest entry
         self.scaling: float | None = None  # set by the attention function; eviction scores need it
         self.budget: int | None = None  # tokens per head this layer was last evicted to
         self.evictions = 0  # eviction events that removed tokens

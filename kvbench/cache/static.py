@@ -163,7 +163,8 @@ class StaticLayout:
             self._static_queries(query_window, query_heads, device)
 
     def _static_queries(self, window: int, heads: int, device: torch.device) -> None:
-        """The last `window` queries in a buffer of exactly `window` entries, oldest first (empty: position -1)."""
+        """The last `window` queries in a buffer of exactly `window` entries, oldest first (empty: position -1),
+        the ring's next write at the oldest."""
         kept = 0 if self.queries is None else min(window, self.queries.shape[1])
         queries = torch.zeros(heads, window, self.head_dim, dtype=self.dtype, device=device)
         positions = torch.full((window,), -1, dtype=torch.int32, device=device)
@@ -171,6 +172,7 @@ class StaticLayout:
             queries[:, window - kept:] = self.queries[:, -kept:]
             positions[window - kept:] = self.query_positions[-kept:]
         self.queries, self.query_positions = queries, positions
+        self.query_slot = torch.zeros((), dtype=torch.int64, device=device)
 
     def _static_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """A decode step's token written at each head's `next_slot` (an emptied slot, or the next free one)."""
@@ -234,10 +236,23 @@ class StaticLayout:
             buf.index_add_(0, st.padded_rows(buf.shape[0]).flatten(), delta.flatten())
 
     def static_remember_query(self, query: torch.Tensor) -> None:
-        """The step's queries `[H_q, 1, D]` become the newest entry of the static query window (oldest drops)."""
-        self.queries.copy_(torch.cat([self.queries[:, 1:], query], dim=1))
-        position = self.cache.static_position.to(self.query_positions.dtype)
-        self.query_positions.copy_(torch.cat([self.query_positions[1:], position]))
+        """The step's queries `[H_q, 1, D]` overwrite the oldest entry of the static query window, a ring whose
+        oldest entry is at `query_slot`: written where they go, they fuse into the kernels that compute them
+        (shifting the window by a `cat` and a copy back was 3 kernels a layer of RocketKV's compiled step on a GPU,
+        `scripts/count_step_kernels.py`); `make_dynamic` puts the window back in order, oldest first."""
+        slot = self.query_slot.view(1)
+        self.queries.index_copy_(1, slot, query)
+        self.query_positions.index_copy_(0, slot, self.cache.static_position.to(self.query_positions.dtype))
+        self.query_slot.copy_((self.query_slot + 1) % self.queries.shape[1])
+
+    def recent_queries(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last `count` queries the layer attended with, oldest first, `[H_q, count, D]`, and their positions:
+        on a static layer read out of the ring in that order."""
+        if self.query_slot is None:
+            return self.queries[:, -count:], self.query_positions[-count:]
+        window = self.queries.shape[1]
+        order = (torch.arange(window - count, window, device=self.query_slot.device) + self.query_slot) % window
+        return self.queries.index_select(1, order), self.query_positions.index_select(0, order)
 
     def static_host_numbers(self) -> list[torch.Tensor]:
         """What `make_dynamic` reads back, as 1-d int64 tensors: fill, next_slot, [peak, evictions]."""
@@ -263,6 +278,9 @@ class StaticLayout:
         else:
             self.lens, self.claimed = list(held), list(held)
         self.derived = {name: state.make_dynamic(self) for name, state in self.derived.items()}
+        if self.query_slot is not None:  # the ring back in order, oldest first
+            self.queries, self.query_positions = self.recent_queries(self.queries.shape[1])
+            self.query_slot = None
         if self.query_positions is not None and bool((self.query_positions < 0).any()):
             kept_queries = self.query_positions >= 0
             self.queries = self.queries[:, kept_queries].clone() if bool(kept_queries.any()) else None

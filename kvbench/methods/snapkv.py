@@ -118,8 +118,7 @@ class SnapKV(EvictionMethod):
         each head's own tokens; entries past a head's own candidates are -inf.
         """
         agg = gqa_agg or self.gqa_agg
-        queries = layer.queries[:, -window:]
-        query_positions = layer.query_positions[-window:]
+        queries, query_positions = layer.recent_queries(window)
         if not layer.is_ragged:
             view = layer.head_view()
             scores = window_scores(queries, view.keys, layer.scaling, agg, query_positions, view.positions)

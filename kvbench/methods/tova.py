@@ -24,7 +24,7 @@ def last_query_attention(layer) -> torch.Tensor:
     """Group-mean softmax attention of the layer's newest query over its stored tokens, `[H, L_max]`."""
     view = layer.head_view()
     heads = view.keys.shape[0]
-    q = layer.queries[:, -1].float().view(heads, -1, view.keys.shape[-1])  # [H, G, D]
+    q = layer.recent_queries(1)[0][:, 0].float().view(heads, -1, view.keys.shape[-1])  # [H, G, D]
     logits = torch.einsum("hgd,hld->hgl", q, view.keys.float()) * layer.scaling
     if view.valid is not None:
         logits.masked_fill_(~view.valid[:, None, :], float("-inf"))
