@@ -236,7 +236,7 @@ def gpu_lowering_rules() -> Iterator[None]:
     - a `cat` whose inputs are pointwise becomes one pointwise kernel, which its consumer fuses; the CPU rule
       copies each input by its own kernel instead (`ConcatKernel`): the rotary embedding's `rotate_half`
       (`cat(-x2, x1)`) then cost four kernels a layer that the H200's profile shows fused into the rotary
-      kernels (docs/gpu section 8b);
+      kernels (docs/gpu sections 7 and 8c);
     - a pointwise result read several times is recomputed by each reader unless it holds more than 30 operations
       or 8 accumulated reads (a CPU's thresholds: 50 and 12), whatever transcendental it computes (the CPU
       stores any result that computes `exp`, `log`, `tanh`... once);
