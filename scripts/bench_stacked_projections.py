@@ -4,8 +4,9 @@
     python scripts/bench_stacked_projections.py --device cpu --layers 2 --hidden 64 --intermediate 128 \\
         --heads 4 --kv-heads 2 --head-dim 16 --repeats 2          # smoke
 
-Each layer is a Llama block's seven linear layers (query, key, value, output; gate, up, down) with random
-weights, one token's activations through them as a decode step runs them. `separate`: seven products a layer,
+Each layer is the seven linear layers (query, key, value, output; gate, up, down) of a stock transformers
+Llama block with random weights (`gpu_decode_floor.stock_model`), one token's activations through them as a
+decode step runs them. `separate`: seven products a layer,
 as stock transformers runs them; `stacked`: the same modules after `pack_projections`, as `load_model` leaves a
 CUDA model in 16-bit floats (the query, key and value weights one product, the gate and up weights one: four a
 layer). Timed as one step's layers replayed as one CUDA graph (`bench_flash_decode.timed`). Printed: us per
@@ -22,31 +23,17 @@ import os
 
 import torch
 from bench_flash_decode import timed
-from gpu_decode_floor import add_shape_arguments, copy_gbps
-
-
-def layer(args: argparse.Namespace, gen: torch.Generator, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """A Llama block's linear layers, random weights (scaled as an initialisation would), drawn on `device`."""
-    q, kv = args.heads * args.head_dim, args.kv_heads * args.head_dim
-    block = torch.nn.Module()
-    shapes = {"q_proj": (args.hidden, q), "k_proj": (args.hidden, kv), "v_proj": (args.hidden, kv),
-              "o_proj": (q, args.hidden), "gate_proj": (args.hidden, args.intermediate),
-              "up_proj": (args.hidden, args.intermediate), "down_proj": (args.intermediate, args.hidden)}
-    for name, (inputs, outputs) in shapes.items():
-        linear = torch.nn.Linear(inputs, outputs, bias=False, device="meta")
-        weight = torch.randn(outputs, inputs, generator=gen, device=device, dtype=dtype) * inputs ** -0.5
-        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
-        setattr(block, name, linear)
-    return block
+from gpu_decode_floor import add_shape_arguments, copy_gbps, stock_model
 
 
 def step(blocks: list[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:
-    """One token through every block's products, in a decode step's order (attention and MLP arithmetic left out:
-    each product's input is the previous one's output, cut or padded to its width)."""
+    """One token through every decoder layer's products, in a decode step's order (attention and MLP arithmetic
+    left out: each product's input is the previous one's output, cut or padded to its width)."""
     for block in blocks:
-        q, k, v = block.q_proj(x), block.k_proj(x), block.v_proj(x)
-        x = x + block.o_proj(q + torch.nn.functional.pad(k + v, (0, q.shape[-1] - k.shape[-1])))
-        x = x + block.down_proj(torch.nn.functional.silu(block.gate_proj(x)) * block.up_proj(x))
+        attn, mlp = block.self_attn, block.mlp
+        q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        x = x + attn.o_proj(q + torch.nn.functional.pad(k + v, (0, q.shape[-1] - k.shape[-1])))
+        x = x + mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
     return x
 
 
@@ -62,15 +49,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from kvbench.models import PackedProduct, pack_projections, weight_products
 
-    gen = torch.Generator(device=device).manual_seed(0)
-    separate = [layer(args, gen, device, dtype) for _ in range(args.layers)]
+    separate = list(stock_model(args, device, dtype).model.layers)
     stacked = copy.deepcopy(separate)
     for block in stacked:
         pack_projections(block)
     assert sum(isinstance(m, PackedProduct) for b in stacked for m in b.modules()) == 2 * args.layers
     weights = sum(nbytes for block in separate for _, nbytes in weight_products(block))
     gbps = copy_gbps(device)
-    x = torch.randn(1, 1, args.hidden, generator=gen, device=device, dtype=dtype) * 0.1
+    x = torch.randn(1, 1, args.hidden, generator=torch.Generator(device=device).manual_seed(0), device=device,
+                    dtype=dtype) * 0.1
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; torch {torch.__version__}; "
           f"{args.layers} layers of hidden {args.hidden}, MLP {args.intermediate}, {args.heads} query and "
           f"{args.kv_heads} KV heads of {args.head_dim}; {args.dtype}; weights {weights / 1e6:.4g} MB a step; copy "
