@@ -25,8 +25,8 @@ import time
 
 import torch
 import torch.nn.functional as F
-from bench_decode_latency import stream_bandwidth
 
+from kvbench.bench.timing import stream_bandwidth
 from kvbench.core.devices import sync
 from kvbench.kernels.decode_attention import decode_attention
 from kvbench.models import resolve_device

@@ -30,7 +30,7 @@ ratio is the median of the rounds' ratios (the printed gemv floor is ms/token ov
 two floors is the BLAS's, not the harness's; what remains above the gemv floor is per-step work: attention,
 selection, and the model's per-operator overhead in eager mode.
 
-The last two columns split that (CPU): `eager` is the median step of `bench_eager_floor.eager_step`, the
+The last two columns split that (CPU): `eager` is the median step of `kvbench.bench.eager_floor.eager_step`, the
 model's own modules written out by hand over a static cache of as many rows as the method reads per KV group
 and step (the same K/V bytes: its cost model's rows, and for a method that scores every key to choose,
 Exact-TopK, whose cost model counts only what it attends, also those keys, half a K/V row each), with the same
@@ -58,64 +58,18 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from kvbench.core.devices import sync
+from kvbench.bench.eager_floor import time_eager_steps
+from kvbench.bench.timing import gemv_bandwidth, scored_keys, stream_bandwidth, time_decode
 from kvbench.engine.compiled import decoder_for
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import _prefill_segment, sample_generator
 from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.methods import build_method
-from kvbench.models import load_model, weight_products
-from kvbench.profiling.roofline import best_seconds, phase_costs
+from kvbench.models import load_model
+from kvbench.profiling.roofline import phase_costs
 
 CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "model"
 DEFAULT_METHODS = "full,exact_topk,quest,sparq,hsa,rocketkv,snapkv,streamingllm"
-
-
-def time_decode(lm, session, logits: torch.Tensor, warmup: int, steps: int) -> tuple[list[float], torch.Tensor]:
-    """ms of each of `steps` greedy decode steps through `Session.step` after `warmup` untimed ones, and the
-    last logits (the next round continues from them)."""
-    times = []
-    token = int(logits.argmax())
-    for step in range(warmup + steps):
-        sync(lm.device)
-        t0 = time.perf_counter()
-        logits = session.step(token)
-        sync(lm.device)
-        if step >= warmup:
-            times.append(1e3 * (time.perf_counter() - t0))
-        token = int(logits.argmax())
-    return times, logits
-
-
-def scored_keys(session) -> float:
-    """K/V row-equivalents per KV group and step that the method reads to choose and its cost model leaves out:
-    the keys of every token held, for a method that scores every key (`Method.scores_every_key`); 0 otherwise."""
-    if not session.method.scores_every_key:
-        return 0.0
-    layers = session.cache.layers
-    return sum(layer.held_tokens() / layer.num_heads for layer in layers) / len(layers) / 2
-
-
-def stream_bandwidth(dtype: torch.dtype, nbytes: int = 1 << 29) -> float:
-    """Bytes/s of the fastest `torch.sum` pass over an `nbytes` buffer of `dtype` (far larger than the caches)."""
-    buf = torch.ones(nbytes // torch.finfo(dtype).bits * 8, dtype=dtype)
-    return buf.numel() * buf.element_size() / best_seconds(buf.sum, buf.device)
-
-
-def gemv_bandwidth(model: torch.nn.Module) -> float:
-    """Bytes/s at which the model's own weight products (`kvbench.models.weight_products`: its linear layers,
-    the packed q/k/v and gate/up projections), run back to back on one token, stream their weights."""
-    products = weight_products(model)
-    nbytes = sum(size for _, size in products)
-    inputs = {m.in_features: torch.ones(1, 1, m.in_features, dtype=model.dtype, device=model.device)
-              for m, _ in products}
-
-    def all_products() -> None:
-        for m, _ in products:
-            m(inputs[m.in_features])
-
-    with torch.inference_mode():
-        return nbytes / best_seconds(all_products, model.device)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,7 +86,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action="store_true", help="also the compiled decode step (engine.compile)")
     args = parser.parse_args(argv)
-    from bench_eager_floor import time_eager_steps  # it imports this module's gemv_bandwidth
 
     cfg = OmegaConf.load(CONF / f"{args.model}.yaml")
     cfg.device, cfg.dtype = args.device, args.dtype

@@ -33,36 +33,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
 import torch
-from gpu_decode_floor import copy_gbps
 
+from kvbench.bench.timing import copy_gbps, timed
 from kvbench.core.devices import sync
-
-
-def timed(fn, device: torch.device, repeats: int) -> float:
-    """Median seconds of `fn()`: replayed as one CUDA graph on a GPU (after warm-up), called plainly on CPU."""
-    for _ in range(2):
-        fn()
-    sync(device)
-    if device.type == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        run = graph.replay
-    else:
-        run = fn
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t = time.perf_counter()
-        run()
-        sync(device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

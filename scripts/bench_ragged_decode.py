@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from kvbench.bench.timing import time_decode
 from kvbench.cache.kvcache import KVBenchCache
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import _prefill_segment, sample_generator
@@ -30,9 +30,6 @@ from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.kernels.decode_attention import decode_attention
 from kvbench.methods import build_method
 from kvbench.models import load_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_decode_latency import time_decode  # noqa: E402
 
 CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "model"
 

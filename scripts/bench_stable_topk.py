@@ -30,20 +30,11 @@ import argparse
 import os
 
 import torch
-from bench_flash_decode import timed
+
+from kvbench.bench.shapes import topk_cases
+from kvbench.bench.timing import timed
 
 WAYS = ("keys_topk", "keys_topk_inductor", "float_topk", "stable_topk", "stable_topk_unordered")
-
-
-def cases(length: int, capacity: int, budget: int, kv_heads: int, group: int) -> list[tuple[str, int, int, int]]:
-    """(case, rows, row length, k) of each selection at a prompt of `length` tokens."""
-    page = max(1, round(2 * length / budget))
-    return [
-        ("quest", kv_heads, -(-capacity // page), budget // 2 // page + 2),
-        ("quest_page16", kv_heads, -(-capacity // 16), budget // 16 + 2),
-        ("token_shared", kv_heads, capacity, budget),
-        ("token_per_query_head", kv_heads * group, capacity, budget),
-    ]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -83,7 +74,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows_out = []
     for length in (int(x) for x in args.lengths.split(",")):
         capacity = max(length, int(length * args.capacity_factor))
-        for case, rows, width, k in cases(length, capacity, args.budget, args.kv_heads, args.group):
+        for case, rows, width, k in topk_cases(length, capacity, args.budget, args.kv_heads, args.group):
             gen = torch.Generator().manual_seed(width + k)
             held = width * length // capacity
             scores = [torch.full((rows, width), float("-inf"), dtype=dtype) for _ in range(args.calls)]

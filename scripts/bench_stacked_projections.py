@@ -5,13 +5,13 @@
         --heads 4 --kv-heads 2 --head-dim 16 --repeats 2          # smoke
 
 Each layer is the seven linear layers (query, key, value, output; gate, up, down) of a stock transformers
-Llama block with random weights (`gpu_decode_floor.stock_model`), one token's activations through them as a
+Llama block with random weights (`kvbench.bench.shapes.stock_model`), one token's activations through them as a
 decode step runs them. `separate`: seven products a layer,
 as stock transformers runs them; `stacked`: the same modules after `pack_projections`, as `load_model` leaves a
 CUDA model in 16-bit floats (the query, key and value weights one product, the gate and up weights one: four a
-layer). Timed as one step's layers replayed as one CUDA graph (`bench_flash_decode.timed`). Printed: us per
+layer). Timed as one step's layers replayed as one CUDA graph (`kvbench.bench.timing.timed`). Printed: us per
 step and per layer, the ratio to `separate`, the weights' bytes over that time against the measured copy rate
-(`gpu_decode_floor.copy_gbps`), and the largest difference of the outputs (16-bit sums split otherwise can
+(`kvbench.bench.timing.copy_gbps`), and the largest difference of the outputs (16-bit sums split otherwise can
 round otherwise). Docs/gpu section 7's breakdown put these products at about 1.03 ms of a step of 8 layers.
 """
 
@@ -22,8 +22,9 @@ import copy
 import os
 
 import torch
-from bench_flash_decode import timed
-from gpu_decode_floor import add_shape_arguments, copy_gbps, stock_model
+
+from kvbench.bench.shapes import add_shape_arguments, stock_model
+from kvbench.bench.timing import copy_gbps, timed
 
 
 def step(blocks: list[torch.nn.Module], x: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@
     python scripts/check_cuda_codegen.py --part steps --models llama3.1_8b_layer  # and its widths
 
 Runs without `TRITON_INTERPRET` (the interpreter compiles nothing). No GPU is needed: Triton compiles for a target
-it is given, down to a cubin by its own ptxas (`kvbench.kernels.cuda_target`). Two parts:
+it is given, down to a cubin by its own ptxas (`kvbench.devtools.cuda_target`). Two parts:
 
 - `kernels`: each Triton kernel of `kvbench.kernels`, launched by its own launcher at the shapes a GPU run gives
   it (each configured model's attention, `SHAPES`: Llama-3.1-8B's 8 KV heads of 4 query heads and head dim 128,
@@ -18,7 +18,7 @@ it is given, down to a cubin by its own ptxas (`kvbench.kernels.cuda_target`). T
   per thread (the cubin's, by Triton's cuobjdump), compile seconds, constexprs (every compile of the first
   model; of the others, only what they compile anew).
 - `steps`: every static method's compiled decode step (`scripts/check_static_decode.py`'s table, two steps; the
-  tiny models, or `--models llama3.1_8b_layer`: one layer of Llama-3.1-8B's widths in bf16) compiled by `kvbench.engine.graph_lint.cuda_codegen_backend`: inductor's Triton code for the step,
+  tiny models, or `--models llama3.1_8b_layer`: one layer of Llama-3.1-8B's widths in bf16) compiled by `kvbench.devtools.graph_lint.cuda_codegen_backend`: inductor's Triton code for the step,
   every kernel and configuration compiled for the target. A refused kernel makes the step fall back to eager,
   as it would on the GPU, and the method's line names what Triton refused.
 
@@ -34,21 +34,14 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import check_static_decode  # noqa: E402
-from bench_stable_topk import cases as topk_cases  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-from kvbench.kernels.cuda_target import ARCHS, TritonRefusal, compile_launches  # noqa: E402
+from kvbench.bench.shapes import LAYER_MODEL, model_config, topk_cases
+from kvbench.devtools import static_decode
+from kvbench.devtools.cuda_target import ARCHS, TritonRefusal, compile_launches
 
 BUDGET = 1024  # the papers' usual budget
-# one decoder layer of Llama-3.1-8B's shapes (random bf16 weights, a byte vocabulary): the steps' kernels at a GPU
-# run's widths (the norms' reductions over 4,096 elements are loops, not the tiny models' single blocks)
-LAYER_MODEL = "llama3.1_8b_layer"
 LENGTHS = (32768, 131072)
 CAPACITY_FACTOR = 1.25
 # (KV heads, query heads per KV head, head dim) of the configured models' attention (their config.json files):
@@ -148,25 +141,10 @@ def check_kernels(arch: int, dtypes: list[torch.dtype], shapes: list[str]) -> li
     return refused
 
 
-def model_config(model: str, dtype: str | None = None):
-    """The config of `LAYER_MODEL` (one decoder layer of Llama-3.1-8B's widths, random bf16 weights) or of a
-    configured model (`kvbench/conf/model`), in `dtype` if given."""
-    if model == LAYER_MODEL:
-        from gpu_decode_floor import random_model_cfg
-
-        cfg = random_model_cfg(argparse.Namespace(layers=1, hidden=4096, intermediate=14336, heads=32,
-                                                  kv_heads=8, head_dim=128, dtype="bfloat16", device="cpu"))
-    else:
-        cfg = OmegaConf.load(check_static_decode.CONF / "model" / f"{model}.yaml")
-    if dtype is not None:
-        cfg.dtype = dtype
-    return cfg
-
-
 def check_steps(arch: int, models: list[str], methods: set[str] | None, dtype: str | None = None) -> list[str]:
     """Every static method's decode step (the model in `dtype`, default its config's), its inductor code compiled
     for sm_`arch`; the refusals."""
-    from kvbench.engine import graph_lint
+    from kvbench.devtools import graph_lint
     from kvbench.engine.compiled import CompiledDecoder
     from kvbench.models import load_model
 
@@ -177,7 +155,7 @@ def check_steps(arch: int, models: list[str], methods: set[str] | None, dtype: s
         decoder = CompiledDecoder(lm, graph_lint.cuda_codegen_backend(arch, kernels))
         print(f"\n{model} ({lm.dtype}): each static method's decode step, inductor's Triton code for sm_{arch}")
         print(f"{'method':22} {'path':9} {'graphs':>6} {'kernels':>7} {'s':>5}")
-        for label, name, settings, budget in check_static_decode.STATIC:
+        for label, name, settings, budget in static_decode.STATIC:
             if methods is not None and label not in methods:
                 continue
             if model == LAYER_MODEL and "pattern" in settings:
@@ -185,9 +163,9 @@ def check_steps(arch: int, models: list[str], methods: set[str] | None, dtype: s
                 continue
             kernels.clear()
             start = time.perf_counter()
-            ids = check_static_decode.prompt(budget + 10 if budget > 640 else 200, seed=1)
-            method = check_static_decode.method_for(lm, name, settings)
-            session, _, _ = check_static_decode.decode(lm, method, budget, ids, 2, decoder)
+            ids = static_decode.prompt(budget + 10 if budget > 640 else 200, seed=1)
+            method = static_decode.method_for(lm, name, settings)
+            session, _, _ = static_decode.decode(lm, method, budget, ids, 2, decoder)
             line = (f"{label:22} {session.decode_path:9} {len(kernels):6d} {sum(kernels):7d} "
                     f"{time.perf_counter() - start:5.1f}")
             if session.decode_path != "compiled":

@@ -23,14 +23,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import check_static_decode  # noqa: E402
-from check_cuda_codegen import LAYER_MODEL, model_config  # noqa: E402
+from kvbench.bench.shapes import LAYER_MODEL, model_config
+from kvbench.devtools import static_decode
 
 SELECTION = "full,snapkv,quest,sparq,hsa,rocketkv,exact_topk"
 
@@ -54,7 +51,7 @@ def count(model: str, methods: list[str], listing: bool) -> dict[str, tuple[int,
     """{method: (inductor kernels, kvbench operators, weight products)} of one decode step, and the kernels' names
     with `listing`. The model's projections are stacked as `load_model` stacks them on CUDA (`pack_projections`,
     16-bit models), where this CPU did not pack them already (`pack_linear_weights`, blocked)."""
-    from kvbench.engine import graph_lint
+    from kvbench.devtools import graph_lint
     from kvbench.engine.compiled import CompiledDecoder
     from kvbench.models import PackedProduct, load_model, pack_projections
 
@@ -75,13 +72,13 @@ def count(model: str, methods: list[str], listing: bool) -> dict[str, tuple[int,
 
     decoder = CompiledDecoder(lm, backend)
     counts = {}
-    for label, name, settings, budget in check_static_decode.STATIC:
+    for label, name, settings, budget in static_decode.STATIC:
         if label not in methods:
             continue
         names.clear()
         products.clear()
-        session = check_static_decode.Session(lm, check_static_decode.method_for(lm, name, settings), budget)
-        logits, _ = session.prefill(check_static_decode.prompt(budget + 10 if budget > 640 else 200, seed=1),
+        session = static_decode.Session(lm, static_decode.method_for(lm, name, settings), budget)
+        logits, _ = session.prefill(static_decode.prompt(budget + 10 if budget > 640 else 200, seed=1),
                                     compress=True)
         session.decoder = decoder  # no recall measured: a timed run's step
         session.begin_decode(1)

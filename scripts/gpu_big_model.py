@@ -31,12 +31,8 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))  # the checkout's kvbench when it is not installed
 
 # Llama-3.1-70B-Instruct's config.json (meta-llama/Llama-3.1-70B-Instruct): the shapes and RoPE scaling
 LLAMA_70B = {"hidden": 8192, "intermediate": 28672, "layers": 80, "heads": 64, "kv_heads": 8, "head_dim": 128,
@@ -70,9 +66,10 @@ def check_config(name: str, device: torch.device, dtype: torch.dtype) -> None:
     """The model node's placement check, as a run makes it before its point directory exists."""
     from omegaconf import OmegaConf
 
+    from kvbench.bench.shapes import MODEL_CONFS
     from kvbench.models.placement import available_memory, check_placement, device_map_of, weight_bytes_estimate
 
-    cfg = OmegaConf.load(REPO / "kvbench" / "conf" / "model" / f"{name}.yaml")
+    cfg = OmegaConf.load(MODEL_CONFS / f"{name}.yaml")
     start = time.perf_counter()
     check_placement(cfg, device, dtype)  # raises KVBenchError (one line) where it cannot fit
     needed = weight_bytes_estimate(cfg, dtype, str(cfg.quantization))
@@ -142,8 +139,7 @@ def memory_line(device: torch.device) -> str:
 
 
 def run_method(lm, name: str, args: argparse.Namespace, ids: list[int]) -> dict:
-    from bench_decode_latency import time_decode
-
+    from kvbench.bench.timing import time_decode
     from kvbench.engine.sample import sample_generator
     from kvbench.engine.session import Session
     from kvbench.methods import build_method
@@ -170,7 +166,6 @@ def run_method(lm, name: str, args: argparse.Namespace, ids: list[int]) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(REPO / "scripts"))
     from kvbench.core.errors import KVBenchError
     from kvbench.models import DTYPES
 

@@ -24,11 +24,11 @@ row: the same step uncompiled); its cache holds random keys and values at positi
 prefill (its attention reads the whole `max_cache_len` every step whatever the rows hold).
 
 The floor of a step is the bytes it must read divided by the copy rate measured in this process (a 256 MiB
-device-to-device copy, bytes read plus written: scripts/gpu_decode_floor.py's `copy_gbps`): every weight once
+device-to-device copy, bytes read plus written: `kvbench.bench.timing.copy_gbps`): every weight once
 (`kvbench.profiling.roofline.phase_costs`), plus the K/V and auxiliary elements of the method's own traffic
 accounting (`Method.step_traffic`, summed by the cache's `DecodeStats`: Quest's page summaries, SparQ's
 reduced keys, Ada-KV's ragged rows, RocketKV's both stages), plus, for a method that scores every key to
-choose (`scores_every_key`: Exact-TopK), those keys (scripts/bench_decode_latency.py's `scored_keys`). Stock
+choose (`scores_every_key`: Exact-TopK), those keys (`kvbench.bench.timing.scored_keys`). Stock
 reads its whole static cache.
 
 (c) The seconds each compiled run spent compiling (`Session.compile_s`; 0 when it replayed a graph compiled
@@ -60,12 +60,10 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-SCRIPTS = Path(__file__).resolve().parent
 DEFAULT_METHODS = "full,stock,snapkv,quest,adakv,rocketkv,sparq,hsa,exact_topk,full_repeated_kv"
 DEFAULT_METHODS_AT = ["131072=full,stock,snapkv,quest"]
 # labels that are not a method's registered name: (method, settings)
@@ -93,7 +91,7 @@ class Row:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from gpu_decode_floor import add_shape_arguments
+    from kvbench.bench.shapes import add_shape_arguments
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda", help="cuda, or cpu (only to test this script, tiny shapes)")
@@ -140,11 +138,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 # -- (a) the static-decode check, sharded -------------------------------------------------------------------
 
 
-# one shard of the check: check_static_decode.py's own main, its tiny models loaded on the device asked for
+# one shard of the check: `kvbench.devtools.static_decode`'s main (scripts/check_static_decode.py's), its tiny models loaded on the device asked for
 CHECK_SHARD = """
 import sys
-sys.path.insert(0, {scripts!r})
-import check_static_decode as check
+
+from kvbench.devtools import static_decode as check
 
 load_model = check.load_model
 
@@ -163,7 +161,7 @@ CHECK_HEADER = re.compile(r"^(\S+) \((.*), backend (.+), (\d+) steps\)$")
 def static_check(args: argparse.Namespace, time_left: float) -> bool:
     """Run check_static_decode.py in `--check-shards` processes side by side and print their rows merged.
     True when every shard exited 0 (every method as expected)."""
-    from check_static_decode import HEADER, STATIC
+    from kvbench.devtools.static_decode import HEADER, STATIC
 
     labels = [label for label, *_ in STATIC]
     if args.check_methods != "all":
@@ -177,7 +175,7 @@ def static_check(args: argparse.Namespace, time_left: float) -> bool:
           f"{args.check_steps} steps, {len(shards)} processes side by side ({threads} compile threads each), "
           f"limit {limit:.0f} s", flush=True)
     start = time.perf_counter()
-    code = CHECK_SHARD.format(scripts=str(SCRIPTS), device=args.device)
+    code = CHECK_SHARD.format(device=args.device)
     procs = [subprocess.Popen([sys.executable, "-c", code, "--backend", args.check_backend,
                                "--models", args.check_models, "--methods", ",".join(shard), "--steps",
                                str(args.check_steps), "--length", str(args.check_length)],
@@ -231,8 +229,8 @@ def static_check(args: argparse.Namespace, time_left: float) -> bool:
 
 class Bench:
     def __init__(self, args: argparse.Namespace):
-        from gpu_decode_floor import copy_gbps, random_model_cfg
-
+        from kvbench.bench.shapes import random_model_cfg
+        from kvbench.bench.timing import copy_gbps
         from kvbench.engine.config import EngineConfig
         from kvbench.engine.snapshots import PrefillSnapshots
         from kvbench.models import load_model
@@ -291,7 +289,7 @@ class Bench:
     def kv_aux_bytes(self, session) -> float:
         """Bytes of K/V and auxiliary elements one step read (the method's cost model), and the keys a method
         that scores every key read to choose."""
-        from bench_decode_latency import scored_keys
+        from kvbench.bench.timing import scored_keys
 
         stats = session.cache.stats
         steps = stats.layer_steps / len(session.cache.layers)
@@ -300,7 +298,7 @@ class Bench:
         return read + scored_keys(session) * per_row
 
     def run_method(self, length: int, label: str) -> Row:
-        from bench_decode_latency import time_decode
+        from kvbench.bench.timing import time_decode
 
         args = self.args
         name, settings = LABELS.get(label, (label, {}))
@@ -339,9 +337,9 @@ class Bench:
 
     def run_stock(self, length: int) -> Row:
         """Stock transformers: LlamaForCausalLM + StaticCache + SDPA, one decode step compiled."""
-        from gpu_decode_floor import stock_model
         from transformers import StaticCache
 
+        from kvbench.bench.shapes import stock_model
         from kvbench.core.devices import sync
         from kvbench.models import cache_kwargs
         from kvbench.profiling.roofline import phase_costs

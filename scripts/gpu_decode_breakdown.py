@@ -21,7 +21,8 @@ import sys
 import time
 
 import torch
-from gpu_decode_floor import add_shape_arguments, random_model_cfg
+
+from kvbench.bench.shapes import add_shape_arguments, random_model_cfg
 
 
 def top_kernels(events: list, steps: int, top: int) -> str:

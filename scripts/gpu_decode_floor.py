@@ -9,8 +9,8 @@ built on the GPU with transformers' own SDPA attention: a dense prefill of L ran
 greedy steps after `--warmup` untimed ones, each forward timed alone (synchronised), as the engine times its
 decode steps. Prints the median and p90 ms per token and the weights-only floor (weight bytes / the copy
 bandwidth: a large device-to-device copy, bytes read plus written, as `kvbench.profiling.roofline` measures it),
-to tell the model's GPU cost from the harness's per-step work. `scripts/gpu_compiled_decode.py` builds its stock
-model and measures its copy rate with this module's functions.
+to tell the model's GPU cost from the harness's per-step work. The stock model and the copy rate are
+`kvbench.bench`'s (`shapes.stock_model`, `timing.copy_gbps`), which `scripts/gpu_compiled_decode.py` uses too.
 """
 
 from __future__ import annotations
@@ -19,60 +19,12 @@ import argparse
 import statistics
 import sys
 import time
-from typing import Any
 
 import numpy as np
 import torch
 
-
-def copy_gbps(device: torch.device) -> float:
-    """GB/s of the fastest of five copies of a large buffer (256 MiB on a GPU, 64 MiB on a CPU; bytes read plus
-    bytes written): `kvbench.profiling.roofline.measure_peaks`' copy without its matmuls."""
-    from kvbench.profiling.roofline import best_seconds
-
-    src = torch.ones((1 << 28 if device.type == "cuda" else 1 << 26) // 4, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() * 4 / best_seconds(lambda: dst.copy_(src), device) / 1e9
-
-
-def add_shape_arguments(parser: argparse.ArgumentParser, layers: int) -> None:
-    """The model-shape flags of the GPU scripts: Llama-3.1-8B's layer shapes by default, tiny ones to test."""
-    parser.add_argument("--layers", type=int, default=layers)
-    parser.add_argument("--hidden", type=int, default=4096, help="hidden size (Llama-3.1-8B's by default)")
-    parser.add_argument("--intermediate", type=int, default=14336, help="MLP size")
-    parser.add_argument("--heads", type=int, default=32, help="query heads")
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-
-
-def random_model_cfg(args: argparse.Namespace, max_positions: int = 131072) -> Any:
-    """kvbench's model config of the random model with `args`' shapes (`add_shape_arguments`, `--dtype`,
-    `--device`): tiny_llama's source and byte vocabulary; load it under `torch.device(args.device)` so that the
-    weights are initialised there (seconds on a GPU, minutes on the CPU for 8B shapes)."""
-    from omegaconf import OmegaConf
-
-    return OmegaConf.create({"name": "llama3.1_8b_shapes_random", "source": "tiny", "init_seed": 0,
-                             "dtype": args.dtype, "device": args.device, "config": {
-                                 "model_type": "llama", "hidden_size": args.hidden,
-                                 "intermediate_size": args.intermediate, "num_hidden_layers": args.layers,
-                                 "num_attention_heads": args.heads, "num_key_value_heads": args.kv_heads,
-                                 "head_dim": args.head_dim, "max_position_embeddings": max_positions,
-                                 "rope_theta": 500000.0}})
-
-
-def stock_model(args: argparse.Namespace, device: torch.device, dtype: torch.dtype,
-                max_positions: int = 131072) -> torch.nn.Module:
-    """Stock transformers' Llama with `args`' shapes (layers, hidden, intermediate, heads, kv_heads, head_dim),
-    tiny_llama's byte vocabulary, SDPA attention, random weights initialised on `device` (seed 0)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(vocab_size=260, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, head_dim=args.head_dim,
-                         max_position_embeddings=max_positions, rope_theta=500000.0)
-    torch.manual_seed(0)
-    with torch.device(device):
-        return AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa").eval()
+from kvbench.bench.shapes import add_shape_arguments, stock_model
+from kvbench.bench.timing import copy_gbps
 
 
 def main() -> int:

@@ -1,4 +1,4 @@
-"""Issue 45 device probe: the graph lint's verdicts (`kvbench.engine.graph_lint`) against inductor's and Triton's on a
+"""Issue 45 device probe: the graph lint's verdicts (`kvbench.devtools.graph_lint`) against inductor's and Triton's on a
 CUDA device, on six small graphs, and the fallback of a Quest step built on the old `descending_keys` (which
 Triton refuses) to eager with one warning line. Run from the repository root, on a GPU machine:
 
@@ -9,21 +9,18 @@ On CPU it runs too (inductor's C++ backend accepts every case: the lint's verdic
 import inspect
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import check_static_decode  # noqa: E402
-from omegaconf import OmegaConf  # noqa: E402
-
-import kvbench.kernels.stable_topk as stable_topk  # noqa: E402
-from kvbench.engine.compiled import CompiledDecoder, describe  # noqa: E402
-from kvbench.engine.graph_lint import lint_backend  # noqa: E402
-from kvbench.methods import build_method  # noqa: E402
-from kvbench.models import load_model  # noqa: E402
+import kvbench.kernels.stable_topk as stable_topk
+from kvbench.devtools import static_decode
+from kvbench.devtools.graph_lint import lint_backend
+from kvbench.engine.compiled import CompiledDecoder, describe
+from kvbench.methods import build_method
+from kvbench.models import load_model
 
 
 def old_keys(scores: torch.Tensor) -> torch.Tensor:
@@ -75,13 +72,13 @@ def main() -> None:
     cfg = OmegaConf.load(Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "model" / "tiny_llama.yaml")
     cfg.device = device
     lm = load_model(cfg)
-    ids = check_static_decode.prompt(300, seed=1)
-    _, eager_tokens, _ = check_static_decode.decode(lm, build_method("quest"), 64, ids, 4, None)
+    ids = static_decode.prompt(300, seed=1)
+    _, eager_tokens, _ = static_decode.decode(lm, build_method("quest"), 64, ids, 4, None)
     stable_topk.descending_keys = old_keys
     os.environ["KVBENCH_KERNELS"] = "torch"  # the PyTorch top-k, traced by inductor (CUDA's is the kvbench::stable_topk kernel)
     torch._dynamo.reset()
     start = time.perf_counter()
-    session, tokens, _ = check_static_decode.decode(lm, build_method("quest"), 64, ids, 4, CompiledDecoder(lm, "inductor"))
+    session, tokens, _ = static_decode.decode(lm, build_method("quest"), 64, ids, 4, CompiledDecoder(lm, "inductor"))
     print(f"OLD-KEYS QUEST STEP on {device} inductor: path={session.decode_path} reason={session.decode_path_reason!r} "
           f"tokens_equal={tokens == eager_tokens} ({time.perf_counter() - start:.1f}s)")
 

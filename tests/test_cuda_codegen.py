@@ -1,4 +1,4 @@
-"""Triton's CUDA compiler on the CPU (`kvbench.kernels.cuda_target`, `scripts/check_cuda_codegen.py`): every
+"""Triton's CUDA compiler on the CPU (`kvbench.devtools.cuda_target`, `scripts/check_cuda_codegen.py`): every
 kernel of `kvbench.kernels` at a GPU run's shapes, and inductor's Triton code for every static method's decode
 step, compile for an H100, and what Triton refused on one is refused here: the old `descending_keys`, and the
 six graphs of `scripts/probe_triton_lint.py`, with the H100's verdicts.
@@ -78,8 +78,8 @@ def test_what_triton_refuses_on_a_gpu_is_refused_here_naming_the_kernel(tmp_path
         import check_cuda_codegen, probe_triton_lint
         import kvbench.kernels.stable_topk as stable_topk
         from kvbench.core.errors import one_line
-        from kvbench.engine.graph_lint import cuda_codegen_backend
-        from kvbench.kernels.cuda_target import TritonRefusal, compile_launches
+        from kvbench.devtools.graph_lint import cuda_codegen_backend
+        from kvbench.devtools.cuda_target import TritonRefusal, compile_launches
 
         @triton.jit
         def reversed_index(out_ptr, BLOCK: tl.constexpr):
@@ -128,7 +128,7 @@ def test_the_rotary_embeddings_rotate_half_is_one_kernel_as_a_gpu_lowers_it():
     program = textwrap.dedent("""
         import torch
         import torch._inductor.lowering as lowering
-        from kvbench.engine import graph_lint
+        from kvbench.devtools import graph_lint
 
         def rotary(x, cos, sin):
             return x * cos + torch.cat((-x[..., 64:], x[..., :64]), dim=-1) * sin

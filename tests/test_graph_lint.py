@@ -1,4 +1,4 @@
-"""The graph lint (`kvbench.engine.graph_lint`): every static method's decode graph is free of what Triton's code
+"""The graph lint (`kvbench.devtools.graph_lint`): every static method's decode graph is free of what Triton's code
 generation refuses, and a step with such a construct (the old `descending_keys`) is named with its constant."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ import torch
 
 import kvbench.kernels.stable_topk as stable_topk
 import kvbench.methods.common.pages as pages
+from kvbench.devtools import static_decode as check_static_decode
+from kvbench.devtools.graph_lint import lint_backend
 from kvbench.engine.compiled import CompiledDecoder
-from kvbench.engine.graph_lint import lint_backend
 from kvbench.methods import build_method
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import check_static_decode  # noqa: E402
 from probe_triton_lint import old_keys as old_descending_keys  # noqa: E402
 
 

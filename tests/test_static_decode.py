@@ -21,6 +21,7 @@ from kvbench.engine.replay import CudaGraphCapture, GraphCall, LoopReplays, Step
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
 from kvbench.kernels.decode_attention import decode_attention_reference, static_decode_attention
+from kvbench.devtools import static_decode as check_static_decode
 from kvbench.methods import build_method
 from kvbench.methods.common.pages import held_first, top_page_tokens
 from kvbench.methods.keydiff import ANCHORS, keydiff_scores
@@ -29,7 +30,6 @@ from tests.test_engine import kv_sample
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 import bench_decode_latency  # noqa: E402
-import check_static_decode  # noqa: E402
 
 
 @pytest.fixture

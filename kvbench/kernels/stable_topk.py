@@ -49,7 +49,7 @@ def descending_keys(scores: torch.Tensor) -> torch.Tensor:
 
     The reversal starts from 2^31 - 1, not 2^32 - 1 (which orders the keys the same: it only adds 2^31 to every
     low half, with no carry): inductor inlines `C - arange(L)` into a Triton kernel as an int32 index
-    expression, and Triton refuses a constant outside int32 (CPU's C++ takes it). `kvbench.engine.graph_lint`
+    expression, and Triton refuses a constant outside int32 (CPU's C++ takes it). `kvbench.devtools.graph_lint`
     checks every static method's decode graph for such constants."""
     length = scores.shape[-1]
     bits = (scores.float() + 0.0).view(torch.int32)  # + 0.0 turns -0.0 into 0.0

@@ -11,7 +11,7 @@ run a kernel) accepts it. Two uses:
   `scripts/check_cuda_codegen.py` calls each launcher of `kvbench.kernels` this way at the shapes a GPU run
   gives it.
 - `compile_inductor_kernel(name, source, arch)`: one kernel of inductor's generated Triton code compiled with
-  every launch configuration inductor would try (`kvbench.engine.graph_lint.cuda_codegen_backend` generates
+  every launch configuration inductor would try (`kvbench.devtools.graph_lint.cuda_codegen_backend` generates
   them from a compiled decode step's graph).
 
 Triton reads `TRITON_INTERPRET` when it is imported: under the interpreter `@triton.jit` makes no compilable

@@ -33,7 +33,7 @@ The patterns, each one that Triton refuses and the CPU's C++ accepts:
 
 `cuda_codegen_backend()` asks Triton itself instead of guessing: inductor's Triton code for the graph, generated
 under a GPU's lowering rules (`gpu_lowering_rules`) and compiled by Triton's CUDA compiler for an H100 on the CPU
-(`kvbench.kernels.cuda_target`). On the six graphs of
+(`kvbench.devtools.cuda_target`). On the six graphs of
 `scripts/probe_triton_lint.py` its verdicts are the H100's (`tests/test_cuda_codegen.py`), where the lint flags
 one graph Triton accepts. It takes minutes where the lint takes seconds, and cannot see a split scan (inductor
 splits by a GPU's processor count, and generated Quest's old scan unsplit for the CPU device), so both stay.
@@ -214,7 +214,7 @@ def inductor_triton_sources(graph_module: torch.fx.GraphModule, example_inputs: 
     from torch._inductor.async_compile import AsyncCompile
     from torch._inductor.compile_fx import compile_fx
 
-    from kvbench.kernels.cuda_target import cuda_target
+    from kvbench.devtools.cuda_target import cuda_target
 
     sources: list[tuple[str, str]] = []
 
@@ -272,13 +272,13 @@ def gpu_lowering_rules() -> Iterator[None]:
 
 def cuda_codegen_backend(arch: int = 90, kernels_per_graph: list[int] | None = None) -> Callable[..., Any]:
     """A dynamo backend: inductor's Triton code for the graph (`inductor_triton_sources`) compiled by Triton's CUDA
-    compiler for sm_`arch` (`kvbench.kernels.cuda_target`: no GPU needed), every kernel with every configuration
+    compiler for sm_`arch` (`kvbench.devtools.cuda_target`: no GPU needed), every kernel with every configuration
     inductor would try; `TritonRefusal` on the first one refused, and otherwise the graph run eagerly. What it
     checks is what the lint's patterns guess at: Triton's own verdict on the code a GPU's compile generates. It
     does not see what inductor decides by a GPU's properties (a split scan: the lint's `SPLIT_SCAN`; block
     sizes), and compiles inductor's code only: the `kvbench.kernels` operators inside a graph are
     `scripts/check_cuda_codegen.py`'s. `kernels_per_graph`, if given, gains each graph's count of kernels."""
-    from kvbench.kernels.cuda_target import compile_inductor_kernel
+    from kvbench.devtools.cuda_target import compile_inductor_kernel
 
     def compile_then_run(graph_module: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         sources = inductor_triton_sources(graph_module, example_inputs, arch)
