@@ -1,9 +1,9 @@
 """The package's shape as a contract: module sizes, the layers every module is held to, what is installed.
 
 The layering is import-linter's (`lint-imports`, run by `make test`; the contract is in pyproject.toml). It
-checks the import graph grimp builds from the installed `kvbench`, which holds only the modules of packages
-found under kvbench/: the tests here fail when a module is left out of it, and show that a helper of the
-methods layer importing the engine is refused.
+checks the import graph grimp builds from the installed `kvbench`, Hydra's `hydra_plugins` and the checkout's
+`scripts`, which holds only the modules of packages found under those folders: the tests here fail when a module
+is left out of it, and show that a helper of the methods layer importing the engine is refused.
 """
 
 import shutil
@@ -20,6 +20,7 @@ MAX_LINES = 450
 # the task modules came into kvbench/ from a folder of their own, without the limit (RULER's and the custom
 # task's generators are longer)
 UNLIMITED = ROOT / "kvbench" / "tasks"
+ROOTS = ("kvbench", "hydra_plugins", "scripts")  # the contract's root packages
 
 
 def test_no_module_in_kvbench_is_over_450_lines():
@@ -29,14 +30,14 @@ def test_no_module_in_kvbench_is_over_450_lines():
 
 
 def test_the_graph_lint_imports_checks_holds_every_module_on_disk():
-    """A module missing from the graph (in a folder without __init__.py, or outside kvbench/) is under no
+    """A module missing from the graph (in a folder without __init__.py, or outside the roots) is under no
     contract: lint-imports would keep a contract it never checked."""
     grimp = pytest.importorskip("grimp")
-    # what lint-imports builds from `root_package = "kvbench"`, scanned afresh (grimp's cache can keep modules
-    # a folder no longer provides)
-    graph = grimp.build_graph("kvbench", cache_dir=None)
+    # what lint-imports builds from its `root_packages`, scanned afresh (grimp's cache can keep modules a folder
+    # no longer provides)
+    graph = grimp.build_graph(*ROOTS, cache_dir=None)
     on_disk = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-               for p in (ROOT / "kvbench").rglob("*.py")}
+               for root in ROOTS for p in (ROOT / root).rglob("*.py")}
     assert sorted(on_disk - graph.modules) == []
 
 
@@ -62,9 +63,9 @@ def test_a_method_helper_that_imports_the_engine_breaks_the_contract(tmp_path):
 
 def test_no_import_cycle_among_kvbench_modules():
     """import-linter's layers contract forbids imports up the layers; this also catches a cycle inside one
-    layer (TYPE_CHECKING imports included: grimp counts them)."""
+    layer (TYPE_CHECKING imports included: grimp counts them), across kvbench, hydra_plugins and scripts."""
     grimp = pytest.importorskip("grimp")
-    graph = grimp.build_graph("kvbench")
+    graph = grimp.build_graph(*ROOTS)
     state: dict[str, int] = {}  # 1: on the current path, 2: done
     cycles: list[str] = []
 

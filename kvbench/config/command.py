@@ -113,8 +113,8 @@ def _compose(overrides: Sequence[str], multirun: bool, name: str = "config") -> 
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    import hydra_plugins.kvbench_launcher.grouped_launcher  # noqa: F401 - registers hydra/launcher=grouped
-
+    # hydra/launcher=grouped composes without importing its module here (kvbench sits below hydra_plugins):
+    # Hydra's plugin discovery imports every hydra_plugins module when it initializes, which registers it
     if multirun:
         parsed = OverridesParser.create().parse_overrides(list(overrides))
         overrides = [o.input_line for o in parsed if not o.is_sweep_override()]
