@@ -13,17 +13,20 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
+from release_refs.duoattention import release_retrieval_heads, streaming_kept
 from release_refs.h2o import H2OLayer
 from release_refs.harness import TensorRun, attention, jaccard, random_layer
 from release_refs.rocketkv import release_plan, snapkv_plus_plus
-from release_refs.snapkv import pyramid_capacity, repeat_kv, snapkv_update_kv
+from release_refs.snapkv import l2norm_keep, pyramid_capacity, repeat_kv, snapkv_update_kv
 from release_refs.sparq import sparq_decode
 from release_refs.streaming_llm import rope_attention_output, start_recent_indices
 from release_refs.tova import TOVALayer
 
 from kvbench.methods import build_method
+from kvbench.methods.duoattention import pattern_path
 from kvbench.methods.rocketkv import rocket_plan
 
 Q_HEADS, KV_HEADS, GROUP = 8, 2, 4
@@ -127,6 +130,22 @@ def test_pyramidkv_short_prompt_departure_is_measured():
     # the clipped pyramid's first layer keeps the whole prompt: the largest per-layer departure is length - budget
     assert max(abs(a - budget) for a in ours_counts) == ours_counts[0] - budget == length - budget
     assert abs(sum(ours_counts) - PYRAMID_LAYERS * budget) <= PYRAMID_LAYERS
+
+
+# -- KeyL2Norm (KVCache-Factory's L2Norm) ------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("budget", [16, 100, 250])
+def test_keyl2norm_equals_kvcache_factory_l2norm(seed, budget):
+    """The smallest-norm keys per KV head (the release repeats K/V, so every query head of a group keeps the same
+    tokens: one set per KV head), and the decode output over them."""
+    q, k, v = random_layer(seed, Q_HEADS, KV_HEADS, LENGTH, 16)
+    kept, out = prefill_and_decode(build_method("keyl2norm"), budget, q, k, v)
+    idx = l2norm_keep(k[:, :-1], budget)
+    assert kept == [sorted(i.tolist()) for i in idx]
+    gather = idx[..., None].expand(-1, -1, 16)
+    expected = reference_decode(q[:, -1], k.gather(1, gather), v.gather(1, gather), k[:, -1:], v[:, -1:], GROUP)
+    torch.testing.assert_close(out, expected, atol=OUT_ATOL, rtol=0)
 
 
 # -- H2O ---------------------------------------------------------------------------------------------------
@@ -336,3 +355,44 @@ def test_rocketkv_snapkv_plus_plus_equals_the_release(seed, sequence_length, bud
     window = list(range(length - 32, length))
     assert run.kept(0) == [t.tolist() + window for t in top]
     assert math.isclose(len(run.kept(0)[0]), prompt_budget)
+
+
+# -- DuoAttention ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("pattern", ["mistral_7b_instruct_v0.2", "llama3.1_8b_instruct"])
+@pytest.mark.parametrize("sparsity", [0.0, 0.25, 0.5, 0.75, 0.9, 1.0])
+def test_duoattention_retrieval_heads_equal_the_release(pattern, sparsity):
+    """`budget_rule=sparsity`: the release's quantile threshold over its noisy gates (seed 42, as its pred.py) picks
+    the same retrieval heads as kvbench's plan, on the release's own shipped patterns (many gates tie at 1.0)."""
+    method = build_method("duoattention", pattern=pattern, budget_rule="sparsity", sparsity=sparsity)
+    plan = method.plan(1000, sequence_length=100000, new_tokens=0, head_dim=128, num_layers=32)
+    theirs = release_retrieval_heads(pattern_path(pattern), sparsity)
+    assert plan.derived["retrieval_head_ids"] == np.flatnonzero(theirs).tolist()
+
+
+def test_duoattention_streaming_heads_keep_the_releases_sink_and_recent():
+    """Tiny pattern (2 layers x 2 KV heads, half streaming): after the prompt and after each decode step every
+    streaming head holds the release's sink + recent and every retrieval head everything; decode outputs agree."""
+    sink, recent, prompt, steps = 4, 32, 200, 4
+    method = build_method("duoattention", pattern="tiny_llama", budget_rule="sparsity", sparsity=0.5, sink=sink,
+                          recent=recent)
+    run = TensorRun(method, 64, 2, 16, 1000)
+    retrieval = release_retrieval_heads(pattern_path("tiny_llama"), 0.5)
+    assert 0 < retrieval.sum() < retrieval.size
+    tensors = [random_layer(layer, Q_HEADS, KV_HEADS, prompt + steps, 16) for layer in range(2)]
+    for layer, (q, k, v) in enumerate(tensors):
+        run.forward(layer, q[:, :prompt], k[:, :prompt], v[:, :prompt], evict=True)
+    run.end_segment(keeps_state=True)
+    for t in range(prompt, prompt + steps + 1):
+        for layer, (q, k, v) in enumerate(tensors):
+            expected = [list(range(t)) if retrieval[layer, h] else streaming_kept(t, sink, recent)
+                        for h in range(KV_HEADS)]
+            assert run.kept(layer) == expected
+            if t == prompt + steps:
+                continue
+            out = run.forward(layer, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], evict=True)[:, 0]
+            for h in range(KV_HEADS):
+                idx = torch.tensor(expected[h] + [t])
+                heads = slice(h * GROUP, (h + 1) * GROUP)
+                ref = attention(q[heads, t], k[h, idx].expand(GROUP, -1, -1), v[h, idx].expand(GROUP, -1, -1), 0.25)
+                torch.testing.assert_close(out[heads], ref, atol=OUT_ATOL, rtol=0)

@@ -1,7 +1,7 @@
-"""SnapKV and PyramidKV as their releases compute them.
+"""SnapKV, PyramidKV and KVCache-Factory's L2Norm as their releases compute them.
 
-- `snapkv_update_kv`: `SnapKVCluster.update_kv` of FasterDecoding/SnapKV, commit e216ddc84c5bd210378cbdbbba12ba02102aa640,
-  `snapkv/monkeypatch/snapkv_utils.py`; the Mistral/Llama hijacks (`snapkv/monkeypatch/mistral_hijack_4_37.py`)
+- `snapkv_update_kv`: `SnapKVCluster.update_kv` of FasterDecoding/SnapKV, commit
+  e216ddc84c5bd210378cbdbbba12ba02102aa640, `snapkv/monkeypatch/snapkv_utils.py`; the Mistral/Llama hijacks (`snapkv/monkeypatch/mistral_hijack_4_37.py`)
   repeat K/V to every query head *before* it ("[SnapKV] move to ahead"), so with GQA each query head selects
   and stores its own tokens. Its LongBench configs (`experiments/LongBench/config/*_w32_k7_maxpool.json`): window
   32, max-pool kernel 7.
@@ -13,6 +13,8 @@
 - `pyramid_capacity`: `PyramidKVCluster.update_kv` of the same KVCache-Factory commit and file: the layer's
   outside-window count, including the branch where a prompt shorter than 2 * (capacity - window) falls back to
   SnapKV's uniform count.
+- `l2norm_keep`: `L2NormCluster.update_kv` of the same commit and file (KeyL2Norm, Devoto et al. 2024): the keys
+  sorted by ascending L2 norm (`argsort`), the first `capacity` kept in that order, no window.
 
 The release's arithmetic, step by step: logits `q @ k^T / sqrt(D)` over the window's queries and every key;
 `finfo.min` added above the window's causal diagonal; softmax in float32 (then the model's dtype: float32
@@ -88,3 +90,11 @@ def pyramid_capacity(layer_idx: int, num_layers: int, capacity: int, window: int
     if length < (capacity - window) * 2:  # the release's middle branch: SnapKV's uniform count
         return capacity - window
     return max_num - layer_idx * steps
+
+
+def l2norm_keep(k: torch.Tensor, capacity: int) -> torch.Tensor:
+    """`[H, capacity]` kept indices in the release's order (ascending key norm), or every index when it fits."""
+    length = k.shape[1]
+    if length < capacity:
+        return torch.arange(length).expand(k.shape[0], length)
+    return torch.norm(k, p=2, dim=-1).argsort(dim=-1)[:, :capacity]
