@@ -1,10 +1,10 @@
 """SnapKV, PyramidKV and KVCache-Factory's L2Norm as their releases compute them.
 
 - `snapkv_update_kv`: `SnapKVCluster.update_kv` of FasterDecoding/SnapKV, commit
-  e216ddc84c5bd210378cbdbbba12ba02102aa640, `snapkv/monkeypatch/snapkv_utils.py`; the Mistral/Llama hijacks (`snapkv/monkeypatch/mistral_hijack_4_37.py`)
-  repeat K/V to every query head *before* it ("[SnapKV] move to ahead"), so with GQA each query head selects
-  and stores its own tokens. Its LongBench configs (`experiments/LongBench/config/*_w32_k7_maxpool.json`): window
-  32, max-pool kernel 7.
+  e216ddc84c5bd210378cbdbbba12ba02102aa640, `snapkv/monkeypatch/snapkv_utils.py`; the Mistral/Llama hijacks
+  (`snapkv/monkeypatch/mistral_hijack_4_37.py`) repeat K/V to every query head *before* it ("[SnapKV] move to
+  ahead"), so with GQA each query head selects and stores its own tokens. Its LongBench configs
+  (`experiments/LongBench/config/*_w32_k7_maxpool.json`): window 32, max-pool kernel 7.
 - The same function with `groups > 1` is the kv_head mode of Zefan-Cai/KVCache-Factory, commit
   c97f9d706d63d1b56e980f8b81b2a924c21162b3, `pyramidkv/pyramidkv_utils.py` (`_grouped_window_attn_cache`,
   `_reduce_group_scores`, `_select_topk_kv`): the keys are repeated only for the score matmul, the window sums
