@@ -65,7 +65,7 @@ def test_every_static_methods_decode_step_compiles_for_an_h100():
 
 def h100_verdicts() -> dict[str, bool]:
     """Whether inductor and Triton on an H100 (torch 2.11, triton 3.6) refused each graph of
-    `scripts/probe_triton_lint.py`: its log, recorded in docs/gpu (section 6)."""
+    `scripts/probe_triton_lint.py`: its log, recorded in docs/journal/gpu.md (section 6)."""
     log = (ROOT / "docs" / "gpu" / "logs" / "probe_triton_lint.log").read_text().splitlines()
     cases = [line.removeprefix("CASE ") for line in log if line.startswith("CASE ")]
     inductor = [line.strip() for line in log if line.startswith("  inductor: ")]
@@ -123,7 +123,7 @@ def test_what_triton_refuses_on_a_gpu_is_refused_here_naming_the_kernel(tmp_path
 def test_the_rotary_embeddings_rotate_half_is_one_kernel_as_a_gpu_lowers_it():
     """`gpu_lowering_rules`: inductor's CPU rule copies each input of a `cat` by a kernel of its own, so the rotary
     embedding (`x cos + cat(-x2, x1) sin`) became three kernels where a GPU's compile makes one (the H200's
-    profile names the rotary kernels `..._cat_cos_mul_neg_sin_...`, docs/gpu section 7). Generated as for a GPU,
+    profile names the rotary kernels `..._cat_cos_mul_neg_sin_...`, docs/journal/gpu.md section 7). Generated as for a GPU,
     it is one kernel; the rules are undone on leaving (inductor's own table is the CPU's again)."""
     program = textwrap.dedent("""
         import torch

@@ -253,7 +253,7 @@ def test_stacked_projections_bench_runs_the_models_stacking_at_tiny_shapes():
 
 
 def test_bisection_counts_replay_the_kernels_early_stop():
-    """`stable_topk_bisection_counts.py` (docs/gpu section 8b's counts): fewer than 32 counts on distinct fp32 rows,
+    """`stable_topk_bisection_counts.py` (docs/journal/gpu.md section 8b's counts): fewer than 32 counts on distinct fp32 rows,
     never more than 32."""
     proc = script("stable_topk_bisection_counts.py", "--rows", "3")
     rows = re.findall(r"^(.+?)\s+([\d.]+)\s+(\d+)\s+(\d+)$", proc.stdout, re.M)

@@ -316,7 +316,7 @@ class PooledCudaApi:
 def test_a_capture_after_the_last_loops_graphs_were_freed_succeeds(monkeypatch):
     """Each decode loop's CUDA graph is freed with its loop; the next loop (the next sample, method or length) must
     capture again. With one pool token shared by every capture, the second capture failed on an H100 (torch 2.11)
-    and every capture, compile and random draw after it in the process (docs/gpu, section 6): each graph now has
+    and every capture, compile and random draw after it in the process (docs/journal/gpu.md, section 6): each graph now has
     its own pool. After a failed capture, nothing more is captured (its reason is kept)."""
     api = PooledCudaApi()
     for name in ("CUDAGraph", "Stream", "current_stream", "graph_pool_handle", "stream"):

@@ -21,7 +21,7 @@ def launch_distinct_rows(idx: torch.Tensor, length: int) -> torch.Tensor:
     returns the word as it was, so of the indices that share a slot (in one program or in several) exactly one
     finds its bit clear: it alone is counted, and the programs add their counts atomically. Two launches (the
     zeroing and this), where the reference's zeroed `[R, length]` mask, scatter and int64 sum were three, the
-    scatter and the sum 6 us each per layer of Exact-TopK's compiled step on an H200 (docs/gpu section 7)."""
+    scatter and the sum 6 us each per layer of Exact-TopK's compiled step on an H200 (docs/journal/gpu.md section 7)."""
     rows, m = idx.shape
     words = triton.cdiv(length, 64)
     scratch = torch.zeros(rows * words + 1, dtype=torch.int64, device=idx.device)

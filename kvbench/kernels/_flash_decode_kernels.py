@@ -124,7 +124,7 @@ def _flash_decode_split_kernel(
             p = tl.exp2(s - m_ref[:, None])
             vt = tl.load(v_ptr + rows[:, None] * s_vn + d[None, :] * s_vd, mask=tile, other=0.0)
             # the probabilities stay fp32: a bf16 cast (flash attention's) costs a whole bf16 ulp of the output,
-            # and one TF32 product (10 bits of p) was 1e-4 off on an H100 (docs/gpu); three TF32 products
+            # and one TF32 product (10 bits of p) was 1e-4 off on an H100 (docs/journal/gpu.md); three TF32 products
             # (tf32x3) are fp32's rounding on tensor cores. Decoding is bound by the reads, not these products
             if IEEE:
                 pv = tl.dot(p, vt.to(tl.float32), input_precision="ieee")

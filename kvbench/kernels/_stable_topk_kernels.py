@@ -22,7 +22,7 @@ def launch_stable_topk(scores: torch.Tensor, k: int, block: int | None = None, o
     Each score is mapped to its 32 order-preserving bits (`descending_keys`' high half). The k-th highest's bits
     T are found by bisection over the 2^32 bit patterns, at most 32 counts of the scores at or above a midpoint,
     each a reduction over the registers (the previous kernel's radix select counted 256-bin histograms in 4
-    passes over global memory, and histograms cost a Triton program far more than sums: docs/gpu section 7); it
+    passes over global memory, and histograms cost a Triton program far more than sums: docs/journal/gpu.md section 7); it
     stops early at a midpoint with exactly k scores at or above it. Then the
     scores above T and the first `need` equal to T in index order (which tied rows a stable sort keeps: the
     lowest indices) are written in index order, by a cumulative sum.

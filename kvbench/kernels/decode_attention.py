@@ -22,7 +22,7 @@ tensors live and their dtype; every choice computes the same function, documente
 - **CUDA**: a ragged layer runs the Triton kernel (`ragged_decode_attention_triton`); a uniform one runs SDPA
   restricted to the flash, memory-efficient and math backends. (The compiled decode step on the static layout
   runs neither: its dense attention is the split-K operator of `kvbench.kernels.flash_decode`.) cuDNN's backend is left out for decode: it
-  builds a new plan for every new KV length, which cost more than the attention itself on an H100 (docs/gpu).
+  builds a new plan for every new KV length, which cost more than the attention itself on an H100 (docs/journal/gpu.md).
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@
 The reference marks the selected slots in a zeroed `[H, length]` mask and sums it: three small ATen calls, about
 18 us per layer at 8K tokens on two CPU cores. Inductor compiled the same three ops into two OpenMP regions per
 layer that mostly wait for the second core: 113-196 us per layer, 3.4 ms of a compiled bf16 Exact-TopK step at
-8K (docs/efficiency/decode_floor.md). Inside `torch.compile` the count is therefore one opaque op
+8K (docs/journal/cpu_decode.md). Inside `torch.compile` the count is therefore one opaque op
 (`kvbench::distinct_rows`); outside it the op's work is called directly.
 
 On CUDA the op is a Triton kernel (`_distinct_rows_kernels`: a bitmap of the slots set by atomic ORs, each slot
 counted by the one index that set its bit), exact like the reference. On an H200 the reference's scatter and
-int64 sum took 12 us per layer of Exact-TopK's compiled step (docs/gpu section 7): a cost of the harness's
+int64 sum took 12 us per layer of Exact-TopK's compiled step (docs/journal/gpu.md section 7): a cost of the harness's
 traffic count, not of the method. Not yet run on a GPU; a launch that raises logs one line and the reference
 runs from then on (`LaunchFallback`).
 """

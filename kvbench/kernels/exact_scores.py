@@ -2,13 +2,13 @@
 the top-k recall metric).
 
 On CUDA (eager and compiled alike) the `kvbench::group_scores` operator computes them, reading each key once
-per KV group as one tensor-core product (docs/gpu section 7: inductor's reduction below ran at 3.6x the time of
+per KV group as one tensor-core product (docs/journal/gpu.md section 7: inductor's reduction below ran at 3.6x the time of
 reading the keys once on an H200). On the CPU the reference is one batched product over keys converted to
 float32; inside `torch.compile` (the compiled decode step) it is one reduction per query head of the group,
 which inductor compiles into a kernel that reads the keys in their own dtype: the product, at 3 query heads x
 8K keys x 64 dimensions per KV head, runs at a fifth of the memory's rate on two CPU cores (MKL's small-M case)
 and, in bfloat16, after a float32 copy of every key; the reductions took 190 us (fp32) / 250 us (bf16) per
-layer against 370-440 for the compiled product in a 30-layer micro-benchmark (docs/efficiency/decode_floor.md). The products are exact in float32 either way
+layer against 370-440 for the compiled product in a 30-layer micro-benchmark (docs/journal/cpu_decode.md). The products are exact in float32 either way
 (bf16 x bf16 fits a float32 mantissa); only the order of the sums differs.
 """
 

@@ -3,7 +3,7 @@
 The static layout (`kvbench.cache.static`) keeps each KV head's rows at a fixed capacity with its length on the
 device (`fill`), so that a decode step is one graph at every step. Attention written in PyTorch over that
 layout (`decode_attention.static_decode_attention`) has to read the whole capacity and mask what is past
-`fill`, and inductor's code for it read K/V at a ninth of an H100's bandwidth (docs/gpu). This kernel reads only
+`fill`, and inductor's code for it read K/V at a ninth of an H100's bandwidth (docs/journal/gpu.md). This kernel reads only
 each head's first `fill[h]` rows, each K/V row once per KV group (the group's query heads are one tensor-core
 product), split along the rows so that a long head is read by many programs at once, then merges the splits
 by log-sum-exp (the flash-decoding scheme of Dao et al., 2023; FlashInfer's and gpt-fast's decode kernels do
@@ -21,7 +21,7 @@ Why a Triton kernel and not PyTorch's `flex_attention` (which also splits K/V fo
 block mask, and compiles natively): the layout's per-head lengths live in a device tensor that changes at every
 step, which a flex block mask can only express by being rebuilt per step (or as a `mask_mod` that still visits
 every block of the capacity), and a ragged layer's heads do not start at multiples of one stride. The
-measurement against flex_attention, inductor's code and SDPA is `scripts/bench_flash_decode.py` (docs/gpu).
+measurement against flex_attention, inductor's code and SDPA is `scripts/bench_flash_decode.py` (docs/journal/gpu.md).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ embedding (`cos`/`sin` of position x inverse frequency, then `q * cos + rotate(q
 inductor lowers a product with a single query row on CPU to a multiply-and-sum, so an attention over gathered
 rows recomputes the rotation, transcendental functions included, for every row it reads. In a compiled bf16
 RocketKV step at 8K on two CPU cores that was 330 us of a layer's attention over 128 selected tokens
-(docs/efficiency/decode_floor.md). Passing the query through `realized` computes it once into its own buffer
+(docs/journal/cpu_decode.md). Passing the query through `realized` computes it once into its own buffer
 (`kvbench.kernels.sparse_attention.topk_attention_traced` does where its products have one query row);
 outside `torch.compile` it is the tensor itself, so the eager path is untouched.
 """

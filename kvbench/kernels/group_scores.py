@@ -4,7 +4,7 @@ Exact-TopK ranks every key by its exact logit (`kernels.exact_scores`), SparQ by
 dimensions of largest |q| (`kernels.reduced_scores`). Both are one product of the group's query heads with the
 keys. Inside the compiled step on an H200 they were inductor's code: Exact-TopK's a reduction at 3.6x the time
 of reading the layer's keys once, SparQ's an fp32 GEMM after a gather of the chosen rows, 27 us a layer for
-reads of under 1 us (docs/gpu section 7). The kernel here reads each key (or each chosen dimension's row of the
+reads of under 1 us (docs/journal/gpu.md section 7). The kernel here reads each key (or each chosen dimension's row of the
 transposed keys) once per KV group, as one tensor-core product with the group padded to 16 rows, as
 `kvbench.kernels.flash_decode` does. It is registered as a PyTorch operator (`kvbench::group_scores`, with a fake
 implementation), so that the compiled step captures it as one node; on CUDA the eager path runs the same

@@ -94,7 +94,7 @@ def page_scores_traced(
     Over every dimension (Quest's bound, dims None), each query head's bound is one reduction over the head
     dimension of q times the bound its sign picks, which inductor generates as one kernel reading the bounds in
     their own dtype. The reference's two products were, on an H100, two fp32 copies of both bounds and two
-    cuBLAS batched GEMVs at every step: 14 us per layer of Quest's step for 2.6 MB of bounds (docs/gpu,
+    cuBLAS batched GEMVs at every step: 14 us per layer of Quest's step for 2.6 MB of bounds (docs/journal/gpu.md,
     section 5).
 
     With chosen dimensions (HSA's, RocketKV's), the query is zeroed outside them instead of the bounds being
@@ -125,7 +125,7 @@ def page_scores_by_group_scores(
     the chosen dimensions: each product reads the chosen dimensions of one bound, the bounds transposed by a
     view (`[H, D, P]`), once per KV group, on tensor cores, with no fp32 copy of either bound. What it replaces:
     eagerly, a per-query-head Triton kernel (40 us for 16 of 128 dimensions of 8 x 8,192 pages, 66 us for
-    Quest's bound over 8 x 2,048 pages, on an H100: docs/gpu section 2); in the compiled step, inductor's
+    Quest's bound over 8 x 2,048 pages, on an H100: docs/journal/gpu.md section 2); in the compiled step, inductor's
     reduction with the rotary embedding inlined (Quest: 11 us a layer for 2.6 MB of bounds on an H200, section
     7), and for HSA's and RocketKV's chosen dimensions two fp32 copies of both bounds and two batched GEMVs.
     A dimension chosen twice must have one sign (every caller's sign is that of q, or of its group sum, there)."""

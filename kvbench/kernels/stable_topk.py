@@ -3,7 +3,7 @@
 The selection methods pick their rows with it (`kvbench.methods.common.pages`: Quest's and HSA's pages, SparQ's,
 RocketKV's and Exact-TopK's tokens). The reference is one `topk` of `descending_keys`: int64 keys, all distinct,
 whose descending order is the stable descending order of the scores. On an H100 that int64 `topk` was the
-largest single kernel of Quest's selection (docs/gpu section 5: 104 us of its compiled step over 8 x 640
+largest single kernel of Quest's selection (docs/journal/gpu.md section 5: 104 us of its compiled step over 8 x 640
 pages; the token-level methods run it over rows of 40K-160K slots): PyTorch's radix select passes over the
 row once per radix digit of the key, twice as many digits for 64 bits as for 32.
 
@@ -17,7 +17,7 @@ interpreter, in the tests.
 
 `ordered=False` asks for the same indices in any order that depends only on the scores: the token-level
 selections (`methods.common.pages.top_tokens`) attend to a set, and the sort of the k chosen in stable
-descending order was a large part of the kernel's time on an H200 (docs/gpu section 7). The kernel then returns
+descending order was a large part of the kernel's time on an H200 (docs/journal/gpu.md section 7). The kernel then returns
 them in ascending index order; the reference, which sorts anyway, in its own order, so the CPU path is unchanged.
 
 This kernel has not yet run on a GPU (written in a session without one; `gpu_session.sh selection` checks and

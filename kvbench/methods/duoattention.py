@@ -235,7 +235,7 @@ class DuoAttention(EvictionMethod):
         for this run's seed: one fixed pattern per run, every sample the same. On `device` (default the host), kept
         there: the compiled step reads it where it is, since a copy from pageable host memory inside a captured
         CUDA graph is refused (`Cannot copy between CPU and CUDA tensors during CUDA graph capture`, an H100:
-        docs/gpu, section 6), and `keep` puts it there before any decode step."""
+        docs/journal/gpu.md, section 6), and `keep` puts it there before any decode step."""
         layers = self.gates.shape[0]
         dense = [i for i in range(layers) if self.is_dense_layer(i)]
         device = torch.device(device or "cpu")

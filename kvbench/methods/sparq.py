@@ -174,7 +174,7 @@ class SparQ(Method):
         estimate = heads * (group if self.granularity == "head" else 1) * r * state.length
         mean_value = heads * layer.head_dim if self.reallocation else 0
         if self.granularity == "group":  # a group's k distinct tokens: what `distinct_rows` would count, without
-            # its zeroed mask, scatter and sum (two of a compiled step's kernels per layer on an H200, docs/gpu)
+            # its zeroed mask, scatter and sum (two of a compiled step's kernels per layer on an H200, docs/journal/gpu.md)
             attended = 2 * layer.head_dim * heads * selection.idx.shape[-1]
         else:
             attended = super().step_traffic(layer, selection, step)

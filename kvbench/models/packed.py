@@ -41,7 +41,7 @@ def pack_projections(model: torch.nn.Module) -> None:
     A decode step's products are matrix-vector products, one cuBLAS launch each and, for the smaller ones, a
     split of the sum and its reduction: on an H200 at Llama-3.1-8B's widths, 7 products and 5 reductions a
     layer; the key and value projections (8 MB of weights each) took 5.3 us where their bytes take 2.2
-    (docs/gpu section 7). Stacked, a layer's attention block reads its three weights in one product and the MLP
+    (docs/journal/gpu.md section 7). Stacked, a layer's attention block reads its three weights in one product and the MLP
     its two: 4 products a layer. The products' outputs are the same sums over the same weights; cuBLAS chooses
     its kernel, and how it splits a sum, by the product's shape, so a stacked output may differ from the
     separate one in its last bits: float32 models are never stacked (full-cache float32 runs stay bitwise
@@ -70,7 +70,7 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """`x @ weight.T + bias` with a weight in oneDNN's blocked layout. Inside `torch.compile` (the compiled decode
     step) through `kvbench::blocked_linear`, an opaque op that calls the same oneDNN product: inductor cannot lower
     `mkldnn._linear_pointwise` on a weight blocked outside its own freezing pass, and its own bf16 products read
-    the weights slower than these (decode_floor.md)."""
+    the weights slower than these (docs/journal/cpu_decode.md)."""
     if torch.compiler.is_compiling():
         return _blocked_linear_op(x, weight, bias)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
