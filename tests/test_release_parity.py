@@ -19,12 +19,14 @@ import torch
 from release_refs.duoattention import release_retrieval_heads, streaming_kept
 from release_refs.h2o import H2OLayer
 from release_refs.harness import TensorRun, attention, jaccard, random_layer
+from release_refs.minference import vertical_slash as minference_vertical_slash
 from release_refs.rocketkv import release_plan, snapkv_plus_plus
 from release_refs.snapkv import l2norm_keep, pyramid_capacity, repeat_kv, snapkv_update_kv
 from release_refs.sparq import sparq_decode
 from release_refs.streaming_llm import rope_attention_output, start_recent_indices
 from release_refs.tova import TOVALayer
 
+from kvbench.attention.minference import LAST_Q, MInference, estimate_vertical_slash
 from kvbench.methods import build_method
 from kvbench.methods.duoattention import pattern_path
 from kvbench.methods.rocketkv import rocket_plan
@@ -396,3 +398,22 @@ def test_duoattention_streaming_heads_keep_the_releases_sink_and_recent():
                 heads = slice(h * GROUP, (h + 1) * GROUP)
                 ref = attention(q[heads, t], k[h, idx].expand(GROUP, -1, -1), v[h, idx].expand(GROUP, -1, -1), 0.25)
                 torch.testing.assert_close(out[heads], ref, atol=OUT_ATOL, rtol=0)
+
+
+# -- MInference (sparse prefill's pattern estimate) --------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("length,vertical,slash", [(300, 40, 110), (400, 64, 140), (700, 100, 250), (50, 30, 50)])
+def test_minference_vertical_slash_estimate_equals_the_release(seed, length, vertical, slash):
+    """Every query head's vertical keys and slash diagonals, sized as the engine's prefill sizes them
+    (`MInference.head_sizes`), equal the release's (K/V repeated to the query heads, one head at a time). Sizes
+    above the 30 keys and 100 diagonals always kept, so that the top-k decides; 50 tokens: everything."""
+    q, k, _ = random_layer(seed, Q_HEADS, KV_HEADS, length, 32)
+    prefill = MInference(vertical_size=vertical, slash_size=slash)
+    for head in range(Q_HEADS):
+        v_size, s_size = prefill.head_sizes(0, head, length)
+        columns, offsets = estimate_vertical_slash(q[head, -min(LAST_Q, length):], k[head // GROUP], 32 ** -0.5,
+                                                   v_size, s_size)
+        ref_columns, ref_offsets = minference_vertical_slash(q[head], k[head // GROUP], vertical, slash)
+        assert columns.tolist() == sorted(ref_columns.tolist())
+        assert offsets.tolist() == sorted(ref_offsets.tolist(), reverse=True)
