@@ -1,4 +1,4 @@
-"""The README's table of the five papers' results (section "The five papers' results") against the presets in
+"""The table of the five papers' results (docs/papers.md, section "The five papers' results") against the presets in
 kvbench/conf/experiment/, both ways: every preset it names exists with its `_cpu` twin and every claim it names is a
 `kvbench analyze` claim; every paper preset (not `demo`, not `claims_*`, not a twin) appears in it; every row names a
 preset or a claim, or says why there is none; and the rows cover each paper's numbered tables and figures, each
@@ -16,7 +16,7 @@ EXPERIMENTS = {p.stem for p in (REPO / "kvbench" / "conf" / "experiment").glob("
 PAPER_PRESETS = {n for n in EXPERIMENTS if n != "demo" and not n.startswith("claims_") and not n.endswith("_cpu")}
 HEADING = "## The five papers' results"
 COLUMNS = ["Paper", "Result", "Preset or claim", "Note, or why there is none"]
-# The numbered figures and tables of each paper (its full text, appendices included: /work/shared/seeds/), and the
+# The numbered figures and tables of each paper (its full text, appendices included; docs/papers.md names them), and the
 # prefix its presets and claims carry.
 PAPERS = {"RocketKV": ("rocketkv", 12, 21), "KeyDiff": ("keydiff", 19, 15), "CTKVR": ("ctkvr", 14, 15),
           "Ada-KV": ("adakv", 12, 15), "OmniKV": ("omnikv", 9, 14)}
@@ -25,8 +25,8 @@ NONE = "—"
 
 def rows() -> list[dict[str, str]]:
     """The table's rows as {column: cell}; fails when the section or its header is not where it should be."""
-    text = (REPO / "README.md").read_text()
-    assert text.count(HEADING) == 1, f"README.md has no single section {HEADING!r}"
+    text = (REPO / "docs" / "papers.md").read_text()
+    assert text.count(HEADING) == 1, f"docs/papers.md has no single section {HEADING!r}"
     lines = text.split(HEADING, 1)[1].splitlines()
     table = [line for line in _first_block(lines)]
     header, rule, *body = table
@@ -95,7 +95,7 @@ def test_named_presets_exist_with_twins_and_named_claims_are_claims():
 
 def test_every_paper_preset_is_in_the_table():
     listed = {name for row in rows() for name in named(row["Preset or claim"])}
-    assert PAPER_PRESETS - listed == set(), "presets the README's results table does not name"
+    assert PAPER_PRESETS - listed == set(), "presets the results table of docs/papers.md does not name"
 
 
 @pytest.mark.parametrize("paper", sorted(PAPERS))
