@@ -7,8 +7,9 @@ window, averaged) over the tokens before the window; the share of those tokens w
 0-50%). The effect is the median head's share.
 
 Verdict rule: holds when the median head needs at most 5% of the tokens ("most heads reach ~1.0 with ~5% of
-entries") and the heads are heterogeneous: on average at least one head in twenty needs 20% or more ("a
-minority needs >= 20-50%", specs/adakv.md §7.5).
+entries") and the heads are heterogeneous: on average at least one head in twenty needs 20% or more (Ada-KV
+Fig. 1's "dispersed heads ... need significant larger cache proportions"; the paper gives no share, the 20% is
+kvbench's threshold).
 """
 
 from __future__ import annotations

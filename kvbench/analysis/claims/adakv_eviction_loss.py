@@ -9,8 +9,8 @@ the layer's attention output projected by o_proj (the paper's y = W_o o) with th
 kept tokens, for the *future* queries (the decode steps of the full-cache greedy answer, which attend to the
 kept prompt tokens and every generated token), summed over layers and averaged over steps. Each layer gets
 the full-cache run's inputs, so a layer's loss is its own eviction's, not an earlier layer's carried forward
-(the paper's layer-wise bound, Thm 3.1, is of that kind; which queries and layers Fig. 3 sums is not stated:
-specs/adakv.md §8.10).
+(the paper's layer-wise bound, Thm 3.1, is of that kind; which queries and layers Fig. 3 sums is not stated
+in Ada-KV §3: this is kvbench's reading).
 
 The effect of a sample is 1 when adaptive's loss is lower, else 0: the mean is the share of samples where
 adaptive wins. Verdict rule: holds when that share is above one half ("lower on most samples").

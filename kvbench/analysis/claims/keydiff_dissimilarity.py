@@ -8,7 +8,8 @@ heads (the window's own keys are left out: not every window query sees them). Sp
 key's cosine to the anchor and its attention; the paper's claim is a negative correlation. The effect is the
 share of heads with rho < 0.
 
-Verdict rule: holds when that share is above one half ("a clear majority of heads", specs/keydiff.md E1).
+Verdict rule: holds when that share is above one half (KeyDiff §3.1 states the correlation without a share of
+heads; one half is kvbench's threshold).
 The record also carries the mean attention of the least and most similar deciles.
 """
 

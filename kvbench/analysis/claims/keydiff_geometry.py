@@ -4,7 +4,7 @@ norms, the geometry behind KeyDiff's score).
 
 Per sample and (layer, KV head): the cosine between the mean post-RoPE key and the mean post-RoPE query of the
 group, over the prompt; also the median cosine of keys to their mean and of queries to theirs, and the
-coefficient of variation of key and query norms (specs/keydiff.md E2). The effect is the share of heads with a
+coefficient of variation of key and query norms (KeyDiff App. C.3, Figs. 13-15). The effect is the share of heads with a
 negative mean-key/mean-query cosine.
 
 Verdict rule: "across all heads" is read as at least 90% of heads.

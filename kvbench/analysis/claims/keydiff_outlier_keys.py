@@ -4,8 +4,8 @@ is what gives them large attention weights (the mechanism behind an attention-fr
 Per sample and (layer, KV head), over the prompt: each key's cosine to the mean query of the group's query heads,
 cos(k_j, mean q), averaged over the top 1% of keys by KeyDiff's score (the farthest in angle from the mean key)
 and over the rest. The effect is the share of heads where the top keys are the more aligned. The record also
-carries, per head, Spearman's rho between cos(k_j, mean k) and cos(k_j, mean q) over every key (specs/keydiff.md
-E3 expects it negative too; the paper's sentence is about the farthest keys, which is what the verdict reads).
+carries, per head, Spearman's rho between cos(k_j, mean k) and cos(k_j, mean q) over every key (expected
+negative too; KeyDiff App. C.3's sentence on Fig. 16 is about the farthest keys, which is what the verdict reads).
 
 Verdict rule: "for all attention heads" (App. C.3's summary) is read as at least 90% of heads, as
 keydiff_geometry reads it.

@@ -1,4 +1,4 @@
-"""OmniKV §3 (P3 of specs/omnikv.md): decode attention is sparse: beyond the first layers a few percent of the
+"""OmniKV §3 (Insights): decode attention is sparse: beyond the first layers a few percent of the
 prompt's tokens hold most of it, while layers 0-1 are markedly less sparse (why OmniKV keeps them dense).
 
 Per sample, layer, decode step and query head: the share of the prompt's tokens whose largest attention weights
