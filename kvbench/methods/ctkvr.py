@@ -1,6 +1,7 @@
-"""CTKVR (Lu et al.; seed paper 002): centroid-then-token KV retrieval over a query-centric inverted file.
+"""CTKVR (Lu et al., "CTKVR: Efficient KV Cache Retrieval for Long-Context LLMs via Centroid-then-Token
+Indexing"): centroid-then-token KV retrieval over a query-centric inverted file.
 
-Nothing is dropped. When the prompt's prefill ends, per layer (Algorithm 1, specs/ctkvr.md §2.2):
+Nothing is dropped. When the prompt's prefill ends, per layer (CTKVR §3.1.1, Algorithm 1):
 
 - the last C post-RoPE queries become centroids, C = min(`max_centroids`, s // 16) (`centroid_positions`:
   final; Table 4's ablation takes them from the start (init), evenly spaced (equi) or at random positions drawn

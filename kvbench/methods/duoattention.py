@@ -25,7 +25,7 @@ smollm2_135m, tiny_llama and tiny_qwen3 (CPU-sized; the sidecar has the settings
 
 How many heads retrieve (`budget_rule`):
 
-- `rocketkv` (default; RocketKV's comparison, specs/rocketkv.md §4): t is the budget per KV head, S the sample's
+- `rocketkv` (default; RocketKV's comparison, its App. A.3): t is the budget per KV head, S the sample's
   prompt plus its generation budget (the Plan's sequence_length). If t > 640: streaming heads keep 128 sinks +
   512 recent tokens, and round(rho * N) of the N KV heads of the model retrieve, rho = (t - 640) / (S - 640), so
   that the mean per-head cache over all heads is t. If t <= 640: every head streams, with sink = 128 if t > 256
@@ -49,7 +49,8 @@ traffic over what is stored.
 
 Departures from the release, and why:
 - Prefill is dense: every head attends to the whole prompt, then streaming heads are cut (kvbench applies no
-  method during prefill, specs/rocketkv.md §8.9; the release's prefill already streams in those heads).
+  method during prefill, as RocketKV's App. A.3 states for every baseline; the release's prefill already
+  streams in those heads).
   `block_size` runs it block-wise instead (streaming heads cut after every block, closer to the release's chunked
   prefill, whose streaming heads see sink + recent + the chunk).
 - `dense_layers` heads count as retrieval heads (they keep everything), so the RocketKV rule still averages t:

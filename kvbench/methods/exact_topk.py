@@ -5,8 +5,8 @@ At every decode step each query head computes exact q.K^T over the whole cache a
 RocketKV's `topk.py`, selection is per query head (`granularity=head`), so a GQA group may touch up to
 G*budget distinct tokens; `granularity=group` shares one selection per KV group, ranked by the sum of the
 group's softmax probabilities; `granularity=group_max` ranks by their max, which is CTKVR's FLAT baseline (an
-exact linear scan attending to the top-1024 keys, specs/ctkvr.md §4: "the same max-over-group aggregation" as
-CTKVR's rerank; `kvbench/conf/method/exact_topk_flat.yaml`). Nothing is evicted; with budget >= cache length it is
+exact linear scan attending to the top-1024 keys, CTKVR §4.1.2, which does not say how it aggregates a GQA
+group: kvbench takes the max over the group, as CTKVR's rerank does; `kvbench/conf/method/exact_topk_flat.yaml`). Nothing is evicted; with budget >= cache length it is
 exactly full attention.
 
 Its cost model counts what it attends (RocketKV's oracle), not the keys it reads to rank them

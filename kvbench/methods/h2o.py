@@ -7,7 +7,7 @@ column sums. The accumulator is token state in the cache (`layer.token_tensor("h
 with the keys, so a kept token keeps its history and a new one starts at zero.
 
 `recent_ratio` reserves that share of the budget for the most recent tokens. The KeyDiff paper's baseline
-(specs/keydiff.md §8.6) is pure accumulated attention, the default 0; the original H2O splits the budget
+(KeyDiff §4, App. F.2) is pure accumulated attention, the default 0; the original H2O splits the budget
 half and half between heavy hitters and recent tokens (its scripts use heavy_ratio = recent_ratio = 0.1 of
 the prompt): `recent_ratio=0.5`. Under block-wise prefill fresh tokens have been seen by fewer queries and
 are evicted first, which is why H2O does so badly in KeyDiff's block setting.

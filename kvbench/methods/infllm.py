@@ -1,6 +1,6 @@
 """InfLLM (Xiao et al. 2024, arXiv 2402.04617; code thunlp/InfLLM): a block memory in host memory with
 representative keys, an LRU device cache of blocks, and attention over initial tokens, a local window and the
-retrieved blocks (OmniKV's baseline, specs/omnikv.md §5). Nothing is dropped.
+retrieved blocks (OmniKV's baseline, its App. C). Nothing is dropped.
 
 Per layer (the repo's `ContextManager`): the first `n_init` tokens stay resident, and so do the last `n_local`
 (the local window: tokens at distance < n_local from the current one). Between them, every full block of

@@ -1,8 +1,9 @@
-"""KeyDiff (Park et al. 2025, seed paper 001): evict by key geometry alone, block-wise by default.
+"""KeyDiff (Park et al. 2025, "KeyDiff: Key Similarity-Based KV Cache Eviction for Long-Context LLM Inference in
+Resource-Constrained Environments"): evict by key geometry alone, block-wise by default.
 
 Per layer and KV head, an anchor is computed from all stored keys (the old cache plus the new block), each
 key is scored by its dissimilarity to it, and the `budget` most dissimilar keys are kept
-(specs/keydiff.md §2.3-2.5). No attention weights are needed, so it works with any attention kernel.
+(KeyDiff §3.2, Eq. 7, and its sliding-window variant). No attention weights are needed, so it works with any attention kernel.
 
 - `anchor`: `mean_raw` (mean of the post-RoPE keys; the main text's "unnormalized keys", the spec's §8.1
   default), `mean_normalized` (mean of the unit keys: ranks exactly as `pairwise`, kvpress's choice),

@@ -1,7 +1,7 @@
 """MagicPIG (Chen et al. 2024, "MagicPIG: LSH Sampling for Efficient LLM Generation", arXiv 2410.16179; code
 Infini-AI-Lab/MagicPIG, `models/attnserver.py` `LSHSparseAttnServer`, `library/lsh/lsh.cc`,
 `library/sparse_attention/sparse_attention.cc`): attention estimated by importance sampling, the samples drawn
-by SimHash locality-sensitive hashing over keys kept in host memory (CTKVR's baseline, specs/ctkvr.md §4).
+by SimHash locality-sensitive hashing over keys kept in host memory (CTKVR's baseline, its §4.1.2).
 
 When the prompt's prefill ends, per layer (`keep` at the segment's end, as the code's `fill` + `build_table`):
 

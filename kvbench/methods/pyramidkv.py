@@ -1,7 +1,7 @@
 """PyramidKV (Cai et al. 2024; Zhang et al. 2024a in Ada-KV's citations): SnapKV with budgets that shrink
 with depth.
 
-The schedule is the PyramidKV code's (specs/adakv.md §2.4, beta 20): with b = budget - window outside-window
+The schedule is the PyramidKV code's (as Ada-KV's Ada-Pyramid uses it, Ada-KV §3.4; beta 20): with b = budget - window outside-window
 slots per head on average and n = tokens seen - window candidates,
 
     min_num = b // beta;  max_num = 2b - min_num

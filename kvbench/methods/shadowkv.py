@@ -1,6 +1,6 @@
 """ShadowKV (Sun et al. 2024, arXiv 2410.21465; code bytedance/ShadowKV): low-rank pre-RoPE keys on the device,
 values in host memory, and a sparse attention over the chunks whose landmarks score highest (CTKVR's baseline,
-specs/ctkvr.md §4).
+its §4.1.2).
 
 When the compressed segment ends, per layer (the repo's `ShadowKVCache.prefill_kv_cache` and `get_svd`):
 

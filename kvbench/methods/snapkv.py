@@ -11,7 +11,7 @@ Ada-SnapKV differ only in budget allocation. The original SnapKV code and kvpres
 `pooling=avg` for it. RocketKV's stage 1 uses kernel 63 with window sums (sum and mean rank identically).
 When `budget <= window` the head keeps only the last `budget` tokens (the window no longer fits).
 
-`granularity=head` is RocketKV's SnapKV baseline (specs/rocketkv.md §4): no GQA sharing, each query head
+`granularity=head` is RocketKV's SnapKV baseline (RocketKV App. A.3): no GQA sharing, each query head
 keeps its own `budget // G` tokens (window included), so a group still stores `budget` tokens, as G
 separate copies: every KV head is split into one stored head per query head, and the bytes say so.
 

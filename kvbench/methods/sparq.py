@@ -1,5 +1,5 @@
 """SparQ attention (Ribar et al. 2024): estimate the scores from the r largest-|q| head dimensions, attend
-exactly to the top-k tokens, blend with the mean value (RocketKV's baseline, specs/rocketkv.md §4).
+exactly to the top-k tokens, blend with the mean value (RocketKV's baseline, its App. A.3).
 
 Per decode step: the r dimensions of largest |q|; approximate logits q[r] . K[:, r] read from a second,
 transposed copy of the keys (`[H, D, N]`, kept current as tokens are appended: SparQ stores K twice); a

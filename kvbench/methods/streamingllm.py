@@ -2,7 +2,7 @@
 
 Per KV head keep the first `n_sink` tokens and the last `budget - n_sink` stored ones. By default eviction
 happens once at the end of the compressed segment and the cache then grows by one token per step, as in the
-Ada-KV / kvpress evaluation framework (specs/adakv.md §2.5). `decode_every=1` is the paper's rolling window
+Ada-KV / kvpress evaluation framework (Ada-KV §4.1). `decode_every=1` is the paper's rolling window
 (the cache stays at the budget while generating); `block_size` runs it under block prompt processing as the
 KeyDiff paper's Sink baseline.
 """

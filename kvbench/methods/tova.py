@@ -5,7 +5,7 @@ decode token) scores every stored token by its softmax attention (fp32, over all
 included); each KV head keeps its top `budget`, so at a decode step with budget + 1 entries the argmin goes.
 
 `head_agg=group` (default) averages the attention over the query heads of each KV group and selects per KV
-head, as the KeyDiff paper's TOVA baseline (specs/keydiff.md §4, App. F.2). `head_agg=layer` averages over
+head, as the KeyDiff paper's TOVA baseline (KeyDiff §4, App. F.2). `head_agg=layer` averages over
 all heads of the layer and keeps the same tokens in every head, as the TOVA paper and kvpress's TOVAPress do
 (kvpress also always keeps the newest token and scores the rest with its column dropped; here the newest
 token competes by its own attention weight).

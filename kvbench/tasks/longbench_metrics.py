@@ -289,7 +289,7 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def longbench_averages(per_subset_scores: Mapping[str, float]) -> dict[str, float]:
-    """Every headline average the seed papers use, from per-subset scores (each already x100).
+    """Every headline average the five papers (docs/papers.md) use, from per-subset scores (each already x100).
 
     Keys (a key is present only when all the subsets its rule needs are given):
     - `en16_mean`: mean of the 16 English subsets (KeyDiff, Ada-KV "Avg").

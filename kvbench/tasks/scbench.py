@@ -2,7 +2,7 @@
 
 Reimplements the prompt protocol of the released harness (microsoft/MInference `scbench/eval_utils.py`,
 `run_scbench.py`, `args.py`) with `--use_chat_template`, which every released run script passes and which
-RocketKV (the only seed paper on SCBench) follows with Llama-3.1-8B-Instruct. Scorers live in
+RocketKV (the only one of the five papers on SCBench) follows with Llama-3.1-8B-Instruct. Scorers live in
 `kvbench.tasks.scbench_metrics`.
 
 Data: one row per shared context, `{id, context, multi_turns: [{input, answer, options?, task?, name?}], repo?,

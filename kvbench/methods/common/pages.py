@@ -194,7 +194,8 @@ def top_tokens(token_scores: torch.Tensor, k: int) -> torch.Tensor:
     """Token-level top-k `[H, k]` of `[H, L]` scores, ties to the lowest token index (a stable sort's first k).
 
     RocketKV's code selects tokens, not pages: all tokens of a page tie, so whole pages are taken and the
-    boundary page is cut; with this rule it keeps its first tokens (specs/rocketkv.md §8.2).
+    boundary page is cut; with this rule it keeps its first tokens (which tokens of the boundary page RocketKV keeps
+    is not stated in its §3.4: kvbench's reading).
 
     `kernels.stable_topk` (one `topk` of int64 keys with no ties left to break; one Triton operator on CUDA). The
     callers attend to the chosen tokens as a set, so their order is left to the implementation (`ordered=False`):
