@@ -22,7 +22,7 @@ from release_refs.harness import TensorRun, attention, jaccard, random_layer
 from release_refs.minference import vertical_slash as minference_vertical_slash
 from release_refs.rocketkv import release_plan, snapkv_plus_plus
 from release_refs.snapkv import l2norm_keep, pyramid_capacity, repeat_kv, snapkv_update_kv
-from release_refs.sparq import sparq_decode
+from release_refs.sparq import sparq_decode, sparq_gpt_fast
 from release_refs.streaming_llm import rope_attention_output, start_recent_indices
 from release_refs.tova import TOVALayer
 
@@ -274,6 +274,48 @@ def test_streamingllm_position_shift_departure_is_measured():
 
 
 # -- SparQ -------------------------------------------------------------------------------------------------
+
+def sparq_run(seed, budget, q_heads, kv_heads, dim, length, granularity):
+    """kvbench's SparQ decoding the last token after the prompt: its output `[H_q, D]`, its selection
+    `[H_kv, G, k]`, the plan's r and k2, and the tensors."""
+    q, k, v = random_layer(seed, q_heads, kv_heads, length, dim)
+    method = build_method("sparq", granularity=granularity)
+    run = TensorRun(method, budget, 1, dim, length)
+    run.forward(0, q[:, :-1], k[:, :-1], v[:, :-1], evict=False)
+    run.end_segment(keeps_state=False)
+    out = run.forward(0, q[:, -1:], k[:, -1:], v[:, -1:], evict=False)[:, 0]
+    layer = run.cache.layers[0]
+    q_last = q[:, -1].view(kv_heads, q_heads // kv_heads, dim)
+    selection = method.select(layer, q_last, layer.head_view(), run.step(False), dim ** -0.5)
+    return out, selection.idx, run.plan.derived, (q, k, v)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("budget", [40, 80, 150])
+def test_sparq_per_query_head_equals_sparq_gpt_fast(seed, budget):
+    """`granularity=head` is sparq-gpt-fast's `sparq_attn` (K/V repeated, each query head its own r dimensions and
+    top k): the same r and k from the compression ratio, the same sets per query head, the same output (the
+    release's running value mean and kvbench's value sum round alike here: atol 2e-6)."""
+    ours, idx, plan, (q, k, v) = sparq_run(seed, budget, Q_HEADS, KV_HEADS, 32, LENGTH, "head")
+    ratio = LENGTH / budget
+    assert (plan["r"], plan["k2"]) == (max(1, round(32 / ratio)), round(LENGTH / (2 * ratio)))
+    theirs, their_idx = sparq_gpt_fast(q[:, -1], k, v, plan["r"], plan["k2"])
+    assert [sorted(i.tolist()) for i in idx.reshape(Q_HEADS, -1)] == [sorted(i.tolist()) for i in their_idx]
+    torch.testing.assert_close(ours, theirs, atol=OUT_ATOL, rtol=0)
+
+
+def test_sparq_group_default_against_sparq_gpt_fast_is_measured():
+    """kvbench's default `granularity=group` (one set per KV group from the group-summed |q| and the group-mean
+    estimate: RocketKV's unit, a group reads the budget t) against sparq-gpt-fast's per-query-head sets: the
+    overlap docs/fidelity.md states (random heads are uncorrelated: a lower bound for a trained model's)."""
+    overlaps = []
+    for seed in range(3):
+        _, group_idx, plan, (q, k, v) = sparq_run(seed, 80, Q_HEADS, KV_HEADS, 32, LENGTH, "group")
+        _, their_idx = sparq_gpt_fast(q[:, -1], k, v, plan["r"], plan["k2"])
+        overlaps += [jaccard(group_idx[h // GROUP, 0].tolist(), their_idx[h].tolist()) for h in range(Q_HEADS)]
+    mean = sum(overlaps) / len(overlaps)
+    assert 0.1 < mean < 0.4, mean  # measured: 0.18 at budget 80 (0.19 over budgets 40-150)
+
 
 def sparq_pair(seed, budget, q_heads, kv_heads, dim=32, length=LENGTH):
     q, k, v = random_layer(seed, q_heads, kv_heads, length, dim)
