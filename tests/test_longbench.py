@@ -16,7 +16,7 @@ from kvbench.tasks.scoring import SCORERS
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "kvbench" / "conf"
 
-# Spec §2.2 table (an independent transcription) for max_new_tokens.
+# LongBench's per-task generation lengths (its config/dataset2maxlen.json; an independent transcription).
 SPEC_MAX_NEW_TOKENS = {
     "narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "multifieldqa_zh": 64, "hotpotqa": 32,
     "2wikimqa": 32, "musique": 32, "dureader": 128, "gov_report": 512, "qmsum": 512, "multi_news": 512,

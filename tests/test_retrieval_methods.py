@@ -243,7 +243,7 @@ def test_omnikv_runs_multi_turn_and_question_agnostic(tiny_llama_deep):
 
 
 def test_ctkvr_with_every_centroid_and_full_lists_chooses_what_flat_chooses_and_the_index_costs_4_bytes(tiny_llama):
-    """Spec M1/M6: recalling every centroid with lists over every host row, the rerank picks FLAT's exact
+    """CTKVR §3.1 (Algorithm 2) in the limit: recalling every centroid with lists over every host row, the rerank picks FLAT's exact
     top-rho' (max over the group of each head's softmax over those rows); the qcIVF is b*g*C*rho*4 bytes."""
     budget = 12
     method = build_method("ctkvr", **SMALL_CTKVR, retrieved_centroids=64, list_ratio=100.0)

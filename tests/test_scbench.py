@@ -20,7 +20,7 @@ from kvbench.tasks.scoring import SCORERS
 
 CONF_DIR = Path(__file__).resolve().parents[1] / "kvbench" / "conf" / "task"
 
-# Spec §5.2 (an independent transcription): max new tokens per turn sub-task and metric family.
+# SCBench's released harness (an independent transcription): max new tokens per turn sub-task and metric family.
 SPEC_MAX_NEW_TOKENS = {
     "scbench_kv": {"scbench_kv": 150}, "scbench_prefix_suffix": {"scbench_prefix_suffix": 150},
     "scbench_vt": {"scbench_vt": 30}, "scbench_repoqa": {"scbench_repoqa": 1024},

@@ -31,12 +31,12 @@ the host side's partial output and its log-sum-exp cross. The paper's co-executi
 the GPU while the CPU recalls and reranks) is not reproduced: recall and rerank run first, then both
 attentions, one after the other, so a CUDA decode time here is an upper bound of the paper's. On a CPU-only
 machine both sides are the same device and no second copy exists: the record's bytes say which. Later chunks (the question, a new turn) go token by token through this decode path
-(`turn_index=dcu`, spec §8.8: each token also enters the index, unless `dcu` is false), or are attended the same way and the index
+(`turn_index=dcu`, kvbench's reading of §3.1.3's DCU: each token also enters the index, unless `dcu` is false), or are attended the same way and the index
 is rebuilt from the turn's last C queries when it ends (`turn_index=rebuild`).
 
-Choices where the paper is silent (spec §8): n_init 64; n_local null = 5% of the prompt, at least C (the
+Choices where the paper is silent (kvbench's, docs/fidelity.md): n_init 64; n_local null = 5% of the prompt, at least C (the
 paper's only hint is "about 5% of the KV stays on the GPU" at 128K, which this reproduces at every length;
-the spec's fixed 1024 would keep a 2K prompt nearly dense), a number fixes it; the records' read traffic
+a fixed 1024 would keep a 2K prompt nearly dense), a number fixes it; the records' read traffic
 counts the resident tokens next to rho'. Indices only point into the host segment, so the sets merge
 disjointly; all layers use CTKVR (`dense_layers` keeps some dense). Table 4's rules (§4.3.1) say only "from
 the beginning", "evenly spaced", "random": INIT takes queries 0..C-1, EQUI rounds C points spaced evenly from

@@ -3,10 +3,11 @@ Resource-Constrained Environments"): evict by key geometry alone, block-wise by 
 
 Per layer and KV head, an anchor is computed from all stored keys (the old cache plus the new block), each
 key is scored by its dissimilarity to it, and the `budget` most dissimilar keys are kept
-(KeyDiff §3.2, Eq. 7, and its sliding-window variant). No attention weights are needed, so it works with any attention kernel.
+(KeyDiff §3.2, Eq. 7, and its sliding-window variant). No attention weights are needed, so it works with any
+attention kernel.
 
-- `anchor`: `mean_raw` (mean of the post-RoPE keys; the main text's "unnormalized keys", the spec's §8.1
-  default), `mean_normalized` (mean of the unit keys: ranks exactly as `pairwise`, kvpress's choice),
+- `anchor`: `mean_raw` (mean of the post-RoPE keys; the main text's "unnormalized keys", §3.2;
+  the default), `mean_normalized` (mean of the unit keys: ranks exactly as `pairwise`, kvpress's choice),
   `pairwise` (Eq. 7, the n x n cosine matrix, O(n^2 d): a reference), `median` (coordinate-wise median).
 - `metric`: `cosine` (score -cos(k, a)), `dot` (-k.a) or `euclidean` (||k - a||, keep the farthest).
 - `window_ratio`: share of the budget reserved for the most recent tokens (Table 13: 0.1, 0.2; off by default).

@@ -16,8 +16,8 @@ keeps its own `budget // G` tokens (window included), so a group still stores `b
 separate copies: every KV head is split into one stored head per query head, and the bytes say so.
 
 Block-wise and decode-time eviction (`block_size`, `decode_every`): the observation window is always the
-last `window` queries the layer saw, across blocks and decode steps (KeyDiff's spec §8.5 recommendation: a
-rolling buffer of 32 queries, the 32 most recent tokens always kept).
+last `window` queries the layer saw, across blocks and decode steps (kvbench's reading of KeyDiff's block
+processing with SnapKV, §4: a rolling buffer of 32 queries, the 32 most recent tokens always kept).
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Decoding: KeyDiff samples 5 responses per problem ("We randomly sample 5 respons
 accuracy over them, i.e. pass@1 estimated from 5 samples: each response is its own sample (id
 `math500/<unique_id>/<k>`) and a point's score is the mean over all of them, which with the same 5 per problem is
 the mean over problems of each problem's mean accuracy. The sampling temperature is lost in the paper text;
-temperature 0.6 / top-p 0.95 are DeepSeek's recommended R1 settings (kvbench spec §6.2), with no top-k. Each
+temperature 0.6 / top-p 0.95 are DeepSeek's recommended R1 settings (kvbench's choice), with no top-k. Each
 sample carries its protocol in `meta["sampling"]` (temperature, top-p and a seed of its own, drawn from the run's
 seed, the problem and the response index), and the engine samples with it (`kvbench.engine.decoding`; records say
 `decoding`); `engine.sampling=greedy` decodes greedily instead, and `temperature: null` (or 0) makes the protocol

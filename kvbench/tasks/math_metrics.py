@@ -1,6 +1,6 @@
 """Math-500 answer checking: last-`\\boxed{}` extraction, then an exact rule and an equivalence rule.
 
-Protocol (kvbench spec §6.3, KeyDiff App. E "Exact Match" / "Flex Match"):
+Protocol (KeyDiff App. E "Exact Match" / "Flex Match"):
 
 1. Extraction (Hendrycks MATH `last_boxed_only_string` + `remove_boxed`): the content of the last `\\boxed{...}`
    in the response, braces matched; only when the response has no `\\boxed` at all, the last `\\fbox{...}`. A

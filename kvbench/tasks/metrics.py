@@ -24,7 +24,7 @@ _PUNCTUATION = frozenset(string.punctuation)
 def ruler_postprocess(prediction: str) -> str:
     """RULER's `postprocess_pred`: strip, replace each control character (\\x00-\\x1f) by a newline, strip.
 
-    The spec paraphrases this as "remove control characters"; RULER's code replaces them by "\\n", which
+    A paraphrase would say "remove control characters"; RULER's code replaces them by "\\n", which
     differs when a control character sits inside an answer ("12\\x0034" does not contain "1234").
     """
     return _CONTROL.sub("\n", prediction.strip()).strip()

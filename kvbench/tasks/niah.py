@@ -15,7 +15,7 @@ Protocol (henryzhongsc/longctx_bench, `eval/passkey_utils/passkey_utils.py` and
 
 kvbench choices:
 
-- Lengths are in tokens of the evaluated model by default (spec section 4.3): B is the largest word count
+- Lengths are in tokens of the evaluated model by default (kvbench's choice): B is the largest word count
   whose prompt + max_new_tokens fits the length (RULER's binary search), found once per length with a probe
   needle at 50% depth; a sample that overflows backs off by 1% of B. `length_unit: words` reproduces the
   original grids, whose lengths are word counts (RocketKV: 10 lengths from 2,048 to 81,920 words).
