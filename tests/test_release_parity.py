@@ -21,6 +21,7 @@ from release_refs.h2o import H2OLayer
 from release_refs.harness import TensorRun, attention, jaccard, random_layer
 from release_refs.minference import vertical_slash as minference_vertical_slash
 from release_refs.rocketkv import release_plan, snapkv_plus_plus
+from release_refs.shadowkv import prefill_landmarks, retrieval_chunks
 from release_refs.snapkv import l2norm_keep, pyramid_capacity, repeat_kv, snapkv_update_kv
 from release_refs.sparq import sparq_decode, sparq_gpt_fast
 from release_refs.streaming_llm import rope_attention_output, start_recent_indices
@@ -459,3 +460,59 @@ def test_minference_vertical_slash_estimate_equals_the_release(seed, length, ver
         ref_columns, ref_offsets = minference_vertical_slash(q[head], k[head // GROUP], vertical, slash)
         assert columns.tolist() == sorted(ref_columns.tolist())
         assert offsets.tolist() == sorted(ref_offsets.tolist(), reverse=True)
+
+
+# -- ShadowKV (landmarks, outliers, chunk selection) -------------------------------------------------------
+
+def shadowkv_step(seed, budget, dim, outliers=4, local=4, chunk=8, prompt=LENGTH):
+    """kvbench's ShadowKV landmark mode (exact keys: `low_rank=false`) after the prompt, decoding one token: the
+    selected chunks per KV head, the decode output, and the tensors."""
+    q, k, v = random_layer(seed, Q_HEADS, KV_HEADS, prompt + 1, dim)
+    method = build_method("shadowkv", low_rank=False, outlier_chunks=outliers, local_chunks=local, chunk_size=chunk)
+    run = TensorRun(method, budget, 1, dim, 4 * prompt)
+    run.forward(0, q[:, :prompt], k[:, :prompt], v[:, :prompt], evict=True)
+    run.end_segment(keeps_state=False)
+    layer = run.cache.layers[0]
+    out = run.forward(0, q[:, prompt:], k[:, prompt:], v[:, prompt:], evict=False)[:, 0]
+    q_last = q[:, prompt].view(KV_HEADS, GROUP, dim)
+    selection = method.select(layer, q_last, layer.head_view(), run.step(False), dim ** -0.5)
+    return out, selection.idx[:, 0], (q, k, v)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("budget,outliers", [(64, 4), (128, 8), (32, 0)])
+def test_shadowkv_chunk_selection_equals_the_release(seed, budget, outliers):
+    """Head width 128 (the release's constant temperature is the layer's there): landmarks, outlier chunks and the
+    top chunks by the group's max softmax over landmarks equal the release's; the step attends to the resident
+    tail, the outliers, the selected chunks and itself, and its output equals attention over exactly those."""
+    prompt, chunk = LENGTH, 8
+    ours_out, idx, (q, k, v) = shadowkv_step(seed, budget, 128, outliers)
+    landmarks, chunk_ids, outlier_ids, chunks, tail = prefill_landmarks(k[:, :prompt], chunk, 4, outliers)
+    selected = retrieval_chunks(q[:, prompt].view(KV_HEADS, GROUP, 128), landmarks, chunk_ids, budget, chunk)
+    for h in range(KV_HEADS):
+        rows = set(range(prompt - tail, prompt + 1))
+        for c in outlier_ids[h].tolist() + selected[h].tolist():
+            rows |= set(range(c * chunk, (c + 1) * chunk))
+        assert sorted(set(idx[h].tolist())) == sorted(rows) and len(idx[h]) == len(rows)
+        heads = slice(h * GROUP, (h + 1) * GROUP)
+        at = torch.tensor(sorted(rows))
+        expected = attention(q[heads, prompt], k[h, at].expand(GROUP, -1, -1), v[h, at].expand(GROUP, -1, -1),
+                             128 ** -0.5)
+        torch.testing.assert_close(ours_out[heads], expected, atol=OUT_ATOL, rtol=0)
+
+
+def test_shadowkv_landmark_temperature_departure_is_measured():
+    """Head width 32: the release still divides the landmark logits by sqrt(128), kvbench by sqrt(32) (the layer's
+    softmax scale). The softmax is monotone per query head, so only the max over the group can reorder chunks:
+    the measured overlap of the selected chunks (docs/fidelity.md)."""
+    overlaps = []
+    for seed in range(4):
+        _, idx, (q, k, v) = shadowkv_step(seed, 64, 32)
+        landmarks, chunk_ids, _, _, _ = prefill_landmarks(k[:, :LENGTH], 8, 4, 4)
+        q_last = q[:, LENGTH].view(KV_HEADS, GROUP, 32)
+        theirs = retrieval_chunks(q_last, landmarks, chunk_ids, 64, 8)
+        ours = retrieval_chunks(q_last, landmarks, chunk_ids, 64, 8, temperature_width=32)
+        assert set(ours.flatten().tolist()) <= {int(r) // 8 for r in idx.flatten().tolist()}
+        overlaps += [jaccard(ours[h].tolist(), theirs[h].tolist()) for h in range(KV_HEADS)]
+    mean = sum(overlaps) / len(overlaps)
+    assert 0.8 < mean < 1.0 and min(overlaps) > 0.7, overlaps  # measured: mean 0.92, 3 of 8 heads at 0.78
