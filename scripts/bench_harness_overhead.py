@@ -1,6 +1,6 @@
 """The harness's own cost around the model: a full-cache point through kvbench vs the bare model loop.
 
-    python scripts/bench_harness_overhead.py [--seq-len 2048] [--samples 3]
+    python scripts/bench_harness_overhead.py [--seq-len 2048] [--samples 3] [--model smollm2_135m]
 
 kvbench: `run_sample` on RULER niah_single_1 samples with method `full` (prompt building, the cache and its
 bookkeeping, greedy decoding, stop checks, scoring), once without and once with the teacher-forced NLL (extra
@@ -41,12 +41,13 @@ def bare_generate(model, ids: list[int], new_tokens: int) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=2048)
     parser.add_argument("--samples", type=int, default=3)
-    args = parser.parse_args()
-    lm = load_model(OmegaConf.load(CONF / "model" / "smollm2_135m.yaml"))
+    parser.add_argument("--model", default="smollm2_135m", help="a kvbench/conf/model name")
+    args = parser.parse_args(argv)
+    lm = load_model(OmegaConf.load(CONF / "model" / f"{args.model}.yaml"))
     bare_model = AutoModelForCausalLM.from_config(lm.model.config, dtype=lm.dtype, attn_implementation="sdpa")
     bare_model.load_state_dict(lm.model.state_dict())
     bare_model.eval()

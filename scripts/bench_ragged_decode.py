@@ -18,6 +18,7 @@ import statistics
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
@@ -51,12 +52,12 @@ def _median_us(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def cache_micro(heads: int, group: int, dim: int) -> None:
+def cache_micro(heads: int, group: int, dim: int, lengths: list[int]) -> None:
     print(f"cache alone: {heads} KV heads x {group} query heads each, head dim {dim}, fp32")
     print(f"{'tokens/head':>11} {'append us (uniform)':>20} {'append us (ragged)':>19} "
           f"{'dense attn us':>14} {'ragged attn us':>15} {'ragged/dense':>13}")
     gen = torch.Generator().manual_seed(0)
-    for length in (1024, 4096, 16384):
+    for length in lengths:
         appends = 64
         lens = [int(length * f) for f in torch.linspace(0.5, 1.5, heads).tolist()]  # same total, ragged
         row = []
@@ -94,13 +95,14 @@ def model_decode(args: argparse.Namespace) -> None:
         session, logits, *_ = _prefill_segment(lm, method, plan, ids, engine, shared, sample_generator(0, "bench"))
         ragged = sum(layer.is_ragged for layer in session.cache.layers)
         kept = sum(sum(layer.lengths()) for layer in session.cache.layers)
-        results[name] = time_decode(lm, session, logits, args.warmup, args.steps)
+        times, _ = time_decode(lm, session, logits, args.warmup, args.steps)
+        results[name] = (statistics.median(times), float(np.percentile(times, 90)))
         print(f"{name:<8} {results[name][0]:7.1f} ms/token (p90 {results[name][1]:.1f}), {kept} tokens kept, "
               f"{ragged} of {len(session.cache.layers)} layers ragged")
     print(f"ragged / dense decode per token: {results['adakv'][0] / results['snapkv'][0]:.2f} (target <= 1.3)")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2_135m")
     parser.add_argument("--device", default="auto")
@@ -109,10 +111,11 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=3072)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--cache-lengths", default="1024,4096,16384", help="tokens per head of the cache alone")
     parser.add_argument("--skip-model", action="store_true")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.manual_seed(0)
-    cache_micro(heads=8, group=4, dim=128)
+    cache_micro(heads=8, group=4, dim=128, lengths=[int(n) for n in args.cache_lengths.split(",")])
     if not args.skip_model:
         model_decode(args)
 
