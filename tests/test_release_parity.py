@@ -19,6 +19,7 @@ import torch
 from release_refs.duoattention import release_retrieval_heads, streaming_kept
 from release_refs.h2o import H2OLayer
 from release_refs.harness import TensorRun, attention, jaccard, random_layer
+from release_refs.magicpig import magicpig_decode
 from release_refs.minference import vertical_slash as minference_vertical_slash
 from release_refs.rocketkv import release_plan, snapkv_plus_plus
 from release_refs.shadowkv import prefill_landmarks, retrieval_chunks
@@ -516,3 +517,38 @@ def test_shadowkv_landmark_temperature_departure_is_measured():
         overlaps += [jaccard(ours[h].tolist(), theirs[h].tolist()) for h in range(KV_HEADS)]
     mean = sum(overlaps) / len(overlaps)
     assert 0.8 < mean < 1.0 and min(overlaps) > 0.7, overlaps  # measured: mean 0.92, 3 of 8 heads at 0.78
+
+
+# -- MagicPIG (LSH sampling and importance weights) --------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("bits,tables", [(4, 20), (7, 60)])
+def test_magicpig_sampling_and_weights_equal_the_release(seed, bits, tables):
+    """With the same hyperplanes: every query head samples the release's offloaded keys (at least two table
+    collisions with centred keys); the decode output (GPU half and weighted CPU half merged) is equal with the
+    sampling probability in float64 (kvbench's), and within 5e-5 with the release's float32 one, whose
+    `1 - (1-p)^(L-1) (Lp + 1-p)` cancels for small p (measured up to 1.9e-5 at K=7, L=60)."""
+    prompt, dim, sink, local = LENGTH, 32, 4, 64
+    q, k, v = random_layer(seed, Q_HEADS, KV_HEADS, prompt + 1, dim, scale=1.0)
+    method = build_method("magicpig", K=bits, L=tables, n_sink=sink, n_local=local, dense_layers=None)
+    run = TensorRun(method, 64, 1, dim, 4 * prompt)
+    run.forward(0, q[:, :prompt], k[:, :prompt], v[:, :prompt], evict=True)
+    run.end_segment(keeps_state=False)
+    layer = run.cache.layers[0]
+    ours = run.forward(0, q[:, prompt:], k[:, prompt:], v[:, prompt:], evict=False)[:, 0]
+    q_last = q[:, prompt].view(KV_HEADS, GROUP, dim)
+    selection = method.select(layer, q_last, layer.head_view(), run.step(False), dim ** -0.5)
+    keys, values, valid, log_weights = selection.external
+    host = layer.derived["host"]
+    planes = method.planes(dim, torch.device("cpu"))
+    theirs, retrieved = magicpig_decode(q_last, k, v, planes, bits, tables, sink, local)
+    exact, _ = magicpig_decode(q_last, k, v, planes, bits, tables, sink, local, weight_dtype=torch.float64)
+    for h in range(KV_HEADS):
+        # each gathered row's place in the host storage, found by its key (random keys are distinct)
+        storage = (keys[h][:, None, :] == host.keys[h][None]).all(-1).float().argmax(dim=1)
+        for g in range(GROUP):
+            sampled = torch.isfinite(log_weights[h, g]) & valid[h]
+            assert sorted(host.positions[h][storage[sampled]].tolist()) == retrieved[h * GROUP + g]
+    assert 0 < sum(len(r) for r in retrieved) < Q_HEADS * (prompt - sink - local)
+    torch.testing.assert_close(ours, exact.reshape(Q_HEADS, dim), atol=OUT_ATOL, rtol=0)
+    torch.testing.assert_close(ours, theirs.reshape(Q_HEADS, dim), atol=5e-5, rtol=0)
