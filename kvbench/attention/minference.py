@@ -27,6 +27,8 @@ What this is not: MInference's speed. The attention here is the dense computatio
 accuracy emulation, with the pattern search's cost); its prefill time says nothing of their kernels'. Only the
 vertical-and-slash pattern is implemented: a pattern file naming `stream_llm` or `block_sparse` heads is
 refused. The offline per-head pattern search is not run: heads take `pattern_file`'s patterns, or the default.
+
+The pattern estimate against the release's on the same tensors: docs/fidelity.md.
 """
 
 from __future__ import annotations

@@ -55,6 +55,8 @@ Departures from the release, and why:
   prefill, whose streaming heads see sink + recent + the chunk).
 - `dense_layers` heads count as retrieval heads (they keep everything), so the RocketKV rule still averages t:
   round(rho * N) minus the dense heads are picked by gate among the other layers.
+
+Against the release's head split and streaming cache on the same tensors: docs/fidelity.md.
 """
 
 from __future__ import annotations

@@ -11,6 +11,9 @@ with the keys, so a kept token keeps its history and a new one starts at zero.
 half and half between heavy hitters and recent tokens (its scripts use heavy_ratio = recent_ratio = 0.1 of
 the prompt): `recent_ratio=0.5`. Under block-wise prefill fresh tokens have been seen by fewer queries and
 are evicted first, which is why H2O does so badly in KeyDiff's block setting.
+
+Against the release (FMInference/H2O, MHA only) on the same tensors, and what the GQA group mean changes:
+docs/fidelity.md.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """KeyL2Norm (Devoto et al. 2024; KeyDiff Table 10): keep, per KV head, the keys with the smallest L2 norm
-(kvpress's KnormPress)."""
+(kvpress's KnormPress). Against KVCache-Factory's `L2NormCluster` on the same tensors: docs/fidelity.md."""
 
 from __future__ import annotations
 

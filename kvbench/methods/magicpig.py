@@ -52,6 +52,9 @@ method's default too; the code's co-execution (GPU and CPU halves overlapped) is
 run one after the other. `weight_eps` keeps the code's +1e-4 (it caps a rare row's weight at 1e4; 0 gives the
 paper's unbiased estimator). A chunk appended after the prompt (question, turn) attends densely to every row,
 host rows included, and stays resident.
+
+Against the release's sampling and importance weights on the same tensors (same hyperplanes):
+docs/fidelity.md.
 """
 
 from __future__ import annotations

@@ -48,6 +48,8 @@ context with `compress_question=false`); the SVD runs in fp32 on the model's dev
 before applying RoPE, kvbench inverts the stored post-RoPE keys (`common/blocks.py`, exact up to fp32 rounding).
 The top-k recall (`measure_recall`) of the low-rank mode is measured over the rebuilt keys, the exact ones being
 gone. A model without RoPE is refused in the low-rank mode.
+
+Against the release's landmarks, outliers and chunk selection on the same tensors: docs/fidelity.md.
 """
 
 from __future__ import annotations

@@ -18,6 +18,9 @@ separate copies: every KV head is split into one stored head per query head, and
 Block-wise and decode-time eviction (`block_size`, `decode_every`): the observation window is always the
 last `window` queries the layer saw, across blocks and decode steps (kvbench's reading of KeyDiff's block
 processing with SnapKV, §4: a rolling buffer of 32 queries, the 32 most recent tokens always kept).
+
+Against the releases (FasterDecoding/SnapKV per query head, KVCache-Factory's kv_head mode per KV head), on
+the same tensors: docs/fidelity.md.
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ selection, which reads up to G times more (the record's traffic says so).
 
 Budget (per KV group and step, estimate included; the SparQ code's `get_r_k_for_compression_ratio`): with
 c = S / t, r = round(D / c) (at least 1) and k = round(t / 2). A budget at or above S is full attention.
+
+Against both releases on the same tensors (sparq-gpt-fast: `granularity=head`; llm-inference-research, the
+paper's code, which always keeps the newest token and ranks a group by its summed logits): docs/fidelity.md.
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ happens once at the end of the compressed segment and the cache then grows by on
 Ada-KV / kvpress evaluation framework (Ada-KV §4.1). `decode_every=1` is the paper's rolling window
 (the cache stays at the budget while generating); `block_size` runs it under block prompt processing as the
 KeyDiff paper's Sink baseline.
+
+Against the release (mit-han-lab/streaming-llm, `decode_every=1`) on the same tensors, and what its
+positions inside the cache change: docs/fidelity.md.
 """
 
 from __future__ import annotations

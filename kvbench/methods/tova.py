@@ -9,6 +9,9 @@ head, as the KeyDiff paper's TOVA baseline (KeyDiff §4, App. F.2). `head_agg=la
 all heads of the layer and keeps the same tokens in every head, as the TOVA paper and kvpress's TOVAPress do
 (kvpress also always keeps the newest token and scores the rest with its column dropped; here the newest
 token competes by its own attention weight).
+
+Against the release (schwartz-lab-NLP/TOVA, `head_agg=layer`) on the same tensors, and what the `group`
+default changes: docs/fidelity.md.
 """
 
 from __future__ import annotations
