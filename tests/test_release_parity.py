@@ -5,13 +5,12 @@ engine's entry (`release_refs.harness.TensorRun`: `KVLayer.update` + the registe
 
 Where the arithmetic is the release's, selected indices and per-head budgets are equal exactly and attention
 outputs equal up to float32 summation order (the releases gather kept rows in top-k order, kvbench in position
-order: atol 2e-6). Where kvbench departs on purpose, the test measures the departure and asserts its size as
-docs/fidelity.md states it. Run: `.venv/bin/python -m pytest -q tests/test_release_parity.py`.
+order: atol 2e-6), or within a stated tolerance where only the release's float arithmetic differs (MagicPIG's
+float32 sampling probability). Where kvbench departs on purpose, the test measures the departure and asserts its
+size as docs/fidelity.md states it. Run: `.venv/bin/python -m pytest -q tests/test_release_parity.py`.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -38,14 +37,14 @@ LENGTH = 300
 OUT_ATOL = 2e-6  # float32 summation order of the attention output (kept rows gathered in another order)
 
 
-def prefill_and_decode(method, budget, q, k, v, *, num_layers=1, layer_idx=0, sequence_length=None):
-    """kvbench: the prompt (all but the last token) prefilled and evicted on `layer_idx`, then the last token
+def prefill_and_decode(method, budget, q, k, v):
+    """kvbench on one layer: the prompt (all but the last token) prefilled and evicted, then the last token
     decoded. Returns what each stored head kept of the prompt and the decode output `[H_q, D]`."""
-    run = TensorRun(method, budget, num_layers, q.shape[-1], sequence_length or q.shape[1] + 16)
-    run.forward(layer_idx, q[:, :-1], k[:, :-1], v[:, :-1], evict=True)
-    kept = run.kept(layer_idx)
+    run = TensorRun(method, budget, 1, q.shape[-1], q.shape[1] + 16)
+    run.forward(0, q[:, :-1], k[:, :-1], v[:, :-1], evict=True)
+    kept = run.kept(0)
     run.end_segment(keeps_state=False)
-    out = run.forward(layer_idx, q[:, -1:], k[:, -1:], v[:, -1:], evict=False)
+    out = run.forward(0, q[:, -1:], k[:, -1:], v[:, -1:], evict=False)
     return kept, out[:, 0]
 
 
@@ -384,7 +383,7 @@ def test_rocketkv_plan_equals_the_release_compress(head_dim):
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("sequence_length,budget", [(1024, 64), (2048, 128), (600, 100)])
+@pytest.mark.parametrize("sequence_length,budget", [(1024, 64), (2048, 64), (600, 100)])
 def test_rocketkv_snapkv_plus_plus_equals_the_release(seed, sequence_length, budget):
     """Stage 1 on the prompt (the release prefills all but the last token): the window sums summed over the group,
     max-pool 63, top-k sorted, the window kept; kvbench's group mean ranks the same (1/(w*G) is a power of two)."""
@@ -395,12 +394,10 @@ def test_rocketkv_snapkv_plus_plus_equals_the_release(seed, sequence_length, bud
     prompt_budget = run.plan.derived["prompt_budget"]
     run.forward(0, q, k, v, evict=True)
     top = snapkv_plus_plus(q, k, prompt_budget)
-    if top is None:
-        assert run.kept(0) == [list(range(length))] * KV_HEADS
-        return
+    assert top is not None  # every setting here compresses the 400-token prompt (prompt budgets 286-346)
     window = list(range(length - 32, length))
     assert run.kept(0) == [t.tolist() + window for t in top]
-    assert math.isclose(len(run.kept(0)[0]), prompt_budget)
+    assert len(run.kept(0)[0]) == prompt_budget
 
 
 # -- DuoAttention ------------------------------------------------------------------------------------------
