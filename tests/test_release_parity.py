@@ -398,6 +398,9 @@ def test_rocketkv_snapkv_plus_plus_equals_the_release(seed, sequence_length, bud
     window = list(range(length - 32, length))
     assert run.kept(0) == [t.tolist() + window for t in top]
     assert len(run.kept(0)[0]) == prompt_budget
+    # the release's own arithmetic (its model runs in float16): here the same sets (docs/fidelity.md)
+    half = snapkv_plus_plus(q.half(), k.half(), prompt_budget)
+    assert torch.equal(half, top)
 
 
 # -- DuoAttention ------------------------------------------------------------------------------------------
