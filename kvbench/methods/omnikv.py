@@ -1,5 +1,6 @@
-"""OmniKV (Hao et al., ICLR 2025; seed paper 004): dynamic context selection shared across layers, no token
-dropped (specs/omnikv.md).
+"""OmniKV (Hao et al., "OmniKV: Dynamic Context Selection for Efficient Long-Context LLMs", ICLR 2025): dynamic
+context selection shared across layers, no token dropped. Compared with the release (antgroup/OmniKV) in
+docs/fidelity.md.
 
 At every decode step, each filter layer (0-based, `filter_layers`, ≤ 3) scores the prompt tokens with its
 own current query before its own (dense) attention: the max over all query heads of the scaled logits (the
@@ -16,20 +17,24 @@ rows and the generated tail, merged by log-sum-exp). The prompt is every token s
 later turn's input) ends; a question appended after the compressed segment counts as prompt too.
 
 Context selectors (§4.2, `selector`): `last` (the current query alone, the default and the released code's
-recommendation), `uniform` and `exp` over the window of the last `window` (16) queries, current included:
-s = sum_j alpha_j max_h softmax(Q_j K^T) (alpha_j = 1, or 2^(j - (w - 1)) with the newest 1), and, as the
-released code does, the window's own prompt tokens are kept outright and k shrinks by their count. Departures:
-each window query keeps the RoPE of its own position (the code rotates every window query with the current
-position, specs/omnikv.md §8.5), and exp scores are not accumulated across steps (the code's recursion, not
-the paper's Eq. 4).
+recommendation), `uniform` and `exp` over the window of the last `window` (16) queries, current included, as
+the release's `select_tokens_by_attn_universal` and `OmniKVMulLayer` compute them: the window's own prompt
+tokens (the last n of the prompt) are kept outright, the candidates are the prompt without them, k shrinks by
+n (to at least 1, as the release: k <= n attends n + 1), and s = sum_j alpha_j max_h softmax_candidates(Q_j K^T)
+(alpha_j = 1, or 2^(j - (w - 1)) with the newest 1), summed query by query, oldest first (the release's
+running sum, halved before each newer query for exp). One departure: each window query keeps the RoPE of its
+own position (the release rotates every window query with the current position; docs/fidelity.md).
+
+`scoring_dtype` (kvbench.methods.common.arithmetic): null/float32 scores in float32; `release` computes the
+logits, softmax and sums in float16 as the release does (its models are loaded in float16).
 
 OmniKV-prefill (App. D.10, `prefill_chunk`): the compressed segment is fed in chunks of `prefill_chunk`
 tokens; in each chunk every filter layer scores the past tokens with the `uniform` selector over the chunk's
 queries (sum over the chunk of the max over query heads of the softmax over the past) and keeps the top
 r x chunk tokens (`prefill_ratio`, r = 2 recommended); the sparse layers of its segment attend causally to those
-tokens plus the chunk itself, the others densely. The paper gives neither the chunk size nor the masking
-(specs/omnikv.md §3.4): the chunk is a parameter (the spec's 4096; null: the dense prefill) and the softmax runs
-over the past tokens only. Nothing is dropped: the whole prompt is stored, and decoding is OmniKV's.
+tokens plus the chunk itself, the others densely. The paper gives neither the chunk size nor the masking:
+the chunk is a parameter (4096 in the presets; null: the dense prefill) and the softmax runs over the past tokens
+only. Nothing is dropped: the whole prompt is stored, and decoding is OmniKV's.
 
 Ablations (Table 7, App. D.5, `ablation`): `without_selector` removes the Context Selector: every sparse layer
 attends to its whole prompt, which with `offload=true` comes back from the bank at every step (the paper's "Brutal
@@ -41,7 +46,7 @@ this ablation; the dense prefix, filter and wait layers are kept as in OmniKV, s
 budget and k are the same and only the source of each sparse layer's set changes. With `offload=true` a layer's
 scoring reads its whole prompt keys from the bank.
 
-Budget: by default the budget is k, the prompt tokens each sparse layer attends (spec §3.3 item 7). The
+Budget: by default the budget is k, the prompt tokens each sparse layer attends (the paper's §3.3). The
 paper compares with eviction baselines at equal GPU memory instead (§4.1): `budget_unit=memory` reads the
 budget as Mem% of the prompt's KV, dense layers included, so k = N (Mem - f) / (1 - f) with N the prompt and
 f the share of dense layers, (L_0 + |filter| (1 + W)) / L in the paper's terms (Llama-3-8B, {2, 8, 18}:
@@ -56,6 +61,7 @@ import torch
 
 from kvbench.core.contract import Plan, Schedule, Selection
 from kvbench.methods.base import Method, register_method
+from kvbench.methods.common.arithmetic import check_scoring_dtype, scoring_dtype
 from kvbench.methods.common.placement import HostSegment, recall_of
 
 
@@ -76,6 +82,7 @@ class OmniKV(Method):
     prefill_chunk: int | None = None  # OmniKV-prefill's chunk (App. D.10); null: the dense prefill
     prefill_ratio: float | None = None  # OmniKV-prefill's r: past tokens kept per chunk token; null: 2
     ablation: str | None = None  # null | without_selector | without_bank: Table 7's ablations (module doc)
+    scoring_dtype: str | None = None  # null/float32 | release: the selectors' scores in float16, as the release
 
     def static_decode_blocker(self) -> str | None:
         if self.offload:
@@ -106,6 +113,7 @@ class OmniKV(Method):
             raise ValueError(f"prefill_ratio must be a positive number or null, got {self.prefill_ratio!r}")
         if self.ablation not in (None, "without_selector", "without_bank"):
             raise ValueError(f"ablation must be without_selector, without_bank or null, not {self.ablation!r}")
+        check_scoring_dtype(self.scoring_dtype)
 
     @property
     def context_selector(self) -> str:
@@ -200,8 +208,12 @@ class OmniKV(Method):
     def _choose(self, layer, q, prompt_keys, prompt, step, scaling) -> torch.Tensor:
         """The filter layer's sorted prompt-token set for this decode step (the context selector)."""
         k = min(step.plan.derived["k"], prompt)
+        dtype = scoring_dtype(self.scoring_dtype, torch.float16)
         if self.context_selector == "last":
-            logits = torch.einsum("hgd,hnd->hgn", q.float(), prompt_keys.float()) * scaling
+            if dtype == torch.float32:
+                logits = torch.einsum("hgd,hnd->hgn", q.float(), prompt_keys.float()) * scaling
+            else:  # the release: fp16 product divided by sqrt(D)
+                logits = torch.einsum("hgd,hnd->hgn", q.to(dtype), prompt_keys.to(dtype)) / (1 / scaling)
             if self.score_space == "softmax":
                 logits = torch.softmax(logits, dim=-1)
             score = logits.flatten(0, 1).amax(dim=0)  # max over every query head: one set for the layer
@@ -214,10 +226,13 @@ class OmniKV(Method):
             positions = torch.cat([past_positions[-(width - 1):], past_positions.new_tensor([layer.seen - 1])])
         else:
             positions = torch.tensor([layer.seen - 1], device=q.device)
-        score = _window_score(queries, prompt_keys, q.shape[0], scaling, self.context_selector)
-        forced = positions[positions < prompt].long()  # the window's own prompt tokens are kept outright
-        score[forced] = float("-inf")
-        top = score.topk(max(0, min(k - forced.numel(), prompt - forced.numel()))).indices
+        # the release's range: the window's own prompt tokens (the prompt's last n) are kept outright, only the
+        # rest are scored (the softmax runs over them alone), and k shrinks by n, to at least one token
+        in_window = int((positions < prompt).sum())
+        candidates = prompt - in_window
+        score = _window_score(queries, prompt_keys[:, :candidates], q.shape[0], scaling, self.context_selector, dtype)
+        top = score.topk(min(max(1, k - in_window), candidates)).indices
+        forced = torch.arange(candidates, prompt, device=top.device)
         return torch.cat([top, forced]).sort().values
 
     # -- OmniKV-prefill: a prompt chunk's sparse layers attend to the filter layer's choice plus the chunk ----
@@ -233,7 +248,7 @@ class OmniKV(Method):
             k = round((self.prefill_ratio or 2.0) * q_len)
             chosen = None
             if k < past:
-                score = _window_score(query, keys, layer.num_heads, scaling, "uniform")
+                score = _max_head_probs(query, keys, layer.num_heads, scaling, torch.float32).sum(dim=0)
                 chosen = score.topk(k).indices.sort().values
             step.shared["omnikv_prefill_selected"] = chosen
             return None
@@ -263,14 +278,25 @@ class OmniKV(Method):
         return 2 * layer.head_dim * heads * (selection.idx.shape[-1] + selection.external[0].shape[1])
 
 
-def _window_score(queries: torch.Tensor, keys: torch.Tensor, kv_heads: int, scaling: float, selector: str) -> torch.Tensor:
-    """s = sum_j alpha_j max_h softmax(Q_j K^T) over the window's queries `[H_q, w, D]` and keys `[H_kv, n, D]`
-    (uniform: alpha = 1; exp: 2^(j - (w - 1)), the newest 1): `[n]` fp32."""
+def _max_head_probs(queries: torch.Tensor, keys: torch.Tensor, kv_heads: int, scaling: float,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """max_h softmax(Q_j K^T) for each of the queries `[H_q, w, D]` over the keys `[H_kv, n, D]`: `[w, n]`, in
+    `dtype` (float32; float16: the release's arithmetic, the product divided by sqrt(D) as the release does)."""
     heads, width, dim = queries.shape
-    grouped = queries.reshape(kv_heads, heads // kv_heads * width, dim).float()
-    probs = torch.softmax(torch.einsum("hqd,hnd->hqn", grouped, keys.float()) * scaling, dim=-1)
-    best = probs.view(heads, width, -1).amax(dim=0)  # [w, n]: max over every query head
-    if selector == "exp":
-        alpha = torch.pow(2.0, torch.arange(width, device=best.device, dtype=torch.float32) - (width - 1))
-        return (alpha[:, None] * best).sum(dim=0)
-    return best.sum(dim=0)
+    grouped = queries.reshape(kv_heads, heads // kv_heads * width, dim).to(dtype)
+    logits = torch.einsum("hqd,hnd->hqn", grouped, keys.to(dtype))
+    logits = logits * scaling if dtype == torch.float32 else logits / (1 / scaling)
+    return torch.softmax(logits, dim=-1).view(heads, width, -1).amax(dim=0)
+
+
+def _window_score(queries: torch.Tensor, keys: torch.Tensor, kv_heads: int, scaling: float, selector: str,
+                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """s = sum_j alpha_j max_h softmax(Q_j K^T) over the window's queries `[H_q, w, D]` (oldest first) and keys
+    `[H_kv, n, D]` (uniform: alpha = 1; exp: 2^(j - (w - 1)), the newest 1): `[n]` in `dtype`. Summed as the
+    release sums, query by query (exp: the running sum halved before each newer query's scores are added), so
+    the float32 scores are the release's own values, not only the same up to rounding."""
+    best = _max_head_probs(queries, keys, kv_heads, scaling, dtype)
+    total = best[0]
+    for row in best[1:]:
+        total = (total * 0.5 if selector == "exp" else total) + row
+    return total
