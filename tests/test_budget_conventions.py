@@ -60,7 +60,7 @@ def test_ctkvr_presets_attend_the_budget(tiny_llama_deep, preset):
     budget, layers = 64, tiny_llama_deep.model.config.num_hidden_layers
     tail = generated(tiny_llama_deep, preset)
     full = PROMPT + tail
-    quest = record(tiny_llama_deep, preset, "quest_page16", budget)
+    quest = record(tiny_llama_deep, preset, "quest_ctkvr", budget)
     assert quest["decode_attended_tokens_per_head"] == pytest.approx((2 * full + (layers - 2) * budget) / layers)
     bounds = (layers - 2) / layers * math.ceil(PROMPT / 16)  # one page bound per 16 tokens, on top
     assert quest["decode_read_tokens_per_group"] - quest["decode_attended_tokens_per_head"] == pytest.approx(bounds, abs=1)
