@@ -1,5 +1,7 @@
-"""Ada-Pyramid (Ada-KV paper): PyramidKV's per-layer budgets, Ada-KV's head-wise allocation inside each
-layer (specs/adakv.md §2.4): layer l allocates H * b_l outside-window slots with the floor alpha * b_l."""
+"""Ada-Pyramid (the Ada-KV paper, arXiv:2407.11550, §4): PyramidKV's per-layer budgets, Ada-KV's head-wise
+allocation inside each layer: layer l allocates H * b_l outside-window slots with the floor alpha * b_l (with
+`rounding=release`, int(alpha * b_l), as the release's `pyram_mode`). `scoring_dtype` and `rounding` are Ada-KV's
+(kvbench.methods.adakv); docs/fidelity.md compares both with the release."""
 
 from __future__ import annotations
 

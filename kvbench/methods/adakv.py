@@ -1,17 +1,26 @@
-"""Ada-KV (Feng et al., NeurIPS 2025): head-wise adaptive budget allocation, here on SnapKV (Ada-SnapKV).
+"""Ada-KV (Feng et al., "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation for Efficient LLM
+Inference", NeurIPS 2025, arXiv:2407.11550): head-wise adaptive budget allocation, here on SnapKV (Ada-SnapKV).
+Compared with the release (FFY0/AdaKV, `AdaptiveSnapKVCluster.update_kv_gqa`) in docs/fidelity.md.
 
 Per layer, with b = budget - window outside-window slots per KV head and h KV heads:
 
 1. SnapKV's pooled window scores `a` ([h, n], n = L - window; GQA group mean, max-pool kernel 7).
 2. Algorithm 1: the global top-(h*b) entries of `a` over all heads of the layer; head i wins f_i of them.
 3. Safeguard: B_i = (1 - alpha) * f_i + alpha * b, so each head keeps at least alpha*b slots. This is the
-   authors' code semantics; the paper's Algorithm 2 prints the opposite weighting, which is `alpha=0.8`
-   here. The real-valued B_i are rounded by largest remainder so that sum(B_i) = h*b exactly
-   (the code's plain `round` can miss by a few tokens; specs/adakv.md §8.4).
+   authors' code's weighting; the paper's Algorithm 2 prints the opposite one, which is `alpha=0.8` here.
+   `rounding` null: the real-valued B_i are rounded by largest remainder so that sum(B_i) = h*b exactly;
+   `release`: as the code, B_i = round((1 - alpha) * f_i + int(alpha * b)), whose floor int(alpha * b) and
+   per-head rounding leave the layer's total a few tokens off h*b (mostly short: -1 to 4 at 8 heads).
 4. Head i keeps its own top-B_i tokens plus the window. Heads then hold different numbers of tokens and the
    cache stores them ragged (flattened per layer), so the memory is really freed.
 
 `alpha=0` gives plain Algorithm 1 (the retained attention mass is then the global optimum, Thm 3.3).
+
+`scoring_dtype` (kvbench.methods.common.arithmetic): null/float32 computes the window scores in float32 (kvbench's
+choice: the same selection in every model dtype); `release` as the release's `calcul_attn_sore` does, in the
+model's dtype (bfloat16 in its runs): the logits and their scaling, the softmax (float32, rounded back to the
+model's dtype), the window mean, the group mean and the pooling. Its selection then depends on the dtype, and
+bfloat16 scores tie often (the order of tied scores is the backend's).
 
 `allocation=kvpress` is NVIDIA kvpress's `AdaKVPress` rule instead, to reproduce its published numbers: each
 head's top int(alpha * budget) tokens by score (the window, scored above everything, included) are
@@ -30,12 +39,16 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.methods.base import EvictionMethod, register_method
-from kvbench.methods.snapkv import SnapKV, with_window
+from kvbench.methods.common.arithmetic import check_scoring_dtype
+from kvbench.methods.snapkv import SnapKV, pool_scores, with_window
 
 
-def allocate(scores: torch.Tensor, total: int, alpha: float, capacity: list[int] | None = None) -> list[int]:
+def allocate(scores: torch.Tensor, total: int, alpha: float, capacity: list[int] | None = None,
+             rounding: str | None = None) -> list[int]:
     """Per-head budgets for `total` slots over `scores` [h, n] (Algorithm 1 plus the alpha safeguard).
 
+    `rounding` null: the real-valued budgets by largest remainder, summing to `total`; `release`: the release's
+    round((1 - alpha) * f_i + int(alpha * total / h)) in float32 (half to even), whose sum may miss `total`.
     `capacity` caps each head at its number of candidates when heads hold different numbers of tokens
     (re-eviction of a ragged layer after a block or a decode step; -inf scores mark the missing ones): a
     capped head's excess goes to the heads that won the most slots among those with room, so the sum stays
@@ -43,6 +56,9 @@ def allocate(scores: torch.Tensor, total: int, alpha: float, capacity: list[int]
     """
     heads, n = scores.shape
     won = torch.bincount(scores.reshape(-1).topk(total).indices // n, minlength=heads).double()
+    if rounding == "release":
+        floor = int(total // heads * alpha)
+        return [int(b) for b in torch.round(won.float() * (1 - alpha) + floor)]
     target = (1 - alpha) * won + alpha * (total / heads)
     budgets = target.floor()
     short = total - int(budgets.sum())
@@ -96,6 +112,8 @@ class AdaKV(EvictionMethod):
     granularity: str | None = None
     alpha: float = 0.2
     allocation: str | None = None  # authors (null): (1 - alpha) f_i + alpha b, the Ada-KV code; kvpress: AdaKVPress
+    rounding: str | None = None  # null: largest remainder, the layer's total exact; release: the code's int()/round()
+    scoring_dtype: str | None = None  # null/float32 | release: the window scores in the model's dtype (module doc)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -107,6 +125,12 @@ class AdaKV(EvictionMethod):
         self.allocation = self.allocation or "authors"
         if self.allocation not in ("authors", "kvpress"):
             raise ValueError(f"allocation must be authors or kvpress, not {self.allocation!r}")
+        if self.rounding not in (None, "release"):
+            raise ValueError(f"rounding must be release or null (largest remainder), not {self.rounding!r}")
+        check_scoring_dtype(self.scoring_dtype)
+        if self.scoring_dtype == "release" and (self.block_size is not None or self.decode_every):
+            raise ValueError("scoring_dtype=release is the release's one eviction at the end of the prefill: "
+                             "block_size and decode_every must be null with it")
         if not 0 <= self.alpha <= 1:
             raise ValueError(f"alpha (the per-head floor, a fraction of the uniform budget) must be in [0, 1], "
                              f"got {self.alpha!r}")
@@ -122,9 +146,30 @@ class AdaKV(EvictionMethod):
         window = min(self.window, budget)
         if window == budget:
             return [torch.arange(n - window, n, device=layer.keys.device) for n in lens]
-        scores = self.scorer.pooled_scores(layer, window)
+        if self.scoring_dtype == "release" and not layer.is_ragged:
+            queries, _ = layer.recent_queries(window)
+            scores = pool_scores(release_window_scores(queries, layer.head_view().keys, layer.scaling, self.gqa_agg),
+                                 self.pooling, self.kernel)
+        else:
+            scores = self.scorer.pooled_scores(layer, window)
         if self.allocation == "kvpress":
             return allocate_kvpress(with_window_scores(scores, lens, window), budget, self.alpha)
         capacity = [n - window for n in lens] if layer.is_ragged else None
-        per_head = allocate(scores, (budget - window) * scores.shape[0], self.alpha, capacity)
+        per_head = allocate(scores, (budget - window) * scores.shape[0], self.alpha, capacity, self.rounding)
         return [with_window(s.topk(b).indices, n, window) for s, b, n in zip(scores, per_head, lens)]
+
+
+def release_window_scores(queries: torch.Tensor, keys: torch.Tensor, scaling: float, gqa_agg: str) -> torch.Tensor:
+    """The window scores in the release's arithmetic (`AdaptiveSnapKVCluster.calcul_attn_sore`), in the keys'
+    dtype (the model's): the window's logits over every key divided by sqrt(D), the window's causal mask added,
+    the softmax in float32 rounded back, the mean over the window queries and over each group. `queries`
+    [H_q, w, D] are the layer's last w, `keys` [H, L, D] a dense layer's; returns [H, L - w]."""
+    n_q, w, dim = queries.shape
+    n_kv, length, _ = keys.shape
+    dtype = keys.dtype
+    logits = torch.einsum("hqd,hld->hql", queries.to(dtype).reshape(n_kv, n_q // n_kv * w, dim), keys)
+    logits = (logits / (1 / scaling)).view(n_kv, n_q // n_kv, w, length)
+    future = torch.ones(w, w, dtype=torch.bool, device=keys.device).triu(1)
+    logits[..., length - w:] = logits[..., length - w:].masked_fill(future, torch.finfo(dtype).min)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(dtype)[..., : length - w].mean(dim=2)
+    return probs.amax(dim=1) if gqa_agg == "max" else probs.mean(dim=1)

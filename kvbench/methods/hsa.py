@@ -1,5 +1,7 @@
-"""HSA: RocketKV's hybrid sparse attention (seed paper 000, §3.5; specs/rocketkv.md §2.3), alone over the
-full cache (the paper's ablation; `rocketkv` runs it after a SnapKV stage).
+"""HSA: RocketKV's hybrid sparse attention (Behnam et al., "RocketKV: Accelerating Long-Context LLM Inference
+via Two-Stage KV Cache Compression", ICML 2025, arXiv:2502.14051, §3.5), alone over the full cache (the paper's
+ablation, App. B.1.1; `rocketkv` runs it after a SnapKV stage). Compared with the release (NVlabs/RocketKV,
+`inf_llm/attention/rocket.py`) in docs/fidelity.md.
 
 Every decode step, per KV group, with the layer's page summaries (element-wise key min/max of pages of `p`
 stored tokens):
@@ -15,20 +17,24 @@ Budget: `budget` is the per-step token budget t of one KV group, traffic of the 
 estimate reads P * k1 elements, the attention 2 * D * k2: with c2 = S / t, p = ceil(sqrt(c2)) (1 when
 larger than c2), k1 = int(D * p / c2) and k2 = t // 2 the two halves are t/2 token-equivalents each.
 A budget at or above S means full attention (the default short-circuit; RocketKV's code would still select
-t/2 tokens there, spec §2.8).
+t/2 tokens there).
+
+`scoring_dtype` (kvbench.methods.common.arithmetic): null/float32 scores in float32; `release` in float16, op by
+op as the release (its model is hard-coded to float16): |q| averaged over the group, the bound, the temperature
+sqrt(D * sum_{k1}|q| / sum|q|) (whose product can overflow float16 as the release's does), the softmax and its
+group mean each rounded to float16; the exact attention stays kvbench's.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
-
 import torch
 
 from kvbench.core.contract import Plan, Selection
 from kvbench.kernels.page_summary import page_scores
 from kvbench.methods.base import Method, register_method
+from kvbench.methods.common.arithmetic import check_scoring_dtype, scoring_dtype
 from kvbench.methods.common.pages import PageSummary, layer_pages, page_tokens, top_page_tokens
 
 
@@ -40,14 +46,23 @@ def hsa_parameters(compression: float, head_dim: int) -> dict[str, int]:
     return {"page_size": p, "k1": max(1, min(head_dim, int(head_dim * p / c2)))}
 
 
-def hsa_select(q: torch.Tensor, pages: PageSummary, k1: int, k2: int, length: int) -> torch.Tensor:
-    """The `[H, G, k]` token indices HSA attends to (k = min(k2, length)), shared by each group. On a static
-    layer (`pages.fill`) the pages span the capacity and the tokens past each head's length get no score."""
+def hsa_select(q: torch.Tensor, pages: PageSummary, k1: int, k2: int, length: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The `[H, G, k]` token indices HSA attends to (k = min(k2, length)), shared by each group, the scores in
+    `dtype` (float32, or float16: the release's arithmetic). On a static layer (`pages.fill`) the pages span the
+    capacity and the tokens past each head's length get no score."""
     heads, group, dim = q.shape
-    absq = q.float().abs()
-    dims = absq.sum(dim=1).topk(k1, dim=-1).indices  # [H, k1]
-    positive = q.float().sum(dim=1).gather(-1, dims) > 0  # [H, k1]
-    estimate = page_scores(q, pages.kmin, pages.kmax, dims, positive[:, None, :])  # [H, G, P]
+    if dtype == torch.float32:
+        absq = q.float().abs()
+        dims = absq.sum(dim=1).topk(k1, dim=-1).indices  # [H, k1]
+        positive = q.float().sum(dim=1).gather(-1, dims) > 0  # [H, k1]
+        estimate = page_scores(q, pages.kmin, pages.kmax, dims, positive[:, None, :])  # [H, G, P]
+    else:  # the release's float16 ops: the group's mean |q|, the sign of its sum, the bound's product rounded
+        q, kmin, kmax = q.to(dtype), pages.kmin.to(dtype), pages.kmax.to(dtype)
+        absq = q.abs()
+        dims = absq.mean(dim=1).topk(k1, dim=-1).indices
+        positive = q.sum(dim=1).gather(-1, dims) > 0
+        estimate = page_scores(q, kmin, kmax, dims, positive[:, None, :]).to(dtype)
     chosen = absq.gather(-1, dims[:, None, :].expand(heads, group, k1)).sum(-1)
     temperature = torch.sqrt(dim * chosen / absq.sum(-1))[..., None]  # [H, G, 1]
     if pages.fill is None:
@@ -79,8 +94,10 @@ def _page_softmax_mean(scores: torch.Tensor, pages: PageSummary) -> torch.Tensor
 @dataclass(frozen=True)
 class HSAStage:
     """HSA as a decode stage any method can run (HSA alone, RocketKV's stage 2): pages built when the segment
-    ends and kept current, `k2` tokens selected per step, the estimate's traffic counted. The method's plan
-    derives page_size, k1 and k2."""
+    ends and kept current, `k2` tokens selected per step (scored in `dtype`), the estimate's traffic counted.
+    The method's plan derives page_size, k1 and k2."""
+
+    dtype: torch.dtype = torch.float32
 
     def build_derived(self, layer, step) -> dict:
         plan = step.plan
@@ -93,7 +110,7 @@ class HSAStage:
         length = layer.physical_length()
         if d["k2"] >= length:
             return None
-        return hsa_select(q, layer_pages(layer, d["page_size"]), d["k1"], d["k2"], length)
+        return hsa_select(q, layer_pages(layer, d["page_size"]), d["k1"], d["k2"], length, self.dtype)
 
     def traffic(self, layer, selection: Selection, step) -> int:
         """Elements read: one bound per chosen dimension of every page, plus K and V of the selected tokens."""
@@ -109,7 +126,15 @@ class HSA(Method):
     family = "selection"
     selects = True
     static_selection = True
-    stage: ClassVar[HSAStage] = HSAStage()
+    scoring_dtype: str | None = None  # null/float32 | release: the estimate in float16, as the release
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_scoring_dtype(self.scoring_dtype)
+
+    @property
+    def stage(self) -> HSAStage:
+        return HSAStage(scoring_dtype(self.scoring_dtype, torch.float16))
 
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:

@@ -1,11 +1,11 @@
-"""RocketKV (Behnam et al., ICML 2025; seed paper 000): SnapKV eviction at the end of prefill, then hybrid
-sparse attention (HSA) at every decode step (specs/rocketkv.md §2).
+"""RocketKV (Behnam et al., "RocketKV: Accelerating Long-Context LLM Inference via Two-Stage KV Cache
+Compression", ICML 2025, arXiv:2502.14051, §3): SnapKV eviction at the end of prefill, then hybrid sparse
+attention (HSA) at every decode step. Compared with the release (NVlabs/RocketKV) in docs/fidelity.md.
 
 The budget t is per KV group and per decode step, traffic of the HSA estimate included. With S = prompt +
 tokens to generate (capped at the model's limit) and c = S / t, the adaptive decomposition gives stage 1
 compression c^r and stage 2 the rest, r = min(0.2 + 0.06 log2 c, 0.8) (`split` fixes r for the paper's
-ablation). The arithmetic is the authors' accuracy path (`infllm_utils.compress`), which reproduces the
-spec's worked table:
+ablation). The arithmetic is the authors' accuracy path (`infllm_utils.compress`):
 
     cap = max(int(S / c^r), min(2 * new_tokens, S));  prompt_budget = cap - new_tokens
     k2 = t // 2;  c2 = max(1, cap / t);  p = ceil(sqrt(c2)) (1 if > c2);  k1 = int(D * p / c2)
@@ -17,10 +17,14 @@ compressed cache and updated as tokens are appended.
 
 As in the released code, the prompt's last token is not prefilled: it goes through the decode path, so the
 observation window is the end of prompt[:-1] and the first answer token already comes from HSA
-(`last_prompt_token_via_decode`, spec §8.7). `skip_layers`, the released configs' name (LongChat: 2), keeps the first layers dense like `dense_layers`.
+(`last_prompt_token_via_decode`). `skip_layers`, the released configs' name (LongChat: 2), keeps the first layers
+dense like `dense_layers`.
 Multi-turn: every later turn's input attends to the compressed past and SnapKV re-compresses past + input
 to `prompt_budget` (the `turn_end` event); `rocketkv_mt` keeps the full history instead. A budget at or
-above S is full attention (the default short-circuit, spec §2.8).
+above S is full attention (the default short-circuit).
+
+`scoring_dtype` (kvbench.methods.common.arithmetic): HSA's estimate in float32 (null) or, with `release`, in
+float16 as the release's model is (`kvbench.methods.hsa`); the SnapKV stage's scores stay float32.
 """
 
 from __future__ import annotations
@@ -29,8 +33,11 @@ import math
 from dataclasses import dataclass
 from typing import ClassVar
 
+import torch
+
 from kvbench.core.contract import Plan
 from kvbench.methods.base import EvictionMethod, register_method
+from kvbench.methods.common.arithmetic import check_scoring_dtype, scoring_dtype
 from kvbench.methods.hsa import HSAStage, hsa_parameters
 from kvbench.methods.snapkv import SnapKV
 
@@ -65,6 +72,7 @@ class RocketKV(EvictionMethod):
     split: float | None = None  # null: the adaptive r; 0.3 / 0.5 / 0.7 for the static-r ablation
     skip_layers: int = 0
     last_prompt_token_via_decode: bool = True
+    scoring_dtype: str | None = None  # null/float32 | release: HSA's estimate in float16, as the release
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -77,7 +85,8 @@ class RocketKV(EvictionMethod):
             raise ValueError(f"skip_layers must be a number of layers >= 0, got {self.skip_layers!r}")
         if self.granularity != "group":
             raise ValueError("rocketkv's stage 1 is GQA-aware: granularity must be group")
-        self.selection = HSAStage()
+        check_scoring_dtype(self.scoring_dtype)
+        self.selection = HSAStage(scoring_dtype(self.scoring_dtype, torch.float16))
 
     @property
     def obs_window(self) -> int:

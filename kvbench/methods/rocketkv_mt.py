@@ -1,4 +1,4 @@
-"""RocketKV-MT (seed paper 000, §3.7; specs/rocketkv.md §2.5): RocketKV for multi-turn, keeping the whole
+"""RocketKV-MT (the RocketKV paper, arXiv:2502.14051, §3.7): RocketKV for multi-turn, keeping the whole
 history.
 
 Nothing is evicted. At the end of every prefill (the first prompt and each later turn's input, which
@@ -79,7 +79,7 @@ class RocketKVMT(RocketKV):
         n = selected.rows.shape[1]
         if d["k2"] >= n:
             return selected.rows[:, None, :].expand(heads, group, n)
-        local = hsa_select(q, selected.pages, d["k1"], d["k2"], n)[:, 0]
+        local = hsa_select(q, selected.pages, d["k1"], d["k2"], n, self.selection.dtype)[:, 0]
         return selected.rows.gather(1, local)[:, None, :].expand(heads, group, local.shape[1])
 
     def step_traffic(self, layer, selection, step):
