@@ -20,6 +20,10 @@ Protocol, following OpenBMB/InfiniteBench (`src/eval_utils.py`, `src/prompt.py`,
   their head and tail (`Sample.truncation = "middle"`, `meta["prompt_token_limit"]`). Departure: the benchmark cuts
   the whole prompt in tokens (first half, last half); kvbench's engine cuts the context part and keeps the question
   whole, so the head is shorter and the tail longer by half the question's tokens (a few dozen of 131072).
+  The cap is min(`truncate_to`, the model's positions - the task's tokens to generate) (`engine.prompt.fit_to_model`),
+  so prompt and answer fit the model's positions. Departure: the benchmark cuts at 131072 whatever the model, so on
+  a model with 131072 positions (Llama-3.1) kvbench keeps fewer tokens than the release (En.QA, 40 tokens to
+  generate: 131032 where the release keeps 131072 and generates past the model's positions); docs/fidelity.md.
 - En.Sum: OmniKV samples it (`temperature=0.8, top_p=0.95, do_sample=True`, greedy elsewhere): `meta["sampling"]`
   holds these with a per-sample seed drawn from `sample_rng(seed, name, subset, row id)`.
 
