@@ -1,14 +1,16 @@
-"""Wall time of a method x budget grid: kvbench grouped, kvbench ungrouped, and NVIDIA kvpress, same samples.
+"""Wall time of a method x budget grid: kvbench batched (the default), kvbench one row at a time, and NVIDIA kvpress,
+same samples.
 
     python scripts/bench_sweep_throughput.py                       # the grid below, on the embedded SmolLM2
     python scripts/bench_sweep_throughput.py --kvpress-python /path/to/venv/bin/python
 
 The grid (the sweep-throughput issue's): 8 RULER niah_single_2 samples of ~1.9K tokens, question-agnostic,
 16 new tokens; full plus StreamingLLM, SnapKV and Ada-SnapKV at compression ratios 0.25/0.5/0.75/0.9 (13
-points). kvbench runs as one multirun, grouped with batched decoding (`hydra/launcher=grouped` with
-`engine.batch_rows=32`: per sample one dense prefill, each point's compression, one batched decode; batched
-kernels round differently, so the printed agreement counts how many records still equal the lone ones) and
-ungrouped (`hydra.launcher.max_group=1`: each point decodes alone, still one shared prefill per prompt). kvpress runs its text-generation pipeline press by
+points). kvbench runs as one multirun with its defaults (`hydra/launcher=grouped`, `engine.batch_rows=16`: per
+sample one dense prefill, each point's compression, then the points' decode steps and teacher-forced NLL as the
+rows of shared forwards) and again one row at a time (`engine.batch_rows=1`: each point's steps its own forwards,
+still one shared prefill per prompt); the printed agreement counts the records of the two runs that are equal
+(they all should be: `kvbench.engine.invariance`). kvpress runs its text-generation pipeline press by
 press over the same contexts and questions, with the same model weights (the converted SmolLM2 in
 $KVBENCH_CACHE) and dtype, when it is importable here or in the interpreter given by --kvpress-python
 (kvpress 0.5 needs transformers < 5.3, kvbench 5.x: a second virtual environment). Every wall time includes
@@ -56,7 +58,7 @@ print(json.dumps({"wall_s": time.perf_counter() - start, "load_s": loaded - star
 """
 
 
-def run_kvbench(results: Path, max_group: int, args: argparse.Namespace, batch_rows: int = 1) -> float:
+def run_kvbench(results: Path, max_group: int, args: argparse.Namespace, batch_rows: int = 16) -> float:
     command = [sys.executable, "-m", "kvbench", "-m", "task=ruler_niah_single_2", f"task.seq_len={args.seq_len}",
                f"task.num_samples={args.samples}", f"+task.max_new_tokens={args.new_tokens}", "compress_question=false",
                f"method={METHODS}", f"compression_ratio={RATIOS}", f"results_dir={results}",
@@ -82,7 +84,8 @@ def breakdown(results: Path) -> dict[str, float]:
 
 
 def agreement(grouped: Path, ungrouped: Path) -> str:
-    """How many (point, sample) records of the two runs have identical predictions, scores and NLLs."""
+    """How many (point, sample) records of the two runs have identical predictions, scores and NLLs, and how many
+    rows shared the first run's forwards."""
     def load(root: Path) -> dict[tuple[str, str], dict]:
         return {(r["point_hash"], r["sample_id"]): r for p in root.rglob("records.jsonl")
                 for r in map(json.loads, p.read_text().splitlines())}
@@ -90,9 +93,10 @@ def agreement(grouped: Path, ungrouped: Path) -> str:
     a, b = load(grouped), load(ungrouped)
     same = {key: ([t["prediction"] for t in a[key]["turns"]] == [t["prediction"] for t in b[key]["turns"]],
                   a[key]["score"] == b[key]["score"], a[key]["nll"] == b[key]["nll"]) for key in a.keys() & b.keys()}
-    return (f"grouped vs ungrouped records: {len(same)} of {len(a)} / {len(b)} matched; identical predictions "
-            f"{sum(s[0] for s in same.values())}, scores {sum(s[1] for s in same.values())}, "
-            f"NLLs {sum(s[2] for s in same.values())}")
+    rows = sorted(r.get("decode_batched_rows", 1) for r in a.values())
+    return (f"batched vs one row at a time: {len(same)} of {len(a)} / {len(b)} records matched; identical "
+            f"predictions {sum(s[0] for s in same.values())}, scores {sum(s[1] for s in same.values())}, NLLs "
+            f"{sum(s[2] for s in same.values())}; rows sharing a forward (batched run) {rows[0]}-{rows[-1]}")
 
 
 def kvpress_python(args: argparse.Namespace) -> str | None:
@@ -128,16 +132,16 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--kvpress-python", default=None)
     parser.add_argument("--dtype", default="auto", help="model.dtype for both (auto: bfloat16 where native)")
-    parser.add_argument("--skip-ungrouped", action="store_true")
+    parser.add_argument("--skip-one-row", action="store_true", help="skip the run one row at a time")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        times = {"kvbench grouped": run_kvbench(work / "grouped", 32, args, batch_rows=32)}
-        grouped = breakdown(work / "grouped")
+        times = {"kvbench batched": run_kvbench(work / "batched", 32, args)}
+        grouped = breakdown(work / "batched")
         agree = None
-        if not args.skip_ungrouped:
-            times["kvbench ungrouped"] = run_kvbench(work / "ungrouped", 1, args)
-            agree = agreement(work / "grouped", work / "ungrouped")
+        if not args.skip_one_row:
+            times["kvbench one row"] = run_kvbench(work / "one_row", 32, args, batch_rows=1)
+            agree = agreement(work / "batched", work / "one_row")
         python = kvpress_python(args)
         if python:
             times["kvpress"] = run_kvpress(python, args, work)["wall_s"]
@@ -150,13 +154,13 @@ def main() -> None:
         ratio = f"   kvpress / this: {reference / seconds:5.2f}x" if reference else ""
         print(f"{name:<18} {seconds:8.1f} s{ratio}")
     if agree:
-        print(f"ungrouped / grouped: {times['kvbench ungrouped'] / times['kvbench grouped']:.2f}x; {agree}")
+        print(f"one row at a time / batched: {times['kvbench one row'] / times['kvbench batched']:.2f}x; {agree}")
     g = grouped
     other = g["sample_wall_s"] - g["dense_prefill_s"] - g["compress_s"] - g["decode_s"]
-    print(f"kvbench grouped, where the time goes: dense prefill (one per prompt) {g['dense_prefill_s']:.1f} s, "
+    print(f"kvbench batched, where the time goes: dense prefill (one per prompt) {g['dense_prefill_s']:.1f} s, "
           f"compression {g['compress_s']:.1f} s, batched decode {g['decode_s']:.1f} s, question appends + NLL + "
           f"scoring + bookkeeping {other:.1f} s, process start + model load + sample building "
-          f"{times['kvbench grouped'] - g['sample_wall_s']:.1f} s")
+          f"{times['kvbench batched'] - g['sample_wall_s']:.1f} s")
 
 
 if __name__ == "__main__":

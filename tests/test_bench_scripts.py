@@ -154,11 +154,11 @@ def test_budget_tables_prints_the_accuracy_and_table1_columns(tmp_path):
 
 @pytest.mark.integration
 def test_sweep_throughput_bench_times_a_grouped_sweep_on_smollm2():
-    """The grid on one short sample of the embedded SmolLM2, grouped only; kvpress, an optional comparison in
+    """The grid on one short sample of the embedded SmolLM2, batched only; kvpress, an optional comparison in
     a second environment (`--kvpress-python`), is skipped with one line where it is not importable."""
     out = script("bench_sweep_throughput.py", "--seq-len", "1024", "--samples", "1", "--new-tokens", "2",
-                 "--skip-ungrouped", timeout=600)
-    assert re.search(rf"^kvbench grouped\s+{NUMBER} s", out, re.M), out
+                 "--skip-one-row", timeout=600)
+    assert re.search(rf"^kvbench batched\s+{NUMBER} s", out, re.M), out
     assert "grid: 13 points x 1 samples" in out, out
     if importlib.util.find_spec("kvpress") is None:
         assert "kvpress: not importable here and no --kvpress-python given; skipped" in out

@@ -95,13 +95,13 @@ GRID = [("full", {}, 64), ("adakv", {}, 48), ("exact_topk", {}, 32), ("snapkv", 
         ("random", {"decode_every": 1}, 32)]
 
 
-def _grouped_vs_alone(lm, compress_question: bool, batch_rows: int = 1) -> list[tuple[dict, dict]]:
+def _grouped_vs_alone(lm, compress_question: bool, **engine) -> list[tuple[dict, dict]]:
     pairs = []
     for sample in _samples(lm):
         points = [(build_method(name, **params), budget) for name, params, budget in GRID]
         alone = [run_sample(lm, method, budget, sample, EngineConfig(compress_question=compress_question))
                  for method, budget in points]
-        cfg = EngineConfig(compress_question=compress_question, batch_rows=batch_rows)
+        cfg = EngineConfig(compress_question=compress_question, **engine)
         grouped = run_group(lm, [(method, budget, sample) for method, budget in points], cfg)
         pairs += list(zip(alone, grouped))
     return pairs
@@ -111,20 +111,38 @@ def _grouped_vs_alone(lm, compress_question: bool, batch_rows: int = 1) -> list[
 @pytest.mark.parametrize("compress_question", [True, False])
 @pytest.mark.parametrize("model", ["tiny_llama", "tiny_qwen3"])
 def test_grouped_points_record_what_each_point_records_alone(model, dtype, compress_question):
+    """The default: a sample's points decode as rows of one batch (eager forwards padded to the row block), and
+    each row's record is bitwise what the point records alone; the records say how many rows shared a step."""
     lm = load_model(model_cfg(model, dtype=dtype))
     for alone, grouped in _grouped_vs_alone(lm, compress_question):
         assert_same_records(alone, grouped)
+        assert alone["decode_batched_rows"] == 1 and "decode_batch_reason" not in grouped
+        assert grouped["decode_batched_rows"] > 1 and grouped["decode_row_block"] == 4
 
 
-def test_batched_rows_differ_from_lone_rows_only_by_rounding(tiny):
-    """`engine.batch_rows=16`: every row of the group in one forward. The batching itself is right: the same
-    predictions, and NLLs equal up to the rounding of batched float32 kernels."""
-    for alone, grouped in _grouped_vs_alone(tiny, compress_question=False, batch_rows=16):
-        assert grouped["decode_batched_rows"] == len(GRID)
-        assert [t["prediction"] for t in alone["turns"]] == [t["prediction"] for t in grouped["turns"]]
-        assert grouped["nll"] == pytest.approx(alone["nll"], rel=1e-5)
-        for key in ("score", "kv_bytes_end", "kept_tokens_end_max", "eviction_events"):
-            assert alone[key] == grouped[key], key
+def test_rows_one_at_a_time_record_what_batched_rows_record(tiny):
+    """`engine.batch_rows=1` (every row its own forward) and the default batch give the same bits."""
+    one_at_a_time = _grouped_vs_alone(tiny, compress_question=False, batch_rows=1)
+    batched = _grouped_vs_alone(tiny, compress_question=False)
+    for (_, single), (_, together) in zip(one_at_a_time, batched):
+        assert single["decode_batched_rows"] == 1 and together["decode_batched_rows"] == len(GRID)
+        assert_same_records(single, together)
+
+
+def test_a_machine_whose_kernels_are_not_batch_invariant_decodes_one_row_at_a_time():
+    """The probe (kvbench.engine.invariance) runs on the machine's kernels: a substituted output head whose rows
+    depend on the other rows of its product fails it, and the group then decodes one row at a time, saying why."""
+    lm = load_model(model_cfg("tiny_llama"))  # a copy of its own: the substituted kernel and the probe's answer
+    plain = lm.model.lm_head.forward
+    lm.model.lm_head.forward = lambda x: plain(x) + 1e-3 * x.mean(dim=0, keepdim=True).sum(-1, keepdim=True)
+    sample = _samples(lm, n=1)[0]
+    points = [(build_method(name, **params), budget) for name, params, budget in GRID[:3]]
+    alone = [run_sample(lm, method, budget, sample, EngineConfig()) for method, budget in points]
+    grouped = run_group(lm, [(method, budget, sample) for method, budget in points], EngineConfig())
+    for a, g in zip(alone, grouped):
+        assert "kernels are not batch-invariant for tiny_llama in float32" in g["decode_batch_reason"]
+        assert g["decode_batched_rows"] == 1
+        assert_same_records(a, g)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -161,11 +161,18 @@ def test_draws_do_not_depend_on_the_group_or_the_samples_beside_them(tiny_llama)
     assert alone[("full", "s-0")]["decoding"]["seed"] == alone[("snapkv", "s-0")]["decoding"]["seed"]
 
 
-def test_batched_rows_refuse_sampled_samples(tiny_llama):
+def test_sampled_rows_batch_and_draw_what_they_draw_alone(tiny_llama):
+    """Sampled rows share decode forwards by default (each with its own generator, its logits the same bits in
+    any batch), one row at a time with `engine.batch_rows=1`: the same draws either way."""
     method = build_method("full")
-    with pytest.raises(KVBenchError, match="engine.batch_rows=4"):
-        run_group(tiny_llama, [(method, 64, sampled_sample()), (method, 64, greedy_twin(sampled_sample()))],
-                  EngineConfig(batch_rows=4))
+    rows = [(method, 64, sampled_sample()), (method, 64, greedy_twin(sampled_sample())),
+            (method, 64, sampled_sample(seed=5, sample_id="s-5"))]
+    batched = run_group(tiny_llama, rows, EngineConfig())
+    single = run_group(tiny_llama, rows, EngineConfig(batch_rows=1))
+    assert [r["decode_batched_rows"] for r in batched] == [3, 3, 3]
+    assert [r["decode_batched_rows"] for r in single] == [1, 1, 1]
+    assert [decoded(r) for r in batched] == [decoded(r) for r in single]
+    assert [t["nll"] for r in batched for t in r["turns"]] == [t["nll"] for r in single for t in r["turns"]]
 
 
 def test_greedy_decoding_is_unchanged_and_says_what_it_set_aside(tiny_llama):
@@ -198,9 +205,7 @@ def test_config_checks_and_point_identity():
     assert not point_samples(base.engine, {"name": "math500", "temperature": None})
     with pytest.raises(KVBenchError, match="engine.sampling must be auto"):
         check_sampling(OmegaConf.merge(base.engine, {"sampling": "top_p"}), math500)
-    with pytest.raises(KVBenchError, match="engine.batch_rows=16 with sampled decoding"):
-        check_sampling(OmegaConf.merge(base.engine, {"batch_rows": 16}), math500)
-    check_sampling(OmegaConf.merge(base.engine, {"batch_rows": 16, "sampling": "greedy"}), math500)
+    check_sampling(OmegaConf.merge(base.engine, {"batch_rows": 16}), math500)  # sampled points batch too
 
     def identity(task, **engine):
         cfg = OmegaConf.create({"model": {"name": "m"}, "task": task, "method": {"name": "full"}, "budget": 64,

@@ -60,8 +60,10 @@ def kvbench_attention(
     scaling = scaling if scaling is not None else module.head_dim**-0.5
     if len(steps) == 1:
         return _attend(_layer(steps[0], module), steps[0], query, scaling), None
-    # a batch of caches (BatchedCache): every row attends over its own layer
-    return torch.cat([_attend(_layer(step, module), step, query[b:b + 1], scaling)
+    # a batch of caches (BatchedCache): every row attends over its own layer; a padding row (no step) attends to
+    # nothing and its output, which no real row reads, is zero
+    return torch.cat([_attend(_layer(step, module), step, query[b:b + 1], scaling) if step is not None
+                      else query.new_zeros(1, query.shape[2], query.shape[1], query.shape[3])
                       for b, step in enumerate(steps)]), None
 
 

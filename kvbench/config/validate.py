@@ -47,6 +47,8 @@ def validate(cfg: DictConfig) -> None:
     for key in ("sample_batch", "batch_rows"):
         if key in engine and (not is_int(engine[key]) or engine[key] < 1):
             raise KVBenchError(f"engine.{key} must be a positive integer, got {engine[key]!r}")
+    if "row_block" in engine and engine.row_block != "auto" and (not is_int(engine.row_block) or engine.row_block < 1):
+        raise KVBenchError(f"engine.row_block must be auto or a positive integer, got {engine.row_block!r}")
     if "compile" in engine and engine.compile not in ("auto", True, False):
         raise KVBenchError(f"engine.compile must be auto, true or false, got {engine.compile!r}")
     check_prefill_attention(engine)

@@ -22,10 +22,15 @@ class EngineConfig:
     system_prompt: str | None = None
     topk_recall: bool = True  # selection methods: measure top-k attention-mass recall at every decode step
     sample_batch: int = 1  # samples of one point run together (run_group)
-    # rows of a group decoded in one forward. 1: each row alone, records bitwise those of a lone run. More:
-    # faster, but CPU/GPU kernels round a batched row differently, so NLLs and (at near-ties) predictions
-    # drift from a lone run's (bf16 SmolLM2: 3 of 104 greedy answers, NLLs by up to ~5%)
-    batch_rows: int = 1
+    # rows of a group (a sample's sweep points, or `sample_batch` samples) decoded in one forward at most; 1 = one
+    # row at a time. Records do not depend on it: eager decode forwards are padded to `row_block` rows, and a
+    # probe checks that this machine's kernels then give a row the same bits in any batch
+    # (kvbench.engine.invariance), else the rows decode one at a time and the records say why
+    batch_rows: int = 16
+    # the fewest rows an eager decode forward's dense layers multiply (a lone row padded): auto = 4 on CPU (x86
+    # BLAS switches float32 products of 1-3 rows to a matrix-vector path that rounds otherwise), `batch_rows` on
+    # CUDA (one product shape for every forward, which the weights' bytes bound anyway). 1 = stock's lone row
+    row_block: "str | int" = "auto"
     # the compiled decode step (kvbench.engine.compiled): auto = on CUDA only, true = wherever the method allows,
     # false = never. The eager path stays the exact default on CPU; records say which path ran (`decode_path`)
     compile: "str | bool" = "auto"
@@ -36,6 +41,12 @@ class EngineConfig:
     # sparse prefill (`kvbench.attention.minference`) with the `minference` settings
     prefill_attention: str = "dense"
     minference: dict[str, Any] = field(default_factory=dict)
+
+    def resolved_row_block(self, device: Any) -> int:
+        """`row_block` for a model on `device` (a `torch.device`)."""
+        if self.row_block == "auto":
+            return max(1, int(self.batch_rows)) if getattr(device, "type", "cpu") == "cuda" else 4
+        return int(self.row_block)
 
     def prefill_key(self) -> tuple:
         """What a shared prefill snapshot depends on beyond the prompt: the prefill attention and its settings."""
@@ -75,14 +86,8 @@ def point_samples(engine: Any, task: Any) -> bool:
 
 
 def check_sampling(engine: Any, task: Any) -> None:
-    """`engine.sampling` is auto or greedy, and a sampled point is not decoded in batched rows: a batched row's
-    logits round otherwise than a lone row's (`batch_rows`), so its draws would depend on which other points and
-    samples happened to share its forward (a resumed sweep batches differently), not on its seed alone."""
+    """`engine.sampling` is auto or greedy. (A sampled point may decode in batched rows: each row draws from its
+    own generator, and its logits are the same bits in any batch: `kvbench.engine.invariance`.)"""
     setting = engine.get("sampling", "auto")
     if setting not in SAMPLING_SETTINGS:
         raise KVBenchError(f"engine.sampling must be auto (the task's decoding protocol) or greedy, got {setting!r}")
-    rows = engine.get("batch_rows", 1)
-    if point_samples(engine, task) and rows != 1:
-        raise KVBenchError(f"engine.batch_rows={rows} with sampled decoding (task {task.get('name')}'s protocol "
-                           "samples): batched rows round differently from a lone row, so a sample's draws would "
-                           "depend on its batch; use engine.batch_rows=1, or engine.sampling=greedy")

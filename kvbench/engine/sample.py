@@ -36,6 +36,7 @@ from kvbench.core.errors import KVBenchError
 from kvbench.engine.compiled import decoder_for, wants_compile
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.decoding import TokenChooser, decoding_for
+from kvbench.engine.invariance import batch_invariance
 from kvbench.engine.prompt import PromptBuilder, fit_to_model, gold_continuation, stop_token_ids
 from kvbench.engine.record import SampleRun, _record
 from kvbench.engine.session import Session, decode_batch, teacher_forced_nll_batch
@@ -99,16 +100,17 @@ def run_group(
     with phase("prefill"):
         runs = [_start_row(lm, method, budget_cfg, sample, cfg, builder, snapshots)
                 for method, budget_cfg, sample in rows]
-    batched = len(runs) > 1 and cfg.batch_rows > 1
-    sampled = [run.sample.id for run in runs if run.decoding.sampled]
-    if batched and sampled:  # engine.config.check_sampling refuses the command first; this guards direct calls
-        raise KVBenchError(f"engine.batch_rows={cfg.batch_rows} would decode sampled sample {sampled[0]} in batched "
-                           "rows, whose rounding makes its draws depend on the batch: use engine.batch_rows=1 or "
-                           "engine.sampling=greedy")
+    row_block = cfg.resolved_row_block(lm.device)
+    max_rows = min(len(runs), cfg.batch_rows)
+    # one row at a time where this machine would round a batched row otherwise than a lone one
+    batch_reason = batch_invariance(lm, max_rows, row_block) if max_rows > 1 else None
+    if batch_reason is not None:
+        max_rows = 1
     choosers = {id(run): TokenChooser(run.decoding) for run in runs}  # one generator per sample, across its turns
     stage_timed = profiler is not None and profiler.stages is not None
     for run in runs:
-        _choose_decode_path(lm, run.session, cfg, batched, stage_timed)
+        run.session.row_block = row_block
+        _choose_decode_path(lm, run.session, cfg, stage_timed)
     stop_ids = stop_token_ids(lm)
     for t in range(max(len(run.sample.turns) for run in runs)):
         turn_runs = [run for run in runs if t < len(run.sample.turns)]
@@ -123,12 +125,12 @@ def run_group(
         turns = [run.sample.turns[t] for run in turn_runs]
         targets = [builder._ids(gold_continuation(turn), first=False) if turn.answers else [] for turn in turns]
         sessions, logits = [run.session for run in turn_runs], [run.logits for run in turn_runs]
-        nlls = (teacher_forced_nll_batch(sessions, logits, targets, cfg.batch_rows) if cfg.nll
+        nlls = (teacher_forced_nll_batch(sessions, logits, targets, max_rows) if cfg.nll
                 else [float("nan")] * len(turn_runs))
         min_new = [int(run.sample.meta.get("min_new_tokens", 0)) for run in turn_runs]
         with phase("decode"):
             decoded = decode_batch(sessions, logits, [turn.max_new_tokens for turn in turns], stop_ids,
-                                   [run.sample.stop for run in turn_runs], min_new, cfg.batch_rows,
+                                   [run.sample.stop for run in turn_runs], min_new, max_rows,
                                    choosers=[choosers[id(run)] for run in turn_runs])
         for run, turn, nll, (tokens, steps, reason), least in zip(turn_runs, turns, nlls, decoded, min_new):
             run.steps += steps
@@ -149,9 +151,14 @@ def run_group(
             )
     wall_s = (time.perf_counter() - started) / len(runs)
     records = [_record(lm, run, wall_s, profiler) for run in runs]
-    if len(runs) > 1 and cfg.batch_rows > 1:
-        for record in records:
-            record["decode_batched_rows"] = min(len(runs), cfg.batch_rows)
+    for run, record in zip(runs, records):
+        if run.session.steps_taken:
+            record["decode_row_block"] = row_block
+            record["decode_batched_rows"] = max(1, run.session.rows_shared)  # the most rows that shared a forward
+        if batch_reason is not None:
+            record["decode_batch_reason"] = batch_reason
+        elif len(runs) > 1 and run.session.decode_path == "compiled":
+            record["decode_batch_reason"] = "a compiled decode step is one graph per row: compiled rows step alone"
     return records
 
 
@@ -167,14 +174,12 @@ def sample_generator(seed: int, sample_id: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
 
 
-def _choose_decode_path(lm: LoadedModel, session: Session, cfg: EngineConfig, batched: bool,
-                        stage_timed: bool = False) -> None:
+def _choose_decode_path(lm: LoadedModel, session: Session, cfg: EngineConfig, stage_timed: bool = False) -> None:
     """The compiled decode step where `engine.compile` asks for it and the method allows it; otherwise eager, and
     the session says why when compiling was asked for."""
     if not wants_compile(cfg.compile, lm.device):
         return
     blocker = (STAGE_TIMED_REASON if stage_timed
-               else "batched decoding (engine.batch_rows > 1) runs eagerly" if batched
                else session.method.static_decode_blocker() if session.method is not None else None)
     decoder = decoder_for(lm)
     blocker = blocker or decoder.failure(session.method)

@@ -86,6 +86,10 @@ class Session:
         self.last_step_compiled = False
         self._static_left = 0  # steps the current decode loop may still take on the static layout
         self._eager_first = False
+        # the fewest rows the dense layers of an eager decode step multiply (`step_batch` pads to it): a row then
+        # takes the same products alone as in a batch (`EngineConfig.row_block`; 1: a lone row is stock's M = 1)
+        self.row_block = 1
+        self.rows_shared = 0  # the most rows (padding aside) of a decode forward this session took part in
 
     def step_context(self, evict: bool = False) -> Step:
         return Step(self.cache, self.method, self.plan, evict=evict, observe=self.observe,
@@ -146,7 +150,12 @@ class Session:
                 self._eager_first = False
             else:
                 return self._static_step(token, evict)
-        return self.forward([token], evict=evict)[-1]
+        return _rows_forward([self], [token], [evict])[0]
+
+    @property
+    def steps_alone(self) -> bool:
+        """Whether this session's decode steps run alone: a compiled decode loop is one graph per session."""
+        return self._static_left > 0
 
     @property
     def decode_path(self) -> str | None:
@@ -212,7 +221,7 @@ class Session:
     def fork(self) -> "Session":
         """A session on a copy of this one's cache (shared storage until it diverges), at the same step."""
         fork = Session(self.lm, self.method, self.plan, self.cache.clone())
-        fork.decoder = self.decoder
+        fork.decoder, fork.row_block = self.decoder, self.row_block
         fork.query_window, fork.observe, fork.measure_recall = self.query_window, self.observe, self.measure_recall
         fork.shared = dict(self.shared)
         fork.position, fork.decode_steps = self.position, self.decode_steps
@@ -263,30 +272,58 @@ class Session:
         self.position = logical_length
 
 
-@torch.inference_mode()
+def forward_groups(sessions: list[Session], rows: list[int], max_rows: int) -> list[list[int]]:
+    """The decode forwards that step `rows` (indices into `sessions`): a session in a compiled decode loop alone
+    (one graph per session), the others in forwards of at most `max_rows` rows."""
+    alone = [[r] for r in rows if sessions[r].steps_alone]
+    shared = [r for r in rows if not sessions[r].steps_alone]
+    return alone + [shared[first:first + max_rows] for first in range(0, len(shared), max(1, max_rows))]
+
+
 def step_batch(sessions: list[Session], tokens: list[int], max_rows: int = 1) -> list[torch.Tensor]:
-    """One decode step of several sessions in one forward (a `BatchedCache`: the dense layers read the
-    weights once for all rows, each row attends over its own cache and runs its own hooks), in batches of at
-    most `max_rows` (1: each row alone, bitwise a lone run). One session takes `Session.step`, so an
-    ungrouped run is exactly what it always was."""
+    """One decode step of several sessions, in the forwards `forward_groups` makes of them: each shared forward a
+    `BatchedCache` (the dense layers read the weights once for all rows, each row attends over its own cache and
+    runs its own hooks), each compiled session its own graph."""
+    out: list[torch.Tensor | None] = [None] * len(sessions)
+    for group in forward_groups(sessions, list(range(len(sessions))), max_rows):
+        for r, logits in zip(group, _step_group([sessions[r] for r in group], [tokens[r] for r in group])):
+            out[r] = logits
+    return out  # type: ignore[return-value]
+
+
+def _step_group(sessions: list[Session], tokens: list[int]) -> list[torch.Tensor]:
     if len(sessions) == 1:
         return [sessions[0].step(tokens[0])]
+    evicts = [s.next_step_evicts() for s in sessions]
+    for session in sessions:
+        session.steps_taken += 1
+        session.last_step_compiled = False
+    return _rows_forward(sessions, tokens, evicts)
+
+
+@torch.inference_mode()
+def _rows_forward(sessions: list[Session], tokens: list[int], evicts: list[bool]) -> list[torch.Tensor]:
+    """One eager decode forward of `sessions`, padded with rows that hold no cache to a multiple of the sessions'
+    row block: every dense product multiplies whole blocks of rows, whether a session decodes alone or in a batch,
+    which (where the machine's kernels are batch-invariant on whole blocks: `kvbench.engine.invariance`) gives a
+    row the same bits alone and batched. A block of 1 with one session is the plain forward."""
     lm = sessions[0].lm
-    if len(sessions) > max_rows:
-        return [logits for start in range(0, len(sessions), max_rows)
-                for logits in step_batch(sessions[start:start + max_rows], tokens[start:start + max_rows], max_rows)]
+    padding = -len(sessions) % max(s.row_block for s in sessions)
+    for session in sessions:
+        session.rows_shared = max(session.rows_shared, len(sessions))
+    if len(sessions) == 1 and not padding:
+        return [sessions[0].forward(tokens, evict=evicts[0])[-1]]
     out = lm.model(
-        input_ids=torch.tensor(tokens, device=lm.device)[:, None],
-        position_ids=torch.tensor([s.position for s in sessions], device=lm.device)[:, None],
-        **cache_kwargs(lm.model, BatchedCache([s.cache for s in sessions])),
+        input_ids=torch.tensor(tokens + [tokens[0]] * padding, device=lm.device)[:, None],
+        position_ids=torch.tensor([s.position for s in sessions] + [0] * padding, device=lm.device)[:, None],
+        **cache_kwargs(lm.model, BatchedCache([s.cache for s in sessions] + [None] * padding)),
         use_cache=True,
         logits_to_keep=1,
-        kvbench_steps=[s.step_context(s.next_step_evicts()) for s in sessions],
+        kvbench_steps=[s.step_context(e) for s, e in zip(sessions, evicts)] + [None] * padding,
     )
     for session in sessions:
         session.position += 1
-        session.steps_taken += 1
-    return list(out.logits[:, -1].float())
+    return list(out.logits[:len(sessions), -1].float())
 
 
 def decode_batch(
@@ -336,11 +373,10 @@ def decode_batch(
         active = stepping
         if not active:
             break
-        for first in range(0, len(active), max_rows):  # each forward timed alone, its time shared by its rows
-            rows = active[first:first + max_rows]
+        for rows in forward_groups(sessions, active, max_rows):  # each forward timed alone, shared by its rows
             sync(device)
             start = time.perf_counter()
-            new_logits = step_batch([sessions[r] for r in rows], [tokens[r][-1] for r in rows], max_rows)
+            new_logits = _step_group([sessions[r] for r in rows], [tokens[r][-1] for r in rows])
             sync(device)
             share = (time.perf_counter() - start) / len(rows)
             for r, row_logits in zip(rows, new_logits):
@@ -380,4 +416,5 @@ def teacher_forced_nll_batch(sessions: list[Session], logits: list[torch.Tensor]
         session.static_steps, session.steps_taken = session.static_steps + fork.static_steps, \
             session.steps_taken + fork.steps_taken
         session.replayed_steps += fork.replayed_steps + (fork.static_loop.replayed if fork.static_loop else 0)
+        session.rows_shared = max(session.rows_shared, fork.rows_shared)
     return [total / len(target) if target else float("nan") for total, target in zip(totals, targets)]

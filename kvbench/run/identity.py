@@ -33,10 +33,11 @@ POINT_KEYS = ("model", "task", "method", "budget", "compress_question", "engine"
 
 
 # Engine settings that change speed or memory bookkeeping but never a prediction.
-# batch_rows changes rounding, not the experiment: records say `decode_batched_rows` when it was above 1.
+# batch_rows changes no bit (kvbench.engine.invariance): records say how many rows shared a step
+# (`decode_batched_rows`). row_block, like compile, names the decode path that ran: records say `decode_row_block`.
 # sampling: what it decides is the `decoding` key below, present only on sampled points.
 NON_IDENTITY_ENGINE_KEYS = ("reuse_prefill", "snapshot_window", "snapshot_cache_mb", "topk_recall", "sample_batch",
-                            "batch_rows", "compile", "sampling")
+                            "batch_rows", "row_block", "compile", "sampling")
 
 
 def point_identity(cfg: DictConfig) -> dict[str, Any]:
