@@ -137,6 +137,28 @@ def test_quest_page16_selects_per_query_head_and_attends_as_the_release(prompt, 
     assert partial_chosen or recent == "random"
 
 
+def test_quest_whole_page_recall_is_the_mass_of_each_query_heads_own_pages():
+    """The step's top-k recall (`engine.topk_recall`) where the partial last page is merged: each query head's mass
+    on the release's token set over its top as many tokens' mass, averaged."""
+    dim, prompt, budget = 32, 300, 64
+    q, k, v = random_qkv(5, prompt + 1, dim)
+    k[:, prompt] = 10 * q[:, prompt].view(KV_HEADS, GROUP, dim).mean(dim=1)  # the last page among the chosen
+    method = build_method("quest", page_size=16, budget_unit="attended", granularity="head", budget_fill="pages")
+    run = Run(method, budget, 1, dim, prompt, 1)
+    run.forward(0, q[:, :prompt], k[:, :prompt], v[:, :prompt])
+    run.end_segment()
+    layer = run.cache.layers[0]
+    layer.update(k[None, :, prompt:], v[None, :, prompt:])
+    step = Step(run.cache, method, run.plan, measure_recall=True)
+    selection = method.select(layer, q[:, prompt].view(KV_HEADS, GROUP, dim), layer.head_view(), step, dim ** -0.5)
+    assert selection.external is not None  # the merged path
+    mask, _ = quest_release(q[:, prompt], k, v, budget, 16)
+    probs = torch.softmax((q[:, prompt, None, :] @ repeat_kv(k).transpose(1, 2))[:, 0] / math.sqrt(dim), dim=-1)
+    best = [probs[h].topk(int(mask[h].sum())).values.sum() for h in range(Q_HEADS)]
+    expected = sum(float((probs[h] * mask[h]).sum() / best[h]) for h in range(Q_HEADS)) / Q_HEADS
+    assert selection.recall == pytest.approx(expected, rel=1e-5)
+
+
 def test_quest_with_one_query_head_per_kv_head_selects_the_same_per_head_and_per_group():
     dim, prompt = 32, 200
     gen = torch.Generator().manual_seed(3)

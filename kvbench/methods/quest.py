@@ -98,10 +98,8 @@ class Quest(Method):
         pages = layer_pages(layer, page)
         heads, group, _ = q.shape
         bound = page_scores(q, pages.kmin, pages.kmax, None, q > 0)  # [H, G, P]
-        if self.per_query_head:
-            rows, bound = heads * group, bound.flatten(0, 1)  # one row per query head, h * G + g
-        else:
-            rows, bound = heads, bound.sum(dim=1)  # summed over the group
+        # one row per query head (h * G + g), or the group's bounds summed
+        bound = bound.flatten(0, 1) if self.per_query_head else bound.sum(dim=1)
         if self.whole_pages:
             return self._whole_pages(q, view, bound, page, k2, scaling, step.measure_recall)
         unused = pages.unused_pages()  # a static layer's pages past its tokens
