@@ -1,10 +1,10 @@
-"""Stored-records regression check: the current code must reproduce, exactly, the records commit d6b26fe
-produces on the same kind of CPU.
+"""Stored-records regression check: the current code must reproduce, exactly, the records that the reference
+commit (`REFERENCE_COMMIT`) produces on the same kind of CPU.
 
     python scripts/check_stored_records.py                        # run the sweep into a temporary dir, compare
     python scripts/check_stored_records.py --results-dir DIR      # run it into DIR (must be new or empty), keep DIR
     python scripts/check_stored_records.py --existing-results DIR # compare a sweep already run (no new run)
-    python scripts/check_stored_records.py --make-reference FILE  # d6b26fe's records on this CPU, into FILE
+    python scripts/check_stored_records.py --make-reference FILE  # the reference commit's records on this CPU
 
 The sweep (from the repository root, HF_HUB_OFFLINE=1) is
 
@@ -14,22 +14,22 @@ The sweep (from the repository root, HF_HUB_OFFLINE=1) is
 
 on three RULER niah_single_2 samples (1,100-1,106 prompt tokens, embedded SmolLM2-135M in float32, CPU).
 `extract` reduces each point directory's records.jsonl to the compared fields; `compare` checks them exactly:
-the same point directories (their names carry the point hash; the stored names are those of the identity rule
-of d6b26fe, mapped to today's by `current_point_dirs`), the same sample ids, the same values (floats with ==,
-ints and floats not interchangeable). Any difference is printed as `point dir | sample | field: expected X,
-got Y` and the exit status is 1 (2: the sweep itself failed).
+the same point directories (their names carry the point hash), the same sample ids, the same values (floats
+with ==, ints and floats not interchangeable). Any difference is printed as `point dir | sample | field: expected
+X, got Y` and the exit status is 1 (2: the sweep itself failed).
 
-The reference. Float32 products are bitwise reproducible on one kind of CPU, not across kinds: MKL and ATen
-pick their kernels (and so their summation orders) by the processor, and d6b26fe itself gives nll values that
-differ in the 7th digit on two kinds of Xeon (tests/data/stored_records/README.md). So the reference is "what
-d6b26fe gives on this kind of CPU": the stored files `expected*.json` (each d6b26fe's records on one kind of CPU)
-are tried first, and where none matches exactly and git still has d6b26fe, d6b26fe is built from git
-(`git archive`, installed into a temporary directory) and its sweep is run here as the reference (about 1.5
-minutes on 2 cores). The current code passes only if it equals one of them exactly.
+The reference. Float32 products are bitwise reproducible on one kind of CPU, not across kinds: BLAS and ATen
+pick their kernels (and so their summation orders) by the processor, and one commit gives nll values that differ
+in the 7th digit on two kinds of Xeon (tests/data/stored_records/README.md). So the reference is "what the
+reference commit gives on this kind of CPU": the stored files `expected*.json` (each its records on one kind of
+CPU) are tried first, and where none matches exactly and git has the commit, it is built from git (`git
+archive`, installed into a temporary directory) and its sweep is run here as the reference (a few minutes on 2
+cores). The current code passes only if it equals one of them exactly.
 
 The stored files are references, not snapshots to refresh: never regenerate them from the current code to make
-a change pass (see tests/data/stored_records/README.md). `--make-reference` runs d6b26fe, never the code under
-test.
+a change pass (see tests/data/stored_records/README.md). `--make-reference` runs the reference commit, never the
+code under test. The reference commit moves only with a deliberate change of the records, said in its commit and
+in the README beside the files (d6b26fe until the batch-invariant decode padded a lone float32 row's products).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data" / "stored_records"
 EXPECTED = DATA / "expected.json"  # the first kind of CPU; others are expected-*.json
-REFERENCE_COMMIT = "d6b26fe"
+REFERENCE_COMMIT = "4a99324"  # the batch-invariant decode (see the README beside the files)
 # Relative, as given on the command line: the point hash includes task.path as written, so the sweep runs from
 # the repository root with exactly this string.
 SAMPLES = "tests/data/stored_records/niah_single_2_x3.jsonl"
@@ -180,39 +180,9 @@ def compare(expected: dict, got: dict) -> list[str]:
     return diffs
 
 
-def current_point_dirs(repo: Path = REPO) -> dict[str, str]:
-    """{point directory as d6b26fe named it: as this code names it} for every point of the sweep.
-
-    Issue 25 changed what a point's hash covers (the resolved dtype and device kind instead of the settings as
-    written; the data file's content without its path), so the same points have new directory names. The old
-    names are recomputed with `written_point_identity`, which must reproduce d6b26fe's hashes exactly (a stored
-    name it does not produce shows up as a missing directory): the records are compared under the new name."""
-    import hydra_plugins.kvbench_launcher.grouped_launcher  # noqa: F401 - registers hydra/launcher=grouped
-    from kvbench.config.paths import compose_config
-    from kvbench.run.identity import point_dir_name, point_identity, written_point_identity
-
-    cwd = os.getcwd()
-    os.chdir(repo)  # task.path is relative to the repository root, as the sweep gives it
-    try:
-        renamed = {}
-        for method in METHODS:
-            cfg = compose_config([o for o in OVERRIDES if not o.startswith("method=")] + [f"method={method}"])
-            renamed[point_dir_name(cfg, written_point_identity(cfg))] = point_dir_name(cfg, point_identity(cfg))
-        return renamed
-    finally:
-        os.chdir(cwd)
-
-
-def load_expected(path: Path = EXPECTED, renamed: dict[str, str] | None = None) -> dict:
-    """The stored records, under the point directory names this code gives their points."""
-    return under_current_names(json.loads(Path(path).read_text()), renamed)
-
-
-def under_current_names(records: dict, renamed: dict[str, str] | None = None) -> dict:
-    """d6b26fe's extracted records under the point directory names this code gives their points (`renamed`:
-    `current_point_dirs()`, computed here when not given)."""
-    renamed = current_point_dirs() if renamed is None else renamed
-    return {renamed.get(point, point): samples for point, samples in records.items()}
+def load_expected(path: Path = EXPECTED) -> dict:
+    """A stored reference's extracted records."""
+    return json.loads(Path(path).read_text())
 
 
 def dump(extracted: dict, path: Path) -> None:
@@ -221,14 +191,14 @@ def dump(extracted: dict, path: Path) -> None:
 
 
 def stored_references() -> list[Path]:
-    """d6b26fe's records on each kind of CPU they were made on: expected.json first."""
+    """The reference commit's records on each kind of CPU they were made on: expected.json first."""
     return [EXPECTED] + sorted(DATA.glob("expected-*.json"))
 
 
 def reference_from_git(workdir: Path, repo: Path = REPO, timeout: float = 3600) -> dict:
-    """The extracted records of d6b26fe's own sweep run on this machine (the stored files' procedure): its tree
-    from git, installed without dependencies into `workdir` and run from its root with only that copy importable
-    (PYTHONSAFEPATH keeps the working directory off sys.path), under its own point directory names."""
+    """The extracted records of the reference commit's own sweep run on this machine (the stored files'
+    procedure): its tree from git, installed without dependencies into `workdir` and run from its root with only
+    that copy importable (PYTHONSAFEPATH keeps the working directory off sys.path)."""
     source, site, results = workdir / "source", workdir / "site", workdir / "results"
     source.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(repo), "archive", "--format=tar", REFERENCE_COMMIT],
@@ -237,8 +207,6 @@ def reference_from_git(workdir: Path, repo: Path = REPO, timeout: float = 3600) 
         raise RuntimeError(f"git has no {REFERENCE_COMMIT} here (a shallow clone?): "
                            f"{archive.stderr.decode(errors='replace').strip()}")
     subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True, timeout=120)
-    (source / SAMPLES).parent.mkdir(parents=True, exist_ok=True)
-    (source / SAMPLES).write_bytes((repo / SAMPLES).read_bytes())  # the samples file came after d6b26fe
     install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                               "--target", str(site), str(source)], capture_output=True, text=True, timeout=600)
     if install.returncode != 0:
@@ -261,10 +229,10 @@ def _shown(path: Path) -> str:
 
 def verify(got: dict, build_reference: bool = True) -> tuple[str, list[str]]:
     """(the reference compared against, the differences): the first stored reference `got` equals exactly, else
-    d6b26fe run here, else (git lacks it) the stored reference closest to `got`."""
-    attempts, renamed = [], current_point_dirs()
+    the reference commit run here, else (git lacks it) the stored reference closest to `got`."""
+    attempts = []
     for path in stored_references():
-        diffs = compare(load_expected(path, renamed), got)
+        diffs = compare(load_expected(path), got)
         if not diffs:
             return _shown(path), []
         attempts.append((len(diffs), _shown(path), diffs))
@@ -277,7 +245,7 @@ def verify(got: dict, build_reference: bool = True) -> tuple[str, list[str]]:
             except RuntimeError as exc:
                 print(f"cannot run {REFERENCE_COMMIT} here: {exc}", flush=True)
             else:
-                return f"{REFERENCE_COMMIT} run on this machine", compare(under_current_names(reference, renamed), got)
+                return f"{REFERENCE_COMMIT} run on this machine", compare(reference, got)
     _, name, diffs = min(attempts)
     return name, diffs
 

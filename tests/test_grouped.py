@@ -145,15 +145,34 @@ def test_a_machine_whose_kernels_are_not_batch_invariant_decodes_one_row_at_a_ti
         assert_same_records(a, g)
 
 
+def test_compiled_points_step_alone_in_a_group_and_record_what_they_record_alone(tiny, monkeypatch):
+    """`engine.compile=true`: a compiled decode loop is one graph per session, so its rows step alone while the
+    group's eager rows (a method whose steps need the host) share forwards; every record is its point's alone."""
+    from kvbench.engine import compiled
+
+    monkeypatch.setattr(compiled, "BACKEND", "eager")  # dynamo's tracing without inductor's compile time
+    sample = _samples(tiny, n=1)[0]
+    points = [(build_method("quest"), 48), (build_method("snapkv", window=8), 40), (build_method("infllm"), 48),
+              (build_method("ctkvr"), 32)]
+    cfg = EngineConfig(compile=True)
+    alone = [run_sample(tiny, method, budget, sample, cfg) for method, budget in points]
+    grouped = run_group(tiny, [(method, budget, sample) for method, budget in points], cfg)
+    assert [g["decode_path"] for g in grouped] == ["compiled", "compiled", "eager", "eager"]
+    assert [g["decode_batched_rows"] for g in grouped] == [1, 1, 2, 2]
+    assert "compiled rows step alone" in grouped[0]["decode_batch_reason"]
+    for a, g in zip(alone, grouped):
+        assert_same_records(a, g)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_several_samples_of_one_point_decode_together(dtype):
     lm = load_model(model_cfg("tiny_llama", dtype=dtype))
     samples = _samples(lm, n=3)
     method = build_method("adakv")
     alone = [run_sample(lm, method, 40, s, EngineConfig()) for s in samples]
-    together = run_group(lm, [(method, 40, s) for s in samples], EngineConfig())  # rows alone: bitwise
+    together = run_group(lm, [(method, 40, s) for s in samples], EngineConfig(sample_batch=3))
     for a, g in zip(alone, together):
-        assert a["sample_id"] == g["sample_id"]
+        assert a["sample_id"] == g["sample_id"] and g["decode_batched_rows"] == 3
         assert_same_records(a, g)
 
 

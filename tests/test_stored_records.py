@@ -1,6 +1,6 @@
 """Stored-records regression: the sweep of scripts/check_stored_records.py must reproduce, exactly, the records
-commit d6b26fe gives on this kind of CPU (tests/data/stored_records/expected*.json, or d6b26fe run here when no
-stored file is of this kind). About 2-4 minutes on 2 CPU cores."""
+the reference commit gives on this kind of CPU (tests/data/stored_records/expected*.json, or that commit run here
+when no stored file is of this kind). About 2-4 minutes on 2 CPU cores."""
 
 from __future__ import annotations
 
