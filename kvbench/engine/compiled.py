@@ -17,8 +17,8 @@ masked before `min_new_tokens`, stop strings): one argmax over the returned logi
 sampled sample's seeded draw on the host (`kvbench.engine.decoding`), so both decodings share one graph. Calls
 that compiled are timed as `decode_compile_s`, not as decode steps.
 
-`engine.compile`: `auto` compiles on CUDA and stays eager on CPU (where the eager path is the exact default:
-float32 records bitwise stock transformers), `true` compiles wherever the method allows
+`engine.compile`: `auto` compiles on CUDA and stays eager on CPU (where the eager path is the default: stock
+transformers' arithmetic, its decode forwards padded to a block of rows, `kvbench.engine.invariance`), `true` compiles wherever the method allows
 (`Method.static_decode_blocker`), `false` never. Nothing about compiling stops a run: when the decoder cannot be
 set up (an older torch, `torch.compile` refusing its arguments) or a step fails to trace or to compile (a graph
 break under fullgraph, the backend's error), the point decodes on the eager path, with one warning line; every

@@ -6,8 +6,8 @@ tensors live and their dtype; every choice computes the same function, documente
 `decode_attention_reference`:
 
 - **float32 on CPU**: stock SDPA, the call transformers' "sdpa" attention makes (one call on a uniform layer,
-  one per KV head on a ragged one), so an uncompressed float32 run stays bitwise identical to stock
-  transformers and stored float32 records do not move.
+  one per KV head on a ragged one), so an uncompressed float32 forward stays bitwise identical to stock
+  transformers' at the same rows (a decode step's rows are padded to a block: `kvbench.engine.invariance`).
 - **bfloat16 on a CPU with AMX** (`LOW_PRECISION_CPU_SDPA`): the same stock SDPA call as float32. There
   PyTorch's CPU flash attention multiplies bf16 tiles on AMX: 24 us per layer over 256 rows against 108 for
   the matmuls below, 670 against 869 over 8,064 rows (30 SmolLM2 layers streamed from memory, 2 cores,
