@@ -12,12 +12,15 @@ size as docs/fidelity.md states it. Run: `.venv/bin/python -m pytest -q tests/te
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 from release_refs.duoattention import release_retrieval_heads, streaming_kept
 from release_refs.h2o import H2OLayer
 from release_refs.harness import TensorRun, attention, jaccard, random_layer
+from release_refs.infllm import ReleaseContextManager, rope_table
 from release_refs.magicpig import magicpig_decode
 from release_refs.minference import vertical_slash as minference_vertical_slash
 from release_refs.rocketkv import release_plan, snapkv_plus_plus
@@ -598,3 +601,144 @@ def test_magicpig_sampling_and_weights_equal_the_release(seed, bits, tables):
     assert 0 < sum(len(r) for r in retrieved) < Q_HEADS * (prompt - sink - local)
     torch.testing.assert_close(ours, exact.reshape(Q_HEADS, dim), atol=OUT_ATOL, rtol=0)
     torch.testing.assert_close(ours, theirs.reshape(Q_HEADS, dim), atol=5e-5, rtol=0)
+
+
+# -- InfLLM (block memory: representatives, block retrieval, init/local/remainder, positions) --------------
+
+INFLLM = {"n_init": 8, "n_local": 48, "block": 16, "topk": 3, "repr_topk": 4, "cached": 5}
+
+
+@pytest.fixture
+def one_thread():
+    """Hundreds of one-token forwards: with several OpenMP threads (and the default spinning wait policy) on a
+    busy 2-core machine they take 100x longer; one thread computes the same here."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+class RotaryRun(TensorRun):
+    """`TensorRun` whose steps carry a rotary embedding (InfLLM's positions need the model's RoPE)."""
+
+    def __init__(self, *args, rotary, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rotary = rotary
+
+    def step(self, evict):
+        return dataclasses.replace(super().step(evict), rotary=self.rotary)
+
+
+def infllm_pair(seed, dim, chunks, cfg=INFLLM, base=None, attend_once=False):
+    """kvbench's InfLLM (`prefill=chunked`) and the release's `ContextManager` fed the same random tensors, chunk
+    by chunk (every chunk an eviction event, as the session's prefill chunks and decode steps are): kvbench gets
+    queries and keys rotated at their positions by the release's RoPE table (`base=None`: no rotation), the release
+    the unrotated ones. Per chunk: (size, kvbench's output, the release's, kvbench's retrieved blocks (sorted; []
+    with an empty memory), the release's, kvbench's LRU misses (decode steps; None before a memory), the
+    release's)."""
+    total = sum(chunks)
+    q, k, v = random_layer(seed, Q_HEADS, KV_HEADS, total, dim)
+    table = rope_table(dim, base)
+    at = torch.arange(total)
+    cos, sin = table(at)
+    q_rot = q * cos + torch.cat([-q[..., dim // 2:], q[..., :dim // 2]], -1) * sin
+    k_rot = k * cos + torch.cat([-k[..., dim // 2:], k[..., :dim // 2]], -1) * sin
+    method = build_method("infllm", n_init=cfg["n_init"], n_local=cfg["n_local"], memory_block_size=cfg["block"],
+                          topk=cfg["topk"], repr_topk=cfg["repr_topk"], max_cached_blocks=cfg["cached"],
+                          prefill_chunk=max(chunks))
+    seen = {}
+    top_blocks, select = method._top_blocks, method.select
+
+    def spy_top(query, reprs, topk):
+        chosen, scored = top_blocks(query, reprs, topk)
+        seen["blocks"] = sorted(chosen)
+        return chosen, scored
+
+    def spy_select(layer, q_step, view, step, scaling):
+        out = select(layer, q_step, view, step, scaling)
+        seen["misses"] = None if out is None else int(out.extra["cache_misses"])
+        return out
+
+    method._top_blocks, method.select = spy_top, spy_select
+    run = RotaryRun(method, 64, 1, dim, total, rotary=table)
+    release = ReleaseContextManager(cfg["n_init"], cfg["n_local"], cfg["block"], cfg["topk"], cfg["repr_topk"],
+                                    cfg["cached"], table, attend_once=attend_once)
+    steps, s = [], 0
+    for n in chunks:
+        seen.clear()
+        ours = run.forward(0, q_rot[:, s:s + n], k_rot[:, s:s + n], v[:, s:s + n], evict=True)
+        theirs = release.append(q[:, s:s + n], k[:, s:s + n], v[:, s:s + n])
+        steps.append((n, ours, theirs, seen.get("blocks", []), release.steps[-1]["blocks"], seen.get("misses"),
+                      release.steps[-1]["misses"]))
+        s += n
+    layer = run.cache.layers[0]
+    reprs = layer.derived["infllm_reprs"].reprs
+    assert layer.derived["infllm_memory"].starts.tolist() == [b[2] for b in release.blocks]
+    return steps, reprs.reshape(reprs.shape[0], Q_HEADS, dim), torch.stack(release.block_k), release
+
+
+@pytest.mark.parametrize("seed,dim,cfg", [
+    (0, 32, INFLLM), (1, 16, INFLLM),
+    (2, 16, {"n_init": 4, "n_local": 32, "block": 8, "topk": 4, "repr_topk": 1, "cached": 4})])
+def test_infllm_decode_retrieval_equals_the_release(one_thread, seed, dim, cfg):
+    """A first chunk of n_local tokens (nothing is beyond any window yet: the same as one token at a time), then
+    one token per step (the release's decode, and its prefill with chunks of one token): after every step the blocks formed (their starts), every block's representative per
+    query head (the mean key of its repr_topk tokens with the highest local score: bitwise equal, so the same
+    tokens), the retrieved blocks, the LRU misses and the output (init, remainder and blocks at the window's
+    far edge, the window at its positions; RoPE without rotation, so that positions are exact on both sides)."""
+    steps, ours, theirs, release = infllm_pair(seed, dim, [cfg["n_local"]] + [1] * (300 - cfg["n_local"]), cfg)
+    assert len(release.blocks) > cfg["topk"] + 5 and torch.equal(ours, theirs)
+    for n, out, expected, blocks, their_blocks, misses, their_misses in steps:
+        torch.testing.assert_close(out, expected, atol=OUT_ATOL, rtol=2e-6)  # the blocks merged by log-sum-exp
+        assert blocks == their_blocks and (n > 1 or (misses or 0) == their_misses)
+    assert sum(s[6] for s in steps) > 2 * cfg["cached"]  # the LRU cache evicts
+
+
+def test_infllm_chunked_prefill_double_counts_remainder_rows_as_the_release(one_thread):
+    """Prefill chunks of 16 rows (n_local 48), then 44 decode steps: the release's global part holds the remainder
+    rows beyond the chunk's *last* query's window, and its complement mask (offset by the remainder's whole
+    length) lets all of them through, so the chunk's first queries also attend, at the far edge, to rows still in
+    their own window (twice in all: up to 15 rows for the first query). kvbench attends each row once, by its own
+    distance. With that one mask changed in the reference (`attend_once`) everything is equal: outputs,
+    representatives, retrieved blocks, misses. The release's mask, measured over 4 seeds (docs/fidelity.md):
+    representatives equal for 58-72 of 120 (block, query head) pairs, the decode steps' retrieved blocks for 17-25
+    of 44 steps, outputs differ by up to 2.7-4.2."""
+    chunks = [16] * 16 + [1] * 44
+    with_once, ours, theirs, _ = infllm_pair(0, 32, chunks, attend_once=True)
+    assert torch.equal(ours, theirs)
+    for n, out, expected, blocks, their_blocks, misses, their_misses in with_once:
+        torch.testing.assert_close(out, expected, atol=OUT_ATOL, rtol=2e-6)
+        assert blocks == their_blocks and (n > 1 or (misses or 0) == their_misses)
+    measured = []
+    for seed in range(4):
+        steps, ours, theirs, _ = infllm_pair(seed, 32, chunks)
+        decode = [s for s in steps if s[0] == 1]
+        assert ours.shape[:2] == (15, Q_HEADS) and len(decode) == 44
+        measured.append((int((ours == theirs).all(-1).sum()), sum(s[3] == s[4] for s in decode),
+                         max((s[1] - s[2]).abs().max().item() for s in steps)))
+        if seed == 0:
+            first = steps[3]  # the first chunk with remainder rows beyond its last query's window
+            torch.testing.assert_close(first[1][:, -1], first[2][:, -1], atol=OUT_ATOL, rtol=2e-6)  # attends once
+            assert (first[1] - first[2]).abs().max() > 0.1  # its first rows attend the double-counted rows
+    reprs, blocks, outs = zip(*measured)
+    assert min(reprs) >= 55 and max(reprs) <= 75, measured  # measured 66, 61, 72, 58 of 120
+    assert min(blocks) >= 15 and max(blocks) <= 27, measured  # measured 23, 17, 25, 19 of 44
+    assert min(outs) > 2.0 and max(outs) < 5.0, measured  # measured 3.6, 4.2, 2.7, 4.2
+
+
+def test_infllm_rope_positions_departure_is_measured(one_thread):
+    """With RoPE (base 10000, head_dim 32): the release rotates local queries and keys at positions relative to
+    the window (keys at 0..), the global query at n_local - 1 against unrotated keys; kvbench stores keys
+    rotated at their text positions and re-rotates (`unrope`/`rope`). The same in exact arithmetic; in float32
+    the angles of positions up to 300 round differently: over 3 seeds the retrieved blocks and LRU misses equal
+    at every step, the representatives within 5e-7, outputs within 2.5e-5-5.7e-5 (docs/fidelity.md)."""
+    worst = []
+    for seed in range(3):
+        steps, ours, theirs, _ = infllm_pair(seed, 32, [48] + [1] * 252, base=10000.0)
+        assert (ours - theirs).abs().max() < 1e-6
+        for n, out, expected, blocks, their_blocks, misses, their_misses in steps:
+            assert blocks == their_blocks and (n > 1 or (misses or 0) == their_misses)
+        worst.append(max((s[1] - s[2]).abs().max().item() for s in steps))
+    assert 1e-5 < min(worst) and max(worst) < 1e-4, worst  # measured 3.3e-5, 2.5e-5, 5.7e-5
