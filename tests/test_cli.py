@@ -373,3 +373,69 @@ def test_a_point_whose_samples_are_now_generated_differently_is_refused_not_mixe
     path.write_text(json.dumps(rows[0]) + "\n")
     assert kvbench(*args, cwd=tmp_path).returncode == 0
     assert [json.loads(line)["sample_id"] for line in path.read_text().splitlines()] == [r["sample_id"] for r in rows]
+
+
+# `python -m kvbench` with each point's run replaced by a line naming it: the points a multirun launches, counted
+# through check_command, Hydra's sweeper and kvbench's launcher as a real sweep goes through them.
+LAUNCH_COUNTER = """
+import importlib
+import sys
+
+import kvbench.run.group as group
+
+cli = importlib.import_module("kvbench.cli.main")  # the module (kvbench.cli exports its main function as `main`)
+
+def run_point(cfg):
+    print("LAUNCHED", cfg.method.name, cfg.method.get("block_size"), cfg.method.get("prefill_chunk"), cfg.budget,
+          flush=True)
+    return {}
+
+cli.run_point = run_point
+group.run_grouped = lambda points, max_group: None  # the grouped decode: nothing to decode
+sys.argv = ["kvbench", *sys.argv[1:]]
+cli.main()
+"""
+
+
+def launched_points(tmp_path: Path, *args: str) -> list[tuple[str, ...]]:
+    result = subprocess.run([sys.executable, "-c", LAUNCH_COUNTER, "-m", *args, f"results_dir={tmp_path / 'r'}",
+                             f"hydra.sweep.dir={tmp_path / 's'}", "show_progress=false"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return sorted(tuple(line.split()[1:]) for line in result.stdout.splitlines() if line.startswith("LAUNCHED"))
+
+
+def test_a_narrowed_method_setting_launches_each_point_once(tmp_path):
+    """Issue 65: a method setting the preset sweeps, narrowed on the command line, launches each point once, at the
+    command's value: keydiff_table12_cpu sweeps `method.block_size: 64,256`, omnikv_table14_cpu
+    `++method.prefill_chunk: 512` (another spelling of the key). Counted where Hydra launches them."""
+    assert launched_points(tmp_path, "experiment=keydiff_table12_cpu", "method=keydiff,snapkv_block", "budget=256",
+                           "method.block_size=64") == [("keydiff", "64", "None", "256"),
+                                                       ("snapkv", "64", "None", "256")]
+    assert launched_points(tmp_path, "experiment=omnikv_table14_cpu", "method=full,omnikv_prefill_mem_r1",
+                           "method.prefill_chunk=256,1024") == [
+        ("full", "None", "1024", "0.3"), ("full", "None", "256", "0.3"), ("omnikv", "None", "1024", "0.3"),
+        ("omnikv", "None", "256", "0.3")]
+
+
+def test_a_swept_key_given_with_another_prefix_takes_the_presets_spelling():
+    """Hydra's sweeper tells `method.x`, `+method.x` and `++method.x` apart: a command-line key that a preset
+    sweeps under another spelling takes the preset's, as a sweep (one value: `choice(V)`), so that the sweep has
+    one axis for it and each point runs once."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+
+    from kvbench.config.command import narrowed_preset_sweeps
+
+    params = {"+method.x": "1,2", "method.y": "a,b", "++method.z": "3,4", "budget": "64,128"}
+    base = OmegaConf.create({"hydra": {"sweeper": {"params": params}}})
+    argv = ["-m", "++method.x=5", "++method.y=a", "method.z=7,8", "++method.w=1", "~method.y", "budget=64"]
+    assert narrowed_preset_sweeps(argv, base) == [
+        "-m", "+method.x=choice(5)", "method.y=choice(a)", "++method.z=7,8", "++method.w=1", "~method.y",
+        "budget=64"]
+    lines = [f"{k}={v}" for k, v in params.items()] + narrowed_preset_sweeps(argv[1:5] + argv[6:], base)
+    jobs = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(lines), None)[0]
+    assert len(jobs) == 2 and {tuple(sorted(job)) for job in jobs} == {  # method.z's two values, once each
+        ("++method.w=1", "++method.z=7", "+method.x=5", "budget=64", "method.y=a"),
+        ("++method.w=1", "++method.z=8", "+method.x=5", "budget=64", "method.y=a")}

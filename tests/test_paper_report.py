@@ -386,3 +386,33 @@ def test_a_single_value_of_a_swept_method_setting_narrows_the_reports_grid() -> 
     narrowed = resolve("experiment=keydiff_table12_cpu", ["method.block_size=64"])
     assert {p["method.block_size"] for p in whole.grid} == {"64", "256"}
     assert {p["method.block_size"] for p in narrowed.grid} == {"64"} and 2 * len(narrowed.grid) == len(whole.grid)
+
+
+def test_reports_of_sampled_responses_say_their_intervals_resample_problems(tmp_path: Path) -> None:
+    """Issue 65: KeyDiff's math table and an accuracy table over Math-500's records (3 sampled responses per
+    problem, one point all right, one right on 2 of 4 problems) say that their intervals resampled problems;
+    the interval is the one over the 4 problems, and the detectable difference counts problems."""
+    results = tmp_path / "results"
+    meta = [{"unique_id": f"p{i // 3}", "samples_per_problem": 3} for i in range(12)]
+    write_point(results, "full", None, {"math500": [1.0] * 12}, task="math500", meta=meta)
+    write_point(results, "snapkv", 64, {"math500": [float(i // 3 % 2) for i in range(12)]}, task="math500",
+                meta=meta)
+    unit = "problems (each with its 3 sampled responses; n counts responses)"
+    math = build(source(results, kind="math", rows=("method", "budget")), tmp_path / "math")
+    table = math["table"].set_index("method")
+    assert table.loc["snapkv", ["n", "flex_match_ci_low", "flex_match_ci_high"]].tolist() == [12, 0.0, 1.0]
+    note = f"flex_match_ci_low, flex_match_ci_high: the 95% bootstrap interval of flex_match over {unit}"
+    assert note in (tmp_path / "math" / "report.md").read_text()
+    assert note in (tmp_path / "math" / "index.html").read_text()
+    accuracy = build(source(results, rows=("model", "task", "method")), tmp_path / "accuracy")
+    caption = f"95% bootstrap intervals over {unit} (stratified by subtask)"
+    for name in ("report.md", "index.html", "table.tex"):
+        assert caption in (tmp_path / "accuracy" / name).read_text().replace("95\\%", "95%"), name
+    assert "median 4 problems per subtask" in (tmp_path / "accuracy" / "report.md").read_text()
+    assert accuracy["stats"]["detectable"].samples_per_subtask == 4
+    # a task without problems: the caption over samples, as the committed reports have it
+    write_point(tmp_path / "plain", "full", None, {"niah": [1.0, 0.0, 1.0]})
+    build(source(tmp_path / "plain"), tmp_path / "plain_report")
+    text = (tmp_path / "plain_report" / "report.md").read_text()
+    assert "95% bootstrap intervals over samples (stratified by subtask) and sample counts" in text
+    assert "problems" not in text

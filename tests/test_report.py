@@ -268,3 +268,29 @@ def test_hydra_sweep_with_a_failed_job_still_prints(tmp_path: Path) -> None:
     assert proc.stdout.count("Results of sweep") == 1 and "sweep did not finish" in proc.stdout
     assert "snapkv" in proc.stdout and "full" in proc.stdout
     assert "FAILED: method=bad" in proc.stdout
+
+
+def test_a_table_of_sampled_responses_says_its_intervals_resample_problems(tmp_path: Path) -> None:
+    """Issue 65: Math-500's points hold 3 sampled responses per problem; their intervals resample problems, and
+    the legend under the table says so. A table of other tasks keeps the legend over samples."""
+    point = {"model": "tiny", "task": "math500", "method": "full", "budget": None}
+    store = RecordStore(tmp_path / "math")
+    for p in range(4):
+        for k in range(3):
+            store.append({"sample_id": f"math500/p{p}/{k}", "task": "math500", "score": float(p % 2),
+                          "meta": {"unique_id": f"p{p}", "samples_per_problem": 3}, "point": point,
+                          "point_hash": point_hash(point)})
+    table = point_table(collect(tmp_path))
+    assert table.attrs["resampled"] == "problems (each with its 3 sampled responses; n counts responses)"
+    text = report_text(tmp_path)
+    legend = ("score x100 [95% bootstrap interval over problems (each with its 3 sampled responses; n counts "
+              "responses), stratified by subtask]; no brackets: fewer than 2 samples or problems in a subtask")
+    assert text.splitlines()[-1] == legend and INTERVAL_LEGEND not in text
+    assert "50.0 [0.0, 100.0]" in text  # 2 of 4 problems right: Binomial(4, 0.5) / 4, not (12, 0.5) / 12
+    wide = report_text(tmp_path, pivot=["method", "budget"])
+    assert wide.splitlines()[-1] == legend
+    write_point(tmp_path, "snapkv", 0.5, "qa", [("qa", 1.0), ("qa", 0.0)])  # beside it, a task without problems
+    assert report_text(tmp_path).splitlines()[-1] == legend.replace("n counts responses)", "n counts responses), "
+                                                                    "samples elsewhere")
+    assert report_text(tmp_path, run_dirs=[tmp_path / "tiny" / "qa" / "snapkv_0.5"]).splitlines()[-1] == (
+        INTERVAL_LEGEND)

@@ -17,7 +17,7 @@ import kvbench.engine.compiled as compiled
 from kvbench.cache.static import CAPACITY_BUCKET
 from kvbench.core.errors import KVBenchError
 from kvbench.engine.config import EngineConfig
-from kvbench.engine.replay import CudaGraphCapture, GraphCall, LoopReplays, StepInputs
+from kvbench.engine.replay import GUARDED_CALLS, CudaGraphCapture, GraphCall, LoopReplays, StepInputs
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
 from kvbench.kernels.decode_attention import decode_attention_reference, static_decode_attention
@@ -63,6 +63,34 @@ def test_every_static_method_is_one_graph_without_recompiles_and_keeps_the_eager
             assert o.max_logit_diff < 1e-4, o
         else:  # host work every step: eager, and it says what the work is
             assert o.label in {label for label, *_ in check_static_decode.EAGER} and "every decode step" in o.path, o
+
+
+def test_a_check_with_too_few_steps_for_a_replay_expects_none_and_says_so(capsys):
+    """`--steps 2`: a loop replays a graph only after its first `GUARDED_CALLS` guarded steps, so a method that
+    compiled to one graph with the eager tokens is as expected without replays, and the table says why (`-`
+    and a line under it). With one step more than the guarded ones the replay is expected, and comes."""
+    outcomes = check_static_decode.main(["--models", "tiny_llama", "--backend", "eager", "--steps", "2",
+                                         "--methods", "full,streamingllm_rolling"])
+    report = capsys.readouterr().out
+    assert [o.path for o in outcomes] == ["compiled", "compiled"] and all(o.ok for o in outcomes), report
+    assert [o.compiled_steps for o in outcomes] == [2, 1], report  # the rolling window's first step is eager
+    assert all(o.replayed == 0 and not o.replays_expected for o in outcomes), report
+    assert "all methods as expected" in report and "NOT as expected" not in report
+    rows = {line.split()[0]: line.split() for line in report.splitlines() if line.startswith(("full ", "streamingllm"))}
+    assert rows["full"][7] == "-" and rows["streamingllm_rolling"][7] == "-", report
+    assert (f"replays not expected for full, streamingllm_rolling: 1 or 2 compiled steps, and a decode loop replays "
+            f"a graph only after its first {GUARDED_CALLS} guarded steps") in report
+    steps = GUARDED_CALLS + 1
+    outcomes = check_static_decode.main(["--models", "tiny_llama", "--backend", "eager", "--steps", str(steps),
+                                         "--methods", "full"])
+    report = capsys.readouterr().out
+    assert outcomes[0].ok and outcomes[0].replays_expected and outcomes[0].replayed == 1, report
+    assert outcomes[0].guarded == GUARDED_CALLS and "replays not expected" not in report, report
+    # with steps enough, a compiled method that is not replayed is not as expected
+    unreplayed = check_static_decode.Outcome("full", "compiled", graphs=1, compiled_steps=steps, guarded=steps)
+    assert not unreplayed.ok
+    assert check_static_decode.Outcome("full", "compiled", graphs=1, compiled_steps=GUARDED_CALLS,
+                                       guarded=GUARDED_CALLS).ok
 
 
 def test_inductor_compiles_the_two_stage_and_the_ragged_step_to_the_eager_tokens(capsys):
@@ -201,11 +229,13 @@ def test_a_decode_loop_replays_its_graph_after_two_guarded_calls_and_keeps_nothi
     ids = random_ids(120, seed=6)
     eager, eager_token = greedy_decode(tiny_llama, build_method("quest"), 32, ids, 10, None)
     session, token = greedy_decode(tiny_llama, build_method("quest"), 32, ids, 10, decoder)
-    assert token == eager_token and session.static_steps == 10 and session.static_loop.replayed == 7
+    assert token == eager_token and session.static_steps == 10
+    assert session.static_loop.replayed == 10 - GUARDED_CALLS  # the first steps compile, note, compare
     session.end_decode()
-    assert session.static_loop is None and session.replayed_steps == 7 and decoder._recorder.last is None
+    assert session.static_loop is None and session.replayed_steps == 10 - GUARDED_CALLS
+    assert decoder._recorder.last is None
     again, _ = greedy_decode(tiny_llama, build_method("quest"), 32, ids, 10, decoder)  # compiled: 2 guarded calls
-    assert again.compiles == 0 and again.static_loop.replayed == 8
+    assert again.compiles == 0 and again.static_loop.replayed == 10 - (GUARDED_CALLS - 1)
 
 
 class CapturedOnCpu:

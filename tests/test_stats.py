@@ -146,3 +146,112 @@ def test_reports_and_summaries_resample_problems_where_records_are_responses(tmp
     assert frame_estimate(plain) == frame_estimate(plain.drop(columns="cluster"))
     paired = paired_estimate(frame, frame.assign(score=0.0))
     assert (paired.low, paired.high) == expected
+
+
+def _correlated_responses(problems: int, responses: int, seed: int, spread: float) -> np.ndarray:
+    """[problems, responses] of 0/100 scores: each problem's chance of a right response drawn from Beta(spread,
+    spread) (small spread: problems the model nearly always or nearly never gets, so a problem's responses agree),
+    its responses Bernoulli draws with that chance. spread=None: one chance for every problem, independent
+    responses."""
+    rng = np.random.default_rng(seed)
+    chance = rng.beta(spread, spread, size=problems) if spread is not None else np.full(problems, 0.5)
+    return 100.0 * (rng.random((problems, responses)) < chance[:, None])
+
+
+def _direct_problem_bootstrap(subtasks: dict[str, np.ndarray], seed: int) -> tuple[float, float]:
+    """The problem-level bootstrap written out: per resample and subtask (sorted), as many problems drawn with
+    replacement as the subtask has (indices into its problems in the order of their sample ids, as a report
+    sorts records), each with its responses; the number is the mean over subtasks of the mean of the drawn
+    problems' mean scores; the 95% interval the 2.5th and 97.5th percentiles."""
+    rng = np.random.default_rng(seed)
+    numbers = np.zeros(RESAMPLES)
+    for name in sorted(subtasks):
+        scores = subtasks[name]  # [problems, responses]
+        drawn = rng.integers(0, len(scores), size=(RESAMPLES, len(scores)))  # problem indices
+        numbers += scores[drawn].mean(axis=(1, 2)) / len(subtasks)  # [resamples, problems, responses]
+    low, high = np.percentile(numbers, [2.5, 97.5])
+    return float(low), float(high)
+
+
+def _as_records(subtasks: dict[str, np.ndarray]) -> pd.DataFrame:
+    """The scores as `kvbench.results.load` gives Math-500's records: one row per response, its problem in the
+    record's meta (`unique_id`, `samples_per_problem`), so its `cluster`, in the order collect reads them."""
+    rows = []
+    for name, scores in subtasks.items():
+        for p, responses in enumerate(scores):
+            meta = {"unique_id": f"{name}/p{p:03d}", "samples_per_problem": len(responses)}
+            for k, score in enumerate(responses):
+                sample_id = f"math500/{name}/p{p:03d}/{k}"
+                rows.append({"subtask": name, "sample_id": sample_id, "score": score,
+                             "cluster": sample_cluster(sample_id, meta)})
+    return pd.DataFrame(rows).sample(frac=1.0, random_state=3)  # records in no particular order
+
+
+def test_the_interval_of_sampled_responses_is_the_direct_problem_level_bootstrap() -> None:
+    """Issue 65: Math-500's five responses per problem. A report's interval (`frame_estimate` over records as
+    `kvbench.results.load` gives them) equals, on a fixed seed, the problem-level bootstrap written out directly
+    (problems drawn within each subtask, each carrying its responses), and scipy's percentile bootstrap over the
+    problems' means for one subtask. On correlated responses the response-level bootstrap, which treats every
+    response as a problem of its own, is far narrower; on independent responses the two agree, so the
+    difference is the correlation's, not the problem-level bootstrap's own width."""
+    subtasks = {"algebra": _correlated_responses(12, 5, seed=1, spread=0.3),
+                "geometry": _correlated_responses(9, 5, seed=2, spread=0.3)}
+    frame = _as_records(subtasks)
+    found = frame_estimate(frame)
+    assert found.n == 21 * 5 and found.value == pytest.approx(np.mean([s.mean() for s in subtasks.values()]))
+    assert (found.low, found.high) == pytest.approx(_direct_problem_bootstrap(subtasks, seed=0), abs=1e-9)
+    one = {"algebra": subtasks["algebra"]}
+    theirs = scipy_stats.bootstrap((one["algebra"].mean(axis=1),), np.mean, method="percentile",
+                                   n_resamples=RESAMPLES, rng=np.random.default_rng(0)).confidence_interval
+    alone = frame_estimate(frame[frame["subtask"] == "algebra"])
+    assert (alone.low, alone.high) == pytest.approx(_direct_problem_bootstrap(one, seed=0), abs=1e-9)
+    assert (alone.low, alone.high) == pytest.approx((theirs.low, theirs.high), abs=1e-9)
+    # the responses resampled one by one (no clusters): the interval issue 65 found, far too narrow
+    by_response = frame_estimate(frame.drop(columns="cluster"))
+    width, response_width = found.high - found.low, by_response.high - by_response.low
+    assert response_width < 0.7 * width, (width, response_width)
+    # independent responses (one chance for every problem): no correlation, about the same width
+    independent = {"algebra": _correlated_responses(200, 5, seed=4, spread=None),
+                   "geometry": _correlated_responses(200, 5, seed=5, spread=None)}
+    frame = _as_records(independent)
+    problems, responses = frame_estimate(frame), frame_estimate(frame.drop(columns="cluster"))
+    assert 0.85 < (responses.high - responses.low) / (problems.high - problems.low) < 1.15
+    assert (problems.low, problems.high) == pytest.approx(_direct_problem_bootstrap(independent, seed=0), abs=1e-9)
+
+
+def test_reports_name_the_unit_their_intervals_resampled() -> None:
+    from kvbench.reporting.uncertainty import detectable_text
+    from kvbench.results.stats import frame_resampled_unit, resampled_unit
+
+    frame = _as_records({"algebra": _correlated_responses(4, 5, seed=1, spread=0.3)})
+    unit = "problems (each with its 5 sampled responses; n counts responses)"
+    assert frame_resampled_unit(frame) == unit
+    # two points' records of the same problems: a problem's responses are its distinct sample ids
+    assert frame_resampled_unit(pd.concat([frame, frame])) == unit
+    assert frame_resampled_unit(frame.drop(columns="cluster")) == "samples"
+    lone = [sample_cluster(f"niah/{i}", {}) for i in range(3)]
+    assert resampled_unit(lone, [f"niah/{i}" for i in range(3)]) == "samples"
+    mixed = resampled_unit([*frame["cluster"], *lone], [*frame["sample_id"], "a", "b", "c"])
+    assert mixed == unit + ", samples elsewhere"
+    # a problem with a response missing (an interrupted run): the range of counts
+    assert resampled_unit(frame["cluster"][1:], frame["sample_id"][1:]).startswith("problems (each with its 4-5 ")
+    # the detectable difference counts problems where the intervals do
+    found = detectable_difference([([0.0, 10.0, 0.0, 10.0], ["a"] * 4, None)])
+    assert "median 4 samples per subtask" in detectable_text(found, "x")
+    assert "median 4 problems per subtask" in detectable_text(found, "x", unit)
+
+
+def test_the_detectable_difference_of_sampled_responses_counts_problems() -> None:
+    """The planning numbers take the bootstrap's unit: a problem's responses are one sample, the mean of their
+    paired differences, so 2 problems of 5 identical responses are 2 samples, not 10, and the task.num_samples
+    it asks for are problems (Math-500's num_samples)."""
+    problems = [0.0, 10.0, 0.0, 10.0]
+    values = [v for v in problems for _ in range(5)]
+    clusters = [f"problem:p{i // 5}" for i in range(len(values))]
+    by_problem = detectable_difference([(values, ["a"] * len(values), None, clusters)])
+    assert by_problem == detectable_difference([(problems, ["a"] * 4, None)])
+    assert by_problem.samples_per_subtask == 4
+    by_response = detectable_difference([(values, ["a"] * len(values), None)])
+    assert by_response.difference < by_problem.difference / 2  # 20 "samples": the too optimistic planning
+    lone = [f"sample:{i}" for i in range(4)]  # clusters of one: as without clusters
+    assert detectable_difference([(problems, ["a"] * 4, None, lone)]) == by_problem

@@ -161,21 +161,25 @@ def _check_launcher(base: DictConfig) -> None:
 
 
 def narrowed_preset_sweeps(argv: Sequence[str], base: DictConfig) -> list[str]:
-    """A method setting that the preset sweeps, given on the command line, replaces the preset's values, as any
-    swept key given there does. `check_settings` writes `method.block_size=64` as `++method.block_size=64`, so
-    that the sweep's base config, composed with the default method, takes it; but to Hydra's sweeper that is a
-    key of its own beside the preset's `method.block_size: 64,256`, and every job would run twice (the second
-    resuming the first). A sweep over its one value, `method.block_size=choice(64)`, stays out of the base
-    config and replaces the preset's key (every method the preset sweeps it with has the setting)."""
+    """A setting that the preset sweeps, given on the command line, replaces the preset's values, so that each
+    point runs once. Hydra's sweeper tells keys apart by their spelling, prefix included: `check_settings` writes
+    `method.block_size=64` as `++method.block_size=64` (so that the sweep's base config, composed with the default
+    method, takes it), and to the sweeper that is a key of its own beside the preset's `method.block_size:
+    64,256`: every job would run twice, the second resuming the first. So a command-line key that a swept key
+    spells with another prefix (none, `+` or `++`) takes the preset's spelling, as a sweep: its values as given,
+    one value as `choice(V)`. Like the preset's own sweep it stays out of the base config (which has the default
+    method, lacking the setting) and sets each job's value (every method the preset sweeps it with has it)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    swept = {str(key) for key in (base.hydra.sweeper.get("params") or {})}
+    swept = {_key(str(key)): str(key) for key in (base.hydra.sweeper.get("params") or {})}  # bare -> preset's key
+    parser = OverridesParser.create()
     out = []
     for arg in argv:
         key, sep, value = arg.partition("=")
-        if sep and key.startswith("++") and key[2:] in swept:
-            sweep = OverridesParser.create().parse_override(f"{key[2:]}={value}").is_sweep_override()
-            arg = f"{key[2:]}={value}" if sweep else f"{key[2:]}=choice({value})"
+        preset_key = swept.get(_key(key)) if sep and not key.startswith(("-", "~")) else None
+        if preset_key is not None and preset_key != key:
+            sweep = parser.parse_override(f"{key}={value}").is_sweep_override()
+            arg = f"{preset_key}={value}" if sweep else f"{preset_key}=choice({value})"
         out.append(arg)
     return out
 

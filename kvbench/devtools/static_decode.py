@@ -18,7 +18,10 @@ bucket, compiled: it must reuse the graph. Reported per method:
 - breaks: a graph break under `fullgraph=True` is an error, named here;
 - tokens: whether the greedy tokens equal the eager path's; max |logit| difference over the steps;
 - replayed / guarded: the compiled steps that replayed their graph without dynamo (`kvbench.engine.replay`; a
-  CUDA graph on CUDA) and those that went through dynamo's guards (at most three per graph key, so at most 6);
+  CUDA graph on CUDA) and those that went through dynamo's guards (at most `GUARDED_CALLS`, three, per graph key,
+  so at most 6). Replays are expected only when the sample has more compiled steps than that (`--steps 4` and
+  up; 5 for a method whose first step runs eagerly); with fewer, `replayed` reads `-` and a line under the table
+  says why;
 - stats: whether the decode statistics (layer steps, elements and rows read, recall) and the bytes held equal
   the eager path's;
 - path: `compiled`, or `eager` and the reason the method gives (host work at every step).
@@ -29,7 +32,7 @@ inductor does, in seconds; inductor also generates the kernels (a minute or more
 decompositions, checked for what Triton's code generation refuses although the CPU's accepts (a method with such
 a construct runs compiled on the CPU and falls back to eager on every GPU), then run eagerly; a finding is the
 method's error. The exit status is 1 when a method that should run compiled does not (a lint finding
-included), recompiles, is not replayed, or changes a token or a statistic.
+included), recompiles, is not replayed (with steps enough for a replay), or changes a token or a statistic.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from omegaconf import OmegaConf
 import kvbench.conf
 from kvbench.devtools.graph_lint import lint_backend
 from kvbench.engine import compiled as compiled_step
+from kvbench.engine.replay import GUARDED_CALLS
 from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.models import load_model
@@ -100,16 +104,23 @@ class Outcome:
     max_logit_diff: float = 0.0
     replayed: int = 0  # steps that replayed their graph without dynamo (kvbench.engine.replay)
     guarded: int = 0  # compiled steps that went through dynamo's guards (the first ones of each loop and key)
+    compiled_steps: int = 0  # the first sample's compiled decode steps (a method may run its first step eagerly)
     stats_equal: bool = True  # the decode statistics (rows and elements read, recall) are the eager path's
     error: str = ""
+
+    @property
+    def replays_expected(self) -> bool:
+        """Whether the sample had steps enough for a replay: a loop replays a graph key's steps after at most
+        `GUARDED_CALLS` guarded calls of it (compile, note, compare), so a loop of no more steps replays none."""
+        return self.compiled_steps > GUARDED_CALLS
 
     @property
     def ok(self) -> bool:
         if self.error:
             return False
-        # a loop's steps are replayed after at most three guarded calls per graph key (compile, note, compare);
-        # the evicting and the plain step are two keys
-        replays = self.replayed > 0 and self.guarded <= 6
+        # at most GUARDED_CALLS guarded calls per graph key (the evicting and the plain step are two keys), then
+        # replays, where the sample has steps enough for them
+        replays = (self.replayed > 0 or not self.replays_expected) and self.guarded <= 2 * GUARDED_CALLS
         return self.path.startswith("eager (") or (self.graphs == 1 and self.recompiles == 0 and replays
                                                     and self.second_sample == 0 and self.tokens_equal
                                                     and self.stats_equal)
@@ -171,11 +182,21 @@ def check(lm, label: str, name: str, settings: dict, budget: int, steps: int, de
                       tokens_equal=tokens == eager_tokens,
                       max_logit_diff=max(float((a - b).abs().max()) for a, b in zip(logits, eager_logits)),
                       replayed=session.replayed_steps, guarded=session.static_steps - session.replayed_steps,
+                      compiled_steps=session.static_steps,
                       stats_equal=decode_statistics(session) == decode_statistics(eager))
     # another sample, a few tokens shorter: the same capacity bucket, so the same graph
     second, _, _ = decode(lm, method_for(lm, name, settings), budget, prompt(length - 9, seed=2), steps, decoder)
     outcome.second_sample = second.compiles
     return outcome
+
+
+def not_replayed_note(outcomes: list[Outcome]) -> str:
+    """The line under a table whose methods had too few compiled steps for a replay."""
+    steps = sorted({o.compiled_steps for o in outcomes})
+    return (f"replays not expected for {', '.join(o.label for o in outcomes)}: {' or '.join(map(str, steps))} "
+            f"compiled step{'s' if steps != [1] else ''}, and a decode loop replays a graph only after its first "
+            f"{GUARDED_CALLS} guarded steps (kvbench.engine.replay.GUARDED_CALLS); --steps {GUARDED_CALLS + 2} or "
+            f"more checks the replays")
 
 
 def main(argv: list[str] | None = None) -> list[Outcome]:
@@ -203,6 +224,7 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
         backend = "graph lint" if args.lint else args.backend
         print(f"\n{model} ({lm.dtype}, backend {backend}, {args.steps} steps)")
         print(HEADER)
+        unreplayed = []  # compiled methods with too few steps for a replay
         for label, name, settings, budget in STATIC + EAGER:
             if wanted is not None and label not in wanted:
                 continue
@@ -212,10 +234,16 @@ def main(argv: list[str] | None = None) -> list[Outcome]:
             if outcome.path.startswith("eager ("):
                 print(f"{label:22} {outcome.path}" + (f"  ERROR {outcome.error}" if outcome.error else ""))
                 continue
+            replayed = str(outcome.replayed)
+            if not outcome.replays_expected and not outcome.error and outcome.path == "compiled":
+                unreplayed.append(outcome)
+                replayed = "-" if outcome.replayed == 0 else replayed
             print(f"{label:22} {outcome.path:10} {outcome.graphs:6d} {outcome.recompiles:10d} {outcome.second_sample:4d} "
                   f"{'equal' if outcome.tokens_equal else 'DIFFER':>7} {outcome.max_logit_diff:10.2e} "
-                  f"{outcome.replayed:8d} {outcome.guarded:7d} {'equal' if outcome.stats_equal else 'DIFFER':>6}"
+                  f"{replayed:>8} {outcome.guarded:7d} {'equal' if outcome.stats_equal else 'DIFFER':>6}"
                   + (f"  ERROR {outcome.error}" if outcome.error else ""))
+        if unreplayed:
+            print(not_replayed_note(unreplayed))
     failed = [o.label for o in outcomes if not o.ok]
     print("\nall methods as expected" if not failed else f"\nNOT as expected: {', '.join(failed)}")
     return outcomes

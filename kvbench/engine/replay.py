@@ -37,6 +37,11 @@ import torch
 
 from kvbench.core.errors import one_line
 
+# The guarded calls a decode loop makes of a graph key before it replays the key's steps, at most: the call that
+# compiles the graph, the next one (noted) and the one compared with it (`LoopReplays.note`); a loop of a graph
+# compiled before (a later sample) makes two. A loop with no more steps of a key than this replays none of them.
+GUARDED_CALLS = 3
+
 
 @dataclass
 class GraphCall:

@@ -51,6 +51,7 @@ from kvbench.reporting.uncertainty import (
     with_interval_columns,
 )
 from kvbench.results.collect import collect
+from kvbench.results.stats import frame_resampled_unit
 
 log = logging.getLogger(__name__)
 
@@ -131,12 +132,13 @@ def build(source: str | Path | Source, out_dir: Path | None = None, overrides: S
     precise = spec.kind in ("storage_traffic", "math") or spec.efficiency_layout
     shown = _display(table, "{:.4g}" if precise else "{:.1f}")
     stats = _uncertainty(table, spec, df) if "cells" in table.attrs and len(points) else None
+    unit = frame_resampled_unit(df) if len(df) else "samples"  # what the intervals resampled
     (with_interval_columns(table, stats["estimates"]) if stats else table).to_csv(out / "table.csv", index=False)
     (out / "table.md").write_text(shown.to_markdown(index=False, disable_numparse=True) + "\n")
     latex = shown.to_latex(index=False, caption=spec.title, label=f"tab:{src.name}")
     if stats:  # the paper's layout stays one number a cell; the intervals are a second table of that layout
         latex += "\n" + stats["intervals"].to_latex(
-            index=False, caption=f"{spec.title}: {intervals_caption(spec)}".replace("%", "\\%"),
+            index=False, caption=f"{spec.title}: {intervals_caption(spec, unit)}".replace("%", "\\%"),
             label=f"tab:{src.name}-ci")
         stats["comparisons"].to_csv(out / "comparisons.csv", index=False)
         written.append(out / "comparisons.csv")
@@ -148,7 +150,8 @@ def build(source: str | Path | Source, out_dir: Path | None = None, overrides: S
     skipped = skipped_line(src.name, spec)
     dtypes = sorted({str(d) for d in points["dtype"].dropna()}) if "dtype" in points else []
     facts = {"points": len(points), "records": len(df), "missing": missing, "skipped": skipped,
-             "left_out": left_out_lines(left_out), "dtypes": dtypes, "stats": stats}
+             "left_out": left_out_lines(left_out), "dtypes": dtypes, "stats": stats, "unit": unit,
+             "interval_note": math_interval_note(unit) if spec.kind == "math" and len(points) else None}
     (out / "report.md").write_text(_markdown(src, shown, figure_paths, facts))
     (out / "index.html").write_text(_html(src, shown, figure_paths, facts))
     written += [out / "report.md", out / "index.html"]
@@ -202,9 +205,9 @@ def _append_section(out: Path, markdown: str, html_part: str) -> None:
     page.write_text(page.read_text().replace("</body></html>", html_part + "\n</body></html>"))
 
 
-def intervals_caption(spec: ReportSpec) -> str:
-    """What the intervals table holds."""
-    return ("95% bootstrap intervals over samples (stratified by subtask) and sample counts"
+def intervals_caption(spec: ReportSpec, unit: str = "samples") -> str:
+    """What the intervals table holds; `unit`: what they resampled (`kvbench.results.stats.resampled_unit`)."""
+    return (f"95% bootstrap intervals over {unit} (stratified by subtask) and sample counts"
             + ("; a difference's: its paired comparison with the reference" if spec.delta else "")
             + "; n alone: too few samples for an interval")
 
@@ -253,13 +256,15 @@ def _markdown(src: Source, shown: pd.DataFrame, figures: Mapping[str, Path], fac
         lines += [f"{len(facts['missing'])} expected points have no records (shown as `{MISSING}`):", ""]
         lines += [f"- {', '.join(f'{k}={v}' for k, v in p.items())}" for p in facts["missing"]] + [""]
     lines += [shown.to_markdown(index=False, disable_numparse=True), ""]
+    if facts["interval_note"]:
+        lines += [facts["interval_note"], ""]
     stats = facts["stats"]
     if stats:
-        caption = intervals_caption(src.spec)
+        caption = intervals_caption(src.spec, facts["unit"])
         lines += [f"{caption[0].upper()}{caption[1:]}:", "",
                   stats["intervals"].to_markdown(index=False, disable_numparse=True), "",
-                  detectable_text(stats["detectable"], src.name), "", "## Paired comparisons", "", COMPARISONS_INTRO,
-                  "", stats["comparisons_shown"].to_markdown(index=False, disable_numparse=True), ""]
+                  detectable_text(stats["detectable"], src.name, facts["unit"]), "", "## Paired comparisons", "",
+                  COMPARISONS_INTRO, "", stats["comparisons_shown"].to_markdown(index=False, disable_numparse=True), ""]
     lines += [f"![{name}]({path.name})" for name, path in figures.items()]
     return "\n".join(lines) + "\n"
 
@@ -289,15 +294,17 @@ def _html(src: Source, shown: pd.DataFrame, figures: Mapping[str, Path], facts: 
                      + html_table(shown, stats["titles"]))
     else:
         parts.append("<h2>Table</h2>" + shown.to_html(index=False, escape=True))
+    if facts["interval_note"]:
+        parts.append(f"<p>{html.escape(facts['interval_note'])}</p>")
     parts.append("<p>Also as <a href='table.csv'>CSV</a> (with each cell's n and interval), <a href='table.tex'>"
                  "LaTeX</a>, <a href='table.md'>markdown</a>; every point and subtask: <a href='points.csv'>"
                  "points.csv</a>" + ("; the paired comparisons: <a href='comparisons.csv'>comparisons.csv</a>"
                                      if stats else "") + ".</p>")
     if stats:
-        caption = intervals_caption(src.spec)
+        caption = intervals_caption(src.spec, facts["unit"])
         parts.append(f"<h2>95% intervals</h2><p>{html.escape(caption[0].upper() + caption[1:])}.</p>"
                      + stats["intervals"].to_html(index=False, escape=True))
-        parts.append(f"<p>{html.escape(detectable_text(stats['detectable'], src.name))}</p>")
+        parts.append(f"<p>{html.escape(detectable_text(stats['detectable'], src.name, facts['unit']))}</p>")
         parts.append(f"<h2>Paired comparisons</h2><p>{html.escape(COMPARISONS_INTRO)}</p>"
                      + stats["comparisons_shown"].to_html(index=False, escape=True))
     for name, path in figures.items():
@@ -306,6 +313,12 @@ def _html(src: Source, shown: pd.DataFrame, figures: Mapping[str, Path], facts: 
                      f"<p><a href='{path.stem}.pdf'>PDF</a></p>")
     parts.append("</body></html>")
     return "\n".join(parts) + "\n"
+
+
+def math_interval_note(unit: str) -> str:
+    """Under KeyDiff's math table: what its interval columns are."""
+    return (f"flex_match_ci_low, flex_match_ci_high: the 95% bootstrap interval of flex_match over {unit}, "
+            f"stratified by subtask.")
 
 
 def math_table(points: pd.DataFrame, rows: list[str]) -> pd.DataFrame:

@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from kvbench.results.collect import POINT_FIELDS, _flatten, collect
-from kvbench.results.stats import Estimate, frame_estimate
+from kvbench.results.stats import Estimate, frame_estimate, frame_resampled_unit
 from kvbench.results.summary import mean_of_subtasks
 
 log = logging.getLogger(__name__)
@@ -180,6 +180,7 @@ def point_table(df: pd.DataFrame) -> pd.DataFrame:
     out = pd.concat(parts, ignore_index=True).drop(columns="_point")
     out.attrs["point_columns"] = keys
     out.attrs["intervals"] = {"score": INTERVAL_COLUMNS}
+    out.attrs["resampled"] = frame_resampled_unit(df)  # what the intervals resampled: samples, or problems
     return out
 
 
@@ -254,6 +255,7 @@ def pivot_scores(table: pd.DataFrame, columns: Sequence[str]) -> pd.DataFrame:
         part.columns = [f"{c} {values}" for c in part.columns]
     wide = pd.concat(spread, axis=1).reset_index()
     wide.attrs["score_columns"] = scores
+    wide.attrs["resampled"] = table.attrs.get("resampled", "samples")
     if len(bounds) == len(INTERVAL_COLUMNS):
         wide.attrs["intervals"] = {c: tuple(f"{c} {b}" for b in INTERVAL_COLUMNS) for c in scores}
     if "n" in companions:
@@ -316,9 +318,15 @@ def format_table(table: pd.DataFrame, markdown: bool = False) -> str:
     return "\n".join(lines)
 
 
-# Under a printed table whose scores carry intervals: what the brackets are.
-INTERVAL_LEGEND = ("score x100 [95% bootstrap interval over samples, stratified by subtask]; no brackets: fewer "
-                   "than 2 samples in a subtask")
+def interval_legend(unit: str = "samples") -> str:
+    """Under a printed table whose scores carry intervals: what the brackets are; `unit`: what the intervals
+    resampled (`kvbench.results.stats.resampled_unit`: samples, or a task's problems with their sampled
+    responses)."""
+    return (f"score x100 [95% bootstrap interval over {unit}, stratified by subtask]; no brackets: fewer "
+            f"than 2 {'samples' if unit == 'samples' else 'samples or problems'} in a subtask")
+
+
+INTERVAL_LEGEND = interval_legend()  # the legend of a table over samples
 
 
 def compact(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
@@ -366,6 +374,7 @@ def compact(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
     out.attrs["score_columns"] = list(scores)
     out.attrs["intervals"] = kept
     out.attrs["counts"] = counts
+    out.attrs["resampled"] = full.attrs.get("resampled", "samples")
     return out, note
 
 
@@ -377,7 +386,7 @@ def points_text(table: pd.DataFrame, markdown: bool = False, pivot: Sequence[str
     shown, note = compact(pivot_scores(table, pivot) if pivot else table)
     text = format_table(shown, markdown=markdown)
     if any(shown[b].notna().any() for pair in shown.attrs["intervals"].values() for b in pair):
-        text += ("\n\n" if markdown else "\n") + INTERVAL_LEGEND
+        text += ("\n\n" if markdown else "\n") + interval_legend(shown.attrs.get("resampled", "samples"))
     return f"{note}\n\n{text}" if note and markdown else f"{note}\n{text}" if note else text
 
 

@@ -145,8 +145,9 @@ def comparisons(table: pd.DataFrame, spec: ReportSpec, cells: CellRecords,
                            if estimate.excludes_zero else NOT_DISTINGUISHABLE)
                 if column in headline:
                     weights = cells.of((rid, column))[1]
+                    clusters = differences["cluster"].astype(str).tolist() if "cluster" in differences else None
                     planned.append((differences["diff"].to_numpy(), differences["subtask"].astype(str).to_numpy(),
-                                    weights))
+                                    weights, clusters))
             records.append(row)
     columns = [*group, axis, spec.series, "against", "n_shared", "difference", "ci_low", "ci_high", "result"]
     return pd.DataFrame(records, columns=columns), detectable_difference(planned)
@@ -194,17 +195,23 @@ def hover_titles(table: pd.DataFrame, estimates: Mapping[Cell, Estimate]) -> dic
     return out
 
 
-def detectable_text(found: Detectable | None, name: str) -> str:
-    """One sentence for a report: what these records can detect, and what would detect the goal."""
+def detectable_text(found: Detectable | None, name: str, unit: str = "samples") -> str:
+    """One sentence for a report: what these records can detect, and what would detect the goal. `unit`: what
+    the intervals resampled (`kvbench.results.stats.resampled_unit`); sampled responses to one problem are one
+    sample here too, the mean of their differences."""
     if found is None:
         return (f"{name}: no detectable difference can be estimated (no paired comparison with two or more "
                 f"shared samples in every subtask and any variation).")
-    return (f"{name}: with these records (median {found.samples_per_subtask:g} samples per subtask, "
+    per, whole = "samples", ""
+    if unit != "samples":
+        per = "problems" if "elsewhere" not in unit else "samples"
+        whole = ", a problem's sampled responses as one sample, the mean of their differences"
+    return (f"{name}: with these records (median {found.samples_per_subtask:g} {per} per subtask, "
             f"{found.comparisons} paired comparison{'s' if found.comparisons > 1 else ''} of the headline score), "
             f"a paired difference of "
             f"{found.difference:.1f} points is detectable (two-sided 5% test, 80% power, from the observed "
-            f"variance of the paired differences); task.num_samples={found.samples_for_goal} per subtask would "
-            f"detect {found.goal:g} points.")
+            f"variance of the paired differences{whole}); task.num_samples={found.samples_for_goal} per subtask "
+            f"would detect {found.goal:g} points.")
 
 
 def html_table(shown: pd.DataFrame, titles: Mapping[tuple[int, str], str]) -> str:

@@ -14,7 +14,10 @@ samples: the problem's difficulty is shared by its responses. Such records form 
 a sample whose meta says `samples_per_problem` > 1 belongs to its `unique_id`), and the bootstrap resamples
 clusters, each standing for the mean of its responses (a cluster bootstrap): resampling the responses one by one
 would treat five correlated draws as five problems and give too narrow an interval. The printed number is
-still the mean over responses (pass@1), the mean of the clusters' means when every problem has its responses.
+still the mean over responses (pass@1), the mean of the clusters' means when every problem has its responses,
+and `n` still counts responses; reports say which unit their intervals resampled (`resampled_unit`). The
+detectable difference below takes the same unit: the variance of the problems' mean differences, and the
+samples per subtask it asks for are problems (Math-500's `task.num_samples`).
 
 An interval needs at least two samples in every subtask: a subtask with one sample has no spread to resample
 (a bootstrap over it would report zero width, a certainty the data cannot give), so such a cell has none.
@@ -119,14 +122,48 @@ def mean_of_strata(values: Sequence[float], strata: Sequence[Any] | None = None,
     return float(np.dot(_weights(names, weights), [g.mean() for g in groups]))
 
 
+PROBLEM = "problem:"  # a cluster of sampled responses to one problem (`sample_cluster`); "sample:" is a lone sample
+
+
 def sample_cluster(sample_id: Any, meta: Mapping[str, Any] | None) -> str:
     """What the bootstrap resamples a record as part of: the problem a sampled response answers, where a task
     draws several responses per problem (its meta's `samples_per_problem` > 1 and `unique_id`: Math-500), else
     the sample itself."""
     meta = meta or {}
     if (meta.get("samples_per_problem") or 1) > 1 and meta.get("unique_id") is not None:
-        return f"problem:{meta['unique_id']}"
+        return f"{PROBLEM}{meta['unique_id']}"
     return f"sample:{sample_id}"
+
+
+def resampled_unit(clusters: Sequence[Any] | None, samples: Sequence[Any]) -> str:
+    """What a bootstrap over records with these clusters (`sample_cluster`) and sample ids resamples, as a report
+    says it: "samples", or where the records are sampled responses, "problems (each with its 5 sampled
+    responses; n counts responses)" (a range where problems have different counts, each point's counted once:
+    the distinct sample ids of a problem), and "..., samples elsewhere" where some records are lone samples."""
+    if clusters is None:
+        return "samples"
+    if len(clusters) != len(samples):
+        raise ValueError(f"{len(clusters)} clusters but {len(samples)} samples")
+    responses: dict[str, set[str]] = {}
+    lone = False
+    for cluster, sample in zip(clusters, samples):
+        if str(cluster).startswith(PROBLEM):
+            responses.setdefault(str(cluster), set()).add(str(sample))
+        else:
+            lone = True
+    if not responses:
+        return "samples"
+    low, high = min(map(len, responses.values())), max(map(len, responses.values()))
+    each = f"{low}" if low == high else f"{low}-{high}"
+    return (f"problems (each with its {each} sampled response{'s' if high > 1 else ''}; n counts responses)"
+            + (", samples elsewhere" if lone else ""))
+
+
+def frame_resampled_unit(frame: "pd.DataFrame") -> str:
+    """`resampled_unit` of a frame of `kvbench.results.load` (its `cluster` and `sample_id` columns)."""
+    if "cluster" not in frame.columns or "sample_id" not in frame.columns:
+        return "samples"
+    return resampled_unit(frame["cluster"].astype(str).tolist(), frame["sample_id"].astype(str).tolist())
 
 
 def cluster_means(values: Sequence[float], strata: Sequence[Any] | None,
@@ -247,14 +284,18 @@ def z_detect(alpha: float = ALPHA, power: float = POWER) -> float:
     return normal.inv_cdf(1 - alpha / 2) + normal.inv_cdf(power)
 
 
-def detectable_difference(comparisons: Sequence[tuple[Sequence[float], Sequence[Any], Mapping[str, float] | None]],
-                          goal: float = 5.0, *, alpha: float = ALPHA, power: float = POWER) -> Detectable | None:
-    """The smallest difference `comparisons` (each: paired differences, their subtasks, and the subtasks'
-    weights in the number or None for equal) can detect, and the samples per subtask that detect `goal`
-    (module doc). Only comparisons with two or more samples in every subtask count; None when none does or
-    none varies (no variance to plan with)."""
+def detectable_difference(comparisons: Sequence[tuple[Any, ...]], goal: float = 5.0, *, alpha: float = ALPHA,
+                          power: float = POWER) -> Detectable | None:
+    """The smallest difference `comparisons` (each: paired differences, their subtasks, the subtasks' weights in
+    the number or None for equal, and optionally their clusters, `sample_cluster`) can detect, and the samples
+    per subtask that detect `goal` (module doc). With clusters, a problem's sampled responses are one sample, the
+    mean of their differences, as the bootstrap resamples them. Only comparisons with two or more samples in
+    every subtask count; None when none does or none varies (no variance to plan with)."""
     per_sample, squared_se, sizes = [], [], []
-    for values, strata, weights in comparisons:
+    for values, strata, weights, *rest in comparisons:
+        clusters = rest[0] if rest else None
+        if clusters is not None and len({str(c) for c in clusters}) < len(clusters):
+            values, strata = cluster_means(values, strata, clusters)
         names, groups = _strata(values, strata)
         if not groups or any(len(g) < 2 for g in groups):
             continue
