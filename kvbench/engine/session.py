@@ -202,7 +202,7 @@ class Session:
                         getattr(self.method, "name", "full"), exc)
             self._static_left = 0
             self._end_static_loop()
-            return self.forward([token], evict=evict)[-1]
+            return _rows_forward([self], [token], [evict])[0]
         self.cache.static_advance(1)
         self.position += 1
         self.static_steps += 1
