@@ -2,26 +2,25 @@
 comparison (32 query heads over 8 KV heads, head_dim 128, 2K-8K tokens): each release reference of
 tests/test_release_fidelity.py beside kvbench's code on the same random tensors.
 
-    .venv/bin/python scripts/measure_release_fidelity.py     # about a minute on 2 CPU cores
+    .venv/bin/python tests/measure_release_fidelity.py     # about a minute on 2 CPU cores
+
+It lives beside the references it runs (tests/test_release_fidelity.py), not in scripts/: a measurement of the
+test suite's own references, run from the tests folder (Python puts a script's folder on its path).
 """
 
 from __future__ import annotations
 
 import math
-import sys
-from pathlib import Path
 
+import test_release_fidelity as refs  # the release references
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-import test_release_fidelity as refs  # noqa: E402  (the release references)
-
-from kvbench.kernels.page_summary import page_scores  # noqa: E402
-from kvbench.methods.adakv import allocate, release_window_scores  # noqa: E402
-from kvbench.methods.common.pages import PageSummary, top_page_tokens  # noqa: E402
-from kvbench.methods.hsa import hsa_parameters, hsa_select  # noqa: E402
-from kvbench.methods.omnikv import _window_score  # noqa: E402
+from kvbench.kernels.page_summary import page_scores
+from kvbench.methods.adakv import allocate, release_window_scores
+from kvbench.methods.common.pages import PageSummary, top_page_tokens
+from kvbench.methods.hsa import hsa_parameters, hsa_select
+from kvbench.methods.omnikv import _window_score
 
 Q_HEADS, KV_HEADS, DIM = 32, 8, 128
 GROUP = Q_HEADS // KV_HEADS
