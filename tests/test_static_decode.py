@@ -16,12 +16,12 @@ import torch
 import kvbench.engine.compiled as compiled
 from kvbench.cache.static import CAPACITY_BUCKET
 from kvbench.core.errors import KVBenchError
+from kvbench.devtools import static_decode as check_static_decode
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.replay import GUARDED_CALLS, CudaGraphCapture, GraphCall, LoopReplays, StepInputs
 from kvbench.engine.sample import run_sample
 from kvbench.engine.session import Session
 from kvbench.kernels.decode_attention import decode_attention_reference, static_decode_attention
-from kvbench.devtools import static_decode as check_static_decode
 from kvbench.methods import build_method
 from kvbench.methods.common.pages import held_first, top_page_tokens
 from kvbench.methods.keydiff import ANCHORS, keydiff_scores

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
 import torch
 
 from kvbench.core.contract import Plan, Selection
