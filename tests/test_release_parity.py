@@ -176,13 +176,9 @@ def test_keyl2norm_equals_kvcache_factory_l2norm(seed, budget):
     torch.testing.assert_close(out, expected, atol=OUT_ATOL, rtol=0)
 
 
-# -- H2O ---------------------------------------------------------------------------------------------------
-
-def h2o_runs(seed, budget, q_heads, kv_heads, steps, group_mean=True, prompt=200):
-    q, k, v = random_layer(seed, q_heads, kv_heads, prompt + steps, 16)
-    method = build_method("h2o", recent_ratio=0.5, decode_every=1)
-    run = TensorRun(method, budget, 1, 16, prompt + steps)
-    ref = H2OLayer(budget - round(0.5 * budget), round(0.5 * budget), q_heads // kv_heads, group_mean)
+def prompt_then_steps(run, ref, q, k, v, prompt, steps):
+    """kvbench (`run`, layer 0) and a release's layer (`ref`) side by side: the prompt evicted at its end, then
+    `steps` decode steps each evicting; per event both last outputs and both kept sets, kvbench's first."""
     outs = [(run.forward(0, q[:, :prompt], k[:, :prompt], v[:, :prompt], evict=True)[:, -1],
              ref.forward(q[:, :prompt], k[:, :prompt], v[:, :prompt], 0)[:, -1])]
     kept = [(run.kept(0), ref.kept())]
@@ -191,6 +187,16 @@ def h2o_runs(seed, budget, q_heads, kv_heads, steps, group_mean=True, prompt=200
                      ref.forward(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], t)[:, 0]))
         kept.append((run.kept(0), ref.kept()))
     return outs, kept
+
+
+# -- H2O ---------------------------------------------------------------------------------------------------
+
+def h2o_runs(seed, budget, q_heads, kv_heads, steps, group_mean=True, prompt=200):
+    q, k, v = random_layer(seed, q_heads, kv_heads, prompt + steps, 16)
+    method = build_method("h2o", recent_ratio=0.5, decode_every=1)
+    run = TensorRun(method, budget, 1, 16, prompt + steps)
+    ref = H2OLayer(budget - round(0.5 * budget), round(0.5 * budget), q_heads // kv_heads, group_mean)
+    return prompt_then_steps(run, ref, q, k, v, prompt, steps)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -235,14 +241,7 @@ def tova_runs(seed, budget, head_agg, steps=6):
     q, k, v = random_layer(seed, Q_HEADS, KV_HEADS, prompt + steps, 16)
     run = TensorRun(build_method("tova", head_agg=head_agg, decode_every=1), budget, 1, 16, prompt + steps)
     ref = TOVALayer(budget, GROUP)
-    outs = [(run.forward(0, q[:, :prompt], k[:, :prompt], v[:, :prompt], evict=True)[:, -1],
-             ref.forward(q[:, :prompt], k[:, :prompt], v[:, :prompt], 0)[:, -1])]
-    kept = [(run.kept(0), ref.kept())]
-    for t in range(prompt, prompt + steps):
-        outs.append((run.forward(0, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], evict=True)[:, 0],
-                     ref.forward(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], t)[:, 0]))
-        kept.append((run.kept(0), ref.kept()))
-    return outs, kept
+    return prompt_then_steps(run, ref, q, k, v, prompt, steps)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
