@@ -141,5 +141,22 @@ def read_jsonl(path: Path, required: Sequence[str], benchmark: str) -> list[dict
     return rows
 
 
+def jsonl_or_hub_rows(path: Path | None, dataset: str, config: str | None, what: str, how: str) -> list[dict[str, Any]]:
+    """The rows of the JSON-lines file `path` (blank lines skipped) when given, else of the test split of the
+    Hugging Face dataset `dataset` (its `config`; from the Hub, or its cache). Neither there: a
+    `DatasetMissingError` that says `what` was not found, where it was looked for, and `how` to get it."""
+    if path is not None:
+        if path.is_file():
+            return read_jsonl(path, (), what)
+        where = f"{path} does not exist"
+    else:
+        rows = load_hf_rows(dataset, config, "test")
+        if rows is not None:
+            return rows
+        named = repr(dataset) if config is None else f"{dataset!r} (config {config!r})"
+        where = f"task.data_dir is null and {named} could not be loaded from the Hugging Face Hub or its cache"
+    raise DatasetMissingError(f"{what} not found: {where}. {how}")
+
+
 class DatasetMissingError(KVBenchError):
     """A task needs data that is not on this machine; the message says how to get it."""

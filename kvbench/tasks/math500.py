@@ -33,11 +33,10 @@ Scoring (`kvbench.tasks.math_metrics`): the turn's metric is `math_equiv` (KeyDi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn, load_hf_rows, sample_rng
+from kvbench.tasks.base import PromptMeter, Sample, Task, Turn, jsonl_or_hub_rows, sample_rng
 
 HF_DATASET = "HuggingFaceH4/MATH-500"
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
@@ -46,27 +45,18 @@ PACKAGED_DATA = Path(__file__).resolve().parent / "data"  # stand-in problem set
 
 def load_rows(data_dir: str | None) -> list[dict[str, Any]]:
     """All 500 problems, from `data_dir/test.jsonl` when given, else from the Hugging Face Hub (or its cache)."""
+    path = None
     if data_dir is not None:
         folder = Path(data_dir).expanduser()
         if not folder.is_absolute() and not folder.is_dir() and (PACKAGED_DATA / folder).is_dir():
             folder = PACKAGED_DATA / folder
         path = folder / "test.jsonl"
-        if path.is_file():
-            with path.open(encoding="utf-8") as f:
-                return [json.loads(line) for line in f if line.strip()]
-        where = f"{path} does not exist"
-    else:
-        rows = load_hf_rows(HF_DATASET, None, "test")
-        if rows is not None:
-            return rows
-        where = f"task.data_dir is null and {HF_DATASET!r} could not be loaded from the Hugging Face Hub or its cache"
-    raise DatasetMissingError(
-        f"Math-500 data not found: {where}. Get it (about 0.45 MB) on a machine with Hub access, then either\n"
+    return jsonl_or_hub_rows(path, HF_DATASET, None, "Math-500 data", (
+        f"Get it (about 0.45 MB) on a machine with Hub access, then either\n"
         f"  huggingface-cli download {HF_DATASET} test.jsonl --repo-type dataset --local-dir DIR\n"
         f"  (then set task.data_dir=DIR), or fill the HF cache with\n"
         f"  python -c \"from datasets import load_dataset; load_dataset('{HF_DATASET}', split='test')\"\n"
-        f"  and leave task.data_dir null."
-    )
+        f"  and leave task.data_dir null."))
 
 
 class Math500(Task):

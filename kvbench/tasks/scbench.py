@@ -63,13 +63,12 @@ script), so report a plain mean beside it.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn, load_hf_rows
+from kvbench.tasks.base import PromptMeter, Sample, Task, Turn, jsonl_or_hub_rows
 from kvbench.tasks.scbench_metrics import REPOQA_LANGUAGES
 
 HF_DATASET = "microsoft/SCBench"
@@ -135,26 +134,15 @@ TASKS: dict[str, TaskSpec] = {
 
 def load_rows(task: str, data_dir: str | None) -> list[dict[str, Any]]:
     """All rows of one SCBench task, from `data_dir` when given, else from the Hugging Face Hub (or its cache)."""
-    if data_dir is not None:
-        path = Path(data_dir) / f"{task}.jsonl"
-        if path.is_file():
-            with path.open(encoding="utf-8") as f:
-                return [json.loads(line) for line in f if line.strip()]
-        where = f"{path} does not exist"
-    else:
-        rows = load_hf_rows(HF_DATASET, task, "test")
-        if rows is not None:
-            return rows
-        where = f"task.data_dir is null and {HF_DATASET!r} (config {task!r}) could not be loaded from the Hugging Face Hub or its cache"
-    raise DatasetMissingError(
-        f"SCBench data for {task} not found: {where}. Get it on a machine with Hub access, then either\n"
+    path = None if data_dir is None else Path(data_dir) / f"{task}.jsonl"
+    return jsonl_or_hub_rows(path, HF_DATASET, task, f"SCBench data for {task}", (
+        f"Get it on a machine with Hub access, then either\n"
         f"  huggingface-cli download {HF_DATASET} data/{task}.jsonl --repo-type dataset --local-dir DIR\n"
         f"  (then set task.data_dir=DIR/data), or\n"
         f"  wget https://huggingface.co/datasets/{HF_DATASET}/resolve/main/data/{task}.jsonl -O DIR/{task}.jsonl\n"
         f"  (then set task.data_dir=DIR), or fill the HF cache with\n"
         f"  python -c \"from datasets import load_dataset; load_dataset('{HF_DATASET}', '{task}', split='test')\"\n"
-        f"  and leave task.data_dir null."
-    )
+        f"  and leave task.data_dir null."))
 
 
 def _math_find_target(query: str) -> str:
