@@ -56,28 +56,19 @@ import torch.nn.functional as F
 from kvbench.core.contract import Plan, Schedule, Selection
 from kvbench.core.stages import stage
 from kvbench.methods.base import Method, register_method
+from kvbench.methods.common.derived import FixedState
 from kvbench.methods.common.placement import HostSegment, recall_of
 
 
 @dataclass
-class QueryIndex:
+class QueryIndex(FixedState):
     """The qcIVF: centroid queries [H_q, C, D] (post-RoPE), each KV head's inverted lists [H, C, rho] of host
     rows (-1: empty), and the FIFO slot the next decode query overwrites. DCU updates it in place, so a
-    copy of the cache forks it (`fork`)."""
+    copy of the cache forks it (`fork`). Centroids are queries, not tokens: a rollback does not remove them."""
 
     centroids: torch.Tensor
     lists: torch.Tensor
     pointer: int = 0
-    on_host = False
-
-    def kept(self, layer) -> "QueryIndex":
-        return self
-
-    def append(self, layer, n: int) -> "QueryIndex":
-        return self
-
-    def truncate(self, layer) -> "QueryIndex":
-        return self  # centroids are queries, not tokens: a rollback does not remove them
 
     def fork(self) -> "QueryIndex":
         return QueryIndex(self.centroids.clone(), self.lists.clone(), self.pointer)
@@ -87,13 +78,6 @@ class QueryIndex:
         self.centroids[:, self.pointer] = query
         self.lists[:, self.pointer] = rows.to(self.lists.dtype)
         self.pointer = (self.pointer + 1) % self.centroids.shape[1]
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.centroids, self.lists))
-
-    @property
-    def paper_elements(self) -> int:
-        return 0
 
 
 CENTROID_POSITIONS = ("final", "init", "equi", "random")
@@ -110,26 +94,12 @@ def default_local(centroids: int, prompt: int) -> int:
 
 
 @dataclass
-class CentroidPool:
+class CentroidPool(FixedState):
     """The C prompt queries [H_q, C, D] (post-RoPE) and positions [C] that a `centroid_positions` other than
     final picks while the prompt is attended (`CTKVR.observe`); the index build right after consumes it."""
 
     queries: torch.Tensor
     positions: torch.Tensor
-    on_host = False
-    paper_elements = 0
-
-    def kept(self, layer) -> "CentroidPool":
-        return self
-
-    def append(self, layer, n: int) -> "CentroidPool":
-        return self
-
-    def truncate(self, layer) -> "CentroidPool":
-        return self
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.queries, self.positions))
 
 
 def centroid_rows(rule: str, queries: int, count: int, generator: torch.Generator | None) -> torch.Tensor:

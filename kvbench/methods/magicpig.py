@@ -131,9 +131,6 @@ class LSHSegment(HostSegment):
         return LSHSegment(self.keys[:, keep].clone(), self.values[:, keep].clone(), self.positions[:, keep].clone(),
                           self.codes[:, keep].clone(), self.norms[:, keep].clone(), self.center, self.bits)
 
-    def nbytes(self) -> int:
-        return super().nbytes() + sum(t.numel() * t.element_size() for t in (self.codes, self.norms, self.center))
-
     @property
     def paper_elements(self) -> int:  # the codes' K*L bits per key and head, in K/V elements (Table 1's aux)
         return self.codes.numel() * self.bits // (8 * self.keys.element_size())

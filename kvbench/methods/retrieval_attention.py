@@ -77,6 +77,7 @@ import torch
 from kvbench.core.checks import is_int
 from kvbench.core.contract import Plan, Schedule, Selection
 from kvbench.methods.base import Method, register_method
+from kvbench.methods.common.derived import FixedState
 from kvbench.methods.common.placement import HostSegment, mass_recall
 
 # parameters whose paper values kvbench could not check (module docstring): every record names them
@@ -152,7 +153,7 @@ def _project(index, keys: np.ndarray, queries: np.ndarray, knn: int) -> None:
 
 
 @dataclass(frozen=True)
-class GraphIndex:
+class GraphIndex(FixedState):
     """One faiss graph per KV head over its host rows (row i of the index = host row i). Searching does not
     change it, so forks share it."""
 
@@ -172,12 +173,6 @@ class GraphIndex:
                      for h, graph in enumerate(self.graphs)]
             visited = int(faiss.cvar.hnsw_stats.ndis)
         return torch.from_numpy(np.stack(found)).long(), visited
-
-    def kept(self, layer) -> "GraphIndex":
-        return self
-
-    def append(self, layer, n: int) -> "GraphIndex":  # new tokens stay resident
-        return self
 
     def truncate(self, layer) -> "GraphIndex | None":
         return self if layer.seen > self.last_position else None

@@ -64,6 +64,7 @@ from kvbench.core.checks import is_int
 from kvbench.core.contract import Plan, Schedule, Selection
 from kvbench.methods.base import Method, register_method
 from kvbench.methods.common.blocks import needs_rotary, rope, unrope
+from kvbench.methods.common.derived import FixedState
 from kvbench.methods.common.placement import recall_of
 
 RELEASE_RANK = 160  # the release's rank for every model (models/*.py: rank=160)
@@ -71,7 +72,7 @@ RANK_SHARE = RELEASE_RANK / 1024  # `rank: scaled`: 160 per 1024 of key width (L
 
 
 @dataclass(frozen=True)
-class ShadowState:
+class ShadowState(FixedState):
     """The device side of one layer: landmarks `[H, C, D]` of each head's non-outlier chunks (`chunk_ids`
     `[H, C]`, ascending), its outlier chunks `[H, O]`, and with `low_rank` the key factors: `u` `[n, r]` (a row
     per segment position) and `sv` `[H, r, D]`. Chunk c covers positions `start + c * chunk_size` onwards;
@@ -85,7 +86,6 @@ class ShadowState:
     chunk_size: int
     u: torch.Tensor | None = None
     sv: torch.Tensor | None = None
-    on_host = False
 
     def rows(self, chunks: torch.Tensor) -> torch.Tensor:
         """Positions `[H, k * chunk_size]` of chunks `[H, k]`."""
@@ -97,21 +97,11 @@ class ShadowState:
         pre = torch.einsum("hmr,hrd->hmd", self.u[positions].float(), self.sv.float())
         return rope(pre, positions, rotary)
 
-    # -- the cache's derived-state protocol --------------------------------------------------------------------
-    def kept(self, layer) -> "ShadowState":
-        return self
-
-    def append(self, layer, n: int) -> "ShadowState":
-        return self  # new tokens stay resident
-
+    # -- the cache's derived-state protocol (`FixedState`: new tokens stay resident) -----------------------------
     def truncate(self, layer) -> "ShadowState":
         if layer.seen < self.end:
             raise ValueError("ShadowKV cannot roll back into its compressed segment")
         return self
-
-    def nbytes(self) -> int:
-        tensors = (self.landmarks, self.chunk_ids, self.outliers, self.u, self.sv)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     @property
     def paper_elements(self) -> int:  # landmarks and key factors: auxiliary storage
@@ -119,25 +109,15 @@ class ShadowState:
 
 
 @dataclass(frozen=True)
-class HostValues:
+class HostValues(FixedState):
     """The values `[H, C, chunk_size, D]` of each head's non-outlier chunks (ShadowState's `chunk_ids` order),
     in host memory."""
 
     values: torch.Tensor
     end: int
     on_host = True
-    paper_elements = 0
-
-    def kept(self, layer) -> "HostValues":
-        return self
-
-    def append(self, layer, n: int) -> "HostValues":
-        return self
 
     truncate = ShadowState.truncate
-
-    def nbytes(self) -> int:
-        return self.values.numel() * self.values.element_size()
 
     @property
     def kv_tokens(self) -> float:  # values without their keys: half a K/V row each

@@ -39,11 +39,12 @@ import torch.nn.functional as F
 from kvbench.core.checks import is_int
 from kvbench.core.contract import Plan, Schedule, Selection
 from kvbench.methods.base import Method, register_method
+from kvbench.methods.common.derived import FixedState
 from kvbench.methods.common.pages import top_tokens
 
 
 @dataclass(frozen=True)
-class KeyClusters:
+class KeyClusters(FixedState):
     """Per KV head: centroids [H, C, D] (means of the raw keys), each clustered row's label [H, m] (rows 0..m-1 of
     the layer's storage: the prompt but its window) and the clusters' sizes [H, C]."""
 
@@ -51,25 +52,15 @@ class KeyClusters:
     labels: torch.Tensor
     sizes: torch.Tensor
     iterations: int
-    on_host = False
 
     @property
     def clustered(self) -> int:
         return self.labels.shape[1]
 
-    def kept(self, layer) -> "KeyClusters":
-        return self
-
-    def append(self, layer, n: int) -> "KeyClusters":
-        return self  # new tokens are attended on top of the budget, never clustered
-
-    def truncate(self, layer) -> "KeyClusters":
+    def truncate(self, layer) -> "KeyClusters":  # new tokens are attended on top of the budget, never clustered
         if layer.seen < self.clustered:
             raise ValueError("Squeezed Attention cannot roll back into its clustered keys")
         return self
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.centroids, self.labels, self.sizes))
 
     @property
     def paper_elements(self) -> int:  # the centroids and each key's label: auxiliary storage

@@ -1,6 +1,6 @@
 """InfLLM's block memory (kvbench/methods/infllm.py): the blocks moved to host memory, their representative keys
 on the device, and the LRU device cache of blocks, each in the cache's derived-state protocol (`kept`, `append`,
-`truncate`, `nbytes`, `paper_elements`)."""
+`truncate`, `nbytes`, `paper_elements`; `FixedState`'s, new tokens staying resident)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvbench.methods.common.derived import FixedState
+
 
 @dataclass(frozen=True)
-class BlockMemory:
+class BlockMemory(FixedState):
     """One layer's block memory in host memory: keys and values `[B, H, bs, D]` (keys pre-RoPE with
     `memory_positions=infllm`, post-RoPE with `exact`), each block's first position `starts` `[B]` and valid rows
     `lengths` `[B]` (bs unless a rollback cut the block)."""
@@ -20,7 +22,6 @@ class BlockMemory:
     starts: torch.Tensor
     lengths: torch.Tensor
     on_host = True
-    paper_elements = 0
 
     def added(self, keys: torch.Tensor, values: torch.Tensor, starts: torch.Tensor) -> "BlockMemory":
         """New blocks after these (a new object: a copy of the cache may share this one)."""
@@ -32,12 +33,6 @@ class BlockMemory:
     def blocks(self) -> int:
         return self.keys.shape[0]
 
-    def kept(self, layer) -> "BlockMemory":
-        return self
-
-    def append(self, layer, n: int) -> "BlockMemory":
-        return self
-
     def truncate(self, layer) -> "BlockMemory | None":
         alive = self.starts < layer.seen
         if bool(alive.all()) and int((self.starts + self.lengths).max()) <= layer.seen:
@@ -48,27 +43,17 @@ class BlockMemory:
         return BlockMemory(self.keys[alive], self.values[alive], self.starts[alive], torch.minimum(
             self.lengths[alive], lengths))
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.starts, self.lengths))
-
     @property
     def kv_tokens(self) -> int:
         return self.keys.shape[1] * int(self.lengths.sum())
 
 
 @dataclass(frozen=True)
-class BlockReprs:
+class BlockReprs(FixedState):
     """Each block's representative key per query head, `[B, H, G, D]` on the device, and its first position."""
 
     reprs: torch.Tensor
     starts: torch.Tensor
-    on_host = False
-
-    def kept(self, layer) -> "BlockReprs":
-        return self
-
-    def append(self, layer, n: int) -> "BlockReprs":
-        return self
 
     def truncate(self, layer) -> "BlockReprs | None":
         alive = self.starts < layer.seen
@@ -76,26 +61,22 @@ class BlockReprs:
             return self
         return BlockReprs(self.reprs[alive], self.starts[alive]) if bool(alive.any()) else None
 
-    def nbytes(self) -> int:
-        return self.reprs.numel() * self.reprs.element_size() + self.starts.numel() * self.starts.element_size()
-
     @property
     def paper_elements(self) -> int:  # representative keys: auxiliary storage
         return self.reprs.numel()
 
 
 @dataclass
-class BlockCache:
+class BlockCache(FixedState):
     """InfLLM's LRU device cache of at most `capacity` blocks (`CudaCache` + `cached_blocks`): each cached
     block's last use, and its device copy when the memory lives in another device's memory. Updated in place at
-    every step, so a copy of the cache forks it."""
+    every step, so a copy of the cache forks it; blocks a rollback removed are forgotten at the next step
+    (`prune`)."""
 
     capacity: int
     last_use: dict[int, int] = field(default_factory=dict)
     copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     clock: int = 0
-    on_host = False
-    paper_elements = 0
 
     def load(self, chosen: list[int], memory: BlockMemory | None = None,
              device: torch.device | None = None) -> tuple[int, int]:
@@ -132,15 +113,6 @@ class BlockCache:
         for b in [b for b in self.last_use if b >= blocks]:
             del self.last_use[b]
             self.copies.pop(b, None)
-
-    def kept(self, layer) -> "BlockCache":
-        return self
-
-    def append(self, layer, n: int) -> "BlockCache":
-        return self
-
-    def truncate(self, layer) -> "BlockCache":
-        return self  # blocks a rollback removed are forgotten at the next step (`prune`)
 
     def fork(self) -> "BlockCache":
         return BlockCache(self.capacity, dict(self.last_use), dict(self.copies), self.clock)

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
+from kvbench.methods.common.derived import FixedState
+
 
 @dataclass(frozen=True)
-class HostSegment:
+class HostSegment(FixedState):
     """Rows of one layer in host memory: keys/values [H, M, D] and their logical positions [H, M]."""
 
     keys: torch.Tensor
@@ -36,20 +38,12 @@ class HostSegment:
             moved = [torch.cat([old, new], dim=1) for old, new in zip((before.keys, before.values, before.positions), moved)]
         return cls(*moved)
 
-    def kept(self, layer) -> "HostSegment":  # the eviction that moved the rows here does not touch them
-        return self
-
-    def append(self, layer, n: int) -> "HostSegment":  # new tokens stay on the device
-        return self
-
+    # `FixedState`: the eviction that moved the rows here does not touch them; new tokens stay on the device
     def truncate(self, layer) -> "HostSegment":
         keep = self.positions[0] < layer.seen
         if bool(keep.all()):
             return self
         return HostSegment(self.keys[:, keep].clone(), self.values[:, keep].clone(), self.positions[:, keep].clone())
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.positions))
 
     @property
     def kv_tokens(self) -> int:  # all heads
