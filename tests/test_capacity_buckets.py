@@ -18,6 +18,7 @@ from kvbench.cache.static import CAPACITY_BUCKET, bucketed
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import run_sample
 from kvbench.methods import build_method
+from kvbench.methods.common.pages import RuntimePage, top_page_tokens
 from kvbench.models import load_model
 from kvbench.reporting.table import point_table, report_text
 from kvbench.results.collect import collect
@@ -82,10 +83,12 @@ def synthetic(length: int) -> Sample:
 @pytest.mark.parametrize("method,settings,budget", [
     ("full", {}, 64),  # uniform: every prompt token kept
     ("adakv", {"window": 8}, 0.5),  # ragged: half of each layer's tokens, spread over the heads by score
-    # a selection over the whole cache (pages at the same capacity). Quest's default page, the traffic-equivalent
-    # round(2 S / t), is a new shape at almost every prompt length (a graph per length whatever the capacity): the
-    # paper's fixed 16-token page here
+    # a selection over the whole cache (pages at the same capacity): the release's fixed 16-token page, and the
+    # default traffic-equivalent page round(2 S / t), a new size at every prompt length, a runtime input of the
+    # step (`kvbench.methods.common.pages.RuntimePage`; 12 graphs here while it was a Python number)
     ("quest", {"page_size": 16}, 64),
+    ("quest", {}, 64),
+    ("quest", {}, 100),
 ])
 def test_a_sweep_of_twelve_prompt_lengths_compiles_at_most_five_graphs(sweep_llama, monkeypatch, method, settings,
                                                                         budget):
@@ -103,6 +106,8 @@ def test_a_sweep_of_twelve_prompt_lengths_compiles_at_most_five_graphs(sweep_lla
     assert compiles == torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs
     # the capacities really span the sweep: more than one graph, at most five
     assert 2 <= compiles <= 5, [(r["prompt_tokens"], r["decode_compiles"]) for r in records]
+    if method == "quest" and not settings:  # the page size differs at (almost) every length; the graphs do not
+        assert len({r["budget_plan"]["page_size"] for r in records}) >= 10, [r["budget_plan"] for r in records]
     if method != "adakv":  # every token kept: one graph per capacity of the prompt plus the loop
         assert compiles == len({bucketed(n + NEW + 1) for n in LENGTHS})
     assert sum(r["decode_compile_s"] for r in records) > 0
@@ -135,3 +140,41 @@ def test_the_closing_table_shows_compile_seconds_beside_decode_time(tmp_path: Pa
     write_point(eager, "snapkv", "eager", [0.0, 0.0])
     text = report_text(eager)
     assert "compile" not in text and "ms/token" in text
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_runtime_page_selects_the_tokens_of_the_page_as_a_number(seed):
+    """`RuntimePage.top_tokens` (the page a tensor, the shapes fixed by the capacity and the budget) against
+    `top_page_tokens` with the page as a Python number, over the same static capacity: the same tokens in the
+    same order, a head's partial last page anywhere in the order, whole last pages, ties."""
+    gen = torch.Generator().manual_seed(seed)
+    width = int(torch.randint(256, 4096, (1,), generator=gen))
+    budget = int(torch.randint(8, width // 2, (1,), generator=gen))
+    k = budget // 2
+    length = int(torch.randint(budget + 1, width + 1, (1,), generator=gen))  # the S the page is derived from
+    page = max(1, round(2 * length / budget))
+    heads = 3
+    runtime = RuntimePage.at(width, page, budget, k, torch.device("cpu"))
+    fill = torch.randint(max(k, length // 2), length + 1, (heads,), generator=gen)
+    if seed % 4 == 0:
+        fill[0] = (int(fill[0]) // page) * page or page  # a whole last page
+    scores = torch.randn(heads, runtime.pages, generator=gen).round(decimals=1)  # ties
+    if seed % 3 == 0:  # put each head's partial page first
+        scores[torch.arange(heads), fill // page] = 10.0
+    first_rows = torch.arange(runtime.pages) * page
+    scores = scores.masked_fill(first_rows[None, :] >= fill[:, None], float("-inf"))
+    exact = -(-width // page)
+    assert runtime.pages >= exact and runtime.ordered >= min(exact, k // page + 2)
+    expected = top_page_tokens(scores[:, :exact], page, fill, k)
+    assert torch.equal(runtime.top_tokens(scores, fill, k), expected)
+
+
+def test_runtime_page_counts_depend_on_the_capacity_and_budget_alone():
+    """Every prompt length whose loop fits a capacity gives the same page count and pages ordered, so one graph;
+    a loop outside the rule (rows longer than the S of the page) its own counts, still covering the capacity."""
+    budget, k, width = 64, 32, 4096
+    shapes = {(r.pages, r.ordered) for r in (RuntimePage.at(width, max(1, round(2 * s / budget)), budget, k,
+                                                            torch.device("cpu")) for s in range(2049, 4097))}
+    assert len(shapes) == 1
+    short = RuntimePage.at(width, max(1, round(2 * 600 / budget)), budget, k, torch.device("cpu"))
+    assert short.pages * int(short.page) >= width and short.ordered >= k // int(short.page) + 2

@@ -7,7 +7,10 @@ positions, its counters are device tensors. So the first step traces the model's
 hooks (selection, eviction, accounting) into one graph, and every later step of the sample, and every sample
 whose capacity falls in the same bucket, runs it. What a graph depends on is the layout's shape (the
 bucketed capacity, uniform or ragged), the method's settings and the plan's shape parameters (a top-k's k, a
-page size): a new value of these compiles a new graph, which the record counts (`decode_compiles`). Within a
+fixed page size): a new value of these compiles a new graph, which the record counts (`decode_compiles`). A plan
+value derived from the prompt length is no shape where the method makes it a runtime input: Quest's default page
+(`kvbench.methods.common.pages.RuntimePage`; 4 graphs over 12 prompt lengths of 1K-8K, was 12). HSA's page and
+estimate dimensions are still shapes (10 graphs over those 12 lengths; RocketKV's, 3). Within a
 decode loop, once two guarded calls have shown that the loop's steps run one graph on the same tensors, the
 later steps call that graph directly, skipping dynamo's guards: on CUDA as one CUDA graph captured per loop and
 replayed (`kvbench.engine.replay`; records count them, `decode_replayed_steps`).

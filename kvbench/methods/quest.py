@@ -40,7 +40,7 @@ from kvbench.core.contract import Plan, Selection
 from kvbench.kernels.page_summary import page_scores
 from kvbench.kernels.stable_topk import stable_topk
 from kvbench.methods.base import Method, register_method
-from kvbench.methods.common.pages import PageSummary, layer_pages, top_page_tokens
+from kvbench.methods.common.pages import PageSummary, plan_pages
 
 
 @register_method
@@ -89,23 +89,27 @@ class Quest(Method):
 
     def build_derived(self, layer, step):
         plan = step.plan
-        return {"pages": PageSummary.of(layer.head_view().keys, plan.derived["page_size"])} if plan.select else {}
+        if not plan.select:
+            return {}
+        # the traffic-equivalent page is a function of the prompt length: a runtime input of the compiled step
+        page_of_length = (plan.select, plan.derived["k2"]) if self.page_size is None else None
+        return {"pages": PageSummary.of(layer.head_view().keys, plan.derived["page_size"], page_of_length)}
 
     def select(self, layer, q, view, step, scaling):
-        page, k2 = step.plan.derived["page_size"], step.plan.derived["k2"]
+        k2 = step.plan.derived["k2"]
         if k2 >= view.width:
             return None
-        pages = layer_pages(layer, page)
+        pages = plan_pages(layer, step.plan)
         heads, group, _ = q.shape
         bound = page_scores(q, pages.kmin, pages.kmax, None, q > 0)  # [H, G, P]
         # one row per query head (h * G + g), or the group's bounds summed
         bound = bound.flatten(0, 1) if self.per_query_head else bound.sum(dim=1)
         if self.whole_pages:
-            return self._whole_pages(q, view, bound, page, k2, scaling, step.measure_recall)
+            return self._whole_pages(q, view, bound, pages.page_size, k2, scaling, step.measure_recall)
         unused = pages.unused_pages()  # a static layer's pages past its tokens
         if unused is not None:
             bound = bound.masked_fill(unused, float("-inf"))
-        idx = top_page_tokens(bound, page, view.lengths if view.lengths is not None else view.width, k2)
+        idx = pages.top_tokens(bound, view.lengths if view.lengths is not None else view.width, k2)
         if self.per_query_head:
             return idx.view(heads, group, -1)
         return idx[:, None, :].expand(heads, group, idx.shape[1])
@@ -144,7 +148,7 @@ class Quest(Method):
     def step_traffic(self, layer, selection, step):
         if selection is None:
             return super().step_traffic(layer, None, step)
-        pages = layer_pages(layer, step.plan.derived["page_size"])
+        pages = plan_pages(layer, step.plan)
         heads, group, width = selection.idx.shape
         if selection.external is not None:  # whole pages: rows attended per query head, the last page's held rows
             attended = group * heads * width + int(torch.isfinite(selection.external[3]).sum())

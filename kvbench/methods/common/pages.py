@@ -25,14 +25,21 @@ class PageSummary:
     3 ms of a 70 ms float32 Quest step on two cores. An object changes as its layer does; a clone's copy is a
     `fork`. `nbytes` counts the pages in use, as the cache's `kv_bytes` counts the tokens held."""
 
-    def __init__(self, page_size: int, bounds: GrowingBuffers, length: int):
+    def __init__(self, page_size: int, bounds: GrowingBuffers, length: int,
+                 page_of_length: tuple[int, int] | None = None):
         self.page_size, self.bounds, self.length = page_size, bounds, length
         self.fill: torch.Tensor | None = None  # the layer's device lengths while it is static (`make_static`)
+        # (budget t, tokens selected k) when `page_size` was derived from the prompt length (Quest's round(2 S / t)):
+        # the static layout then takes the page as a tensor (`RuntimePage`), so that it is no graph constant
+        self.page_of_length = page_of_length
+        self.runtime: RuntimePage | None = None  # while static with `page_of_length`
 
     @classmethod
-    def of(cls, keys: torch.Tensor, page_size: int) -> "PageSummary":
+    def of(cls, keys: torch.Tensor, page_size: int, page_of_length: tuple[int, int] | None = None) -> "PageSummary":
+        """The summary of `keys` [H, N, D]. `page_of_length`: (budget, selected tokens) when the page size is a
+        function of the prompt length (see `RuntimePage`)."""
         kmin, kmax = page_minmax(keys, page_size)
-        return cls(page_size, GrowingBuffers([kmin, kmax], kmin.shape[1], dim=1), keys.shape[1])
+        return cls(page_size, GrowingBuffers([kmin, kmax], kmin.shape[1], dim=1), keys.shape[1], page_of_length)
 
     kmin = property(lambda self: self.bounds.view(0))
     kmax = property(lambda self: self.bounds.view(1))
@@ -41,15 +48,28 @@ class PageSummary:
     def pages(self) -> "int | torch.Tensor":
         """Pages in use (the longest head's): an int, or a 0-d device tensor on a static layer."""
         if self.fill is not None:
-            return (self.fill.max() + self.page_size - 1) // self.page_size
+            page = self.static_page
+            return (self.fill.max() + page - 1) // page
         return self.bounds.used
+
+    @property
+    def static_page(self) -> "int | torch.Tensor":
+        """The page size a static step computes with: the 0-d device tensor of a `RuntimePage`, else the int."""
+        return self.runtime.page if self.runtime is not None else self.page_size
 
     def unused_pages(self) -> torch.Tensor | None:
         """[H, P] bool: pages past each head's tokens (a static layer's capacity), None when there are none."""
         if self.fill is None:
             return None
-        first_rows = torch.arange(self.kmin.shape[1], device=self.fill.device) * self.page_size
+        first_rows = torch.arange(self.kmin.shape[1], device=self.fill.device) * self.static_page
         return first_rows[None, :] >= self.fill[:, None]
+
+    def top_tokens(self, page_scores: torch.Tensor, length: "int | torch.Tensor", k: int) -> torch.Tensor:
+        """`top_page_tokens` of these pages' scores `[H, P]`: on a static layer with a runtime page by
+        `RuntimePage.top_tokens` (the same tokens in the same order, no shape from the page size)."""
+        if self.runtime is not None:
+            return self.runtime.top_tokens(page_scores, self.fill, k)
+        return top_page_tokens(page_scores, self.page_size, length, k)
 
     def first_changed_row(self, length: int) -> int:
         """The first row of the first page an append or a cut to `length` rows can change."""
@@ -57,7 +77,7 @@ class PageSummary:
 
     def fork(self) -> "PageSummary":
         """The same summary for a copy of the layer, sharing the buffers until one of them is written."""
-        return PageSummary(self.page_size, self.bounds.fork(), self.length)
+        return PageSummary(self.page_size, self.bounds.fork(), self.length, self.page_of_length)
 
     @torch.inference_mode()  # buffers built in a forward are inference tensors; a rollback updates them after it
     def update(self, tail: torch.Tensor, length: int) -> "PageSummary":
@@ -99,24 +119,29 @@ class PageSummary:
     # -- the static decode layout (kvbench.cache.static) -----------------------------------------------------
     def make_static(self, layer) -> "PageSummary":
         """The summary at the static layer's capacity (its pages past the tokens unused, `unused_pages`), owned
-        by this layer and widened in place by `append_static`."""
-        capacity = -(-layer.static.width // self.page_size)
+        by this layer and widened in place by `append_static`. With `page_of_length` the page count and the
+        page size are a `RuntimePage`'s: the count fixed by the capacity and the budget, the size a tensor."""
+        width = layer.static.width
+        runtime = (RuntimePage.at(width, self.page_size, *self.page_of_length, layer.static.fill.device)
+                   if self.page_of_length is not None else None)
+        capacity = runtime.pages if runtime is not None else -(-width // self.page_size)
         bounds = [t.new_zeros(t.shape[0], capacity, t.shape[2]) for t in (self.kmin, self.kmax)]
         for new, old in zip(bounds, (self.kmin, self.kmax)):
             new[:, : old.shape[1]] = old
-        summary = PageSummary(self.page_size, GrowingBuffers(bounds, capacity, dim=1), self.length)
-        summary.fill = layer.static.fill
+        summary = PageSummary(self.page_size, GrowingBuffers(bounds, capacity, dim=1), self.length,
+                              self.page_of_length)
+        summary.fill, summary.runtime = layer.static.fill, runtime
         return summary
 
     def append_static(self, layer, keys: torch.Tensor, values: torch.Tensor) -> None:
         """The decode token `keys` [H, D], written at each head's next slot: its page's bounds widened (a page's
         first token sets them). Fixed shapes, device indices: the same graph at every step."""
-        slot, (heads, dim) = layer.static.next_slot, keys.shape
+        slot, (heads, dim), page = layer.static.next_slot, keys.shape, self.static_page
         # [H, D] entries (head, page of its slot, every dimension); index_put_ so that inductor writes the graph
         # input in place (a scatter_ became a copy of the whole summary and a copy back)
-        at = (torch.arange(heads, device=keys.device)[:, None], (slot // self.page_size)[:, None],
+        at = (torch.arange(heads, device=keys.device)[:, None], (slot // page)[:, None],
               torch.arange(dim, device=keys.device)[None, :])
-        first = (slot % self.page_size == 0)[:, None]
+        first = (slot % page == 0)[:, None]
         for bound, pick in ((self.bounds.tensors[0], torch.minimum), (self.bounds.tensors[1], torch.maximum)):
             bound.index_put_(at, torch.where(first, keys, pick(bound[at], keys)))
 
@@ -124,7 +149,7 @@ class PageSummary:
         return list(self.bounds.tensors)
 
     def make_dynamic(self, layer) -> "PageSummary":
-        self.fill = None
+        self.fill, self.runtime = None, None
         self.length = layer.physical_length()
         self.bounds.used = -(-self.length // self.page_size)
         return self
@@ -144,6 +169,62 @@ class PageSummary:
     @property
     def paper_elements(self) -> int:  # RocketKV Table 1 counts both bounds as auxiliary storage
         return 2 * self.kmin.numel()
+
+
+class RuntimePage:
+    """A page size derived from the prompt length (Quest's traffic-equivalent round(2 S / t)) as a runtime input
+    of the static decode step: the page a 0-d device tensor, the page count and the pages ordered by the top-k
+    fixed by the capacity W and the budget t alone. So prompts of different lengths whose loops share a
+    capacity share one graph, where a page size read as a Python number made one graph per prompt length (12
+    over 12 lengths of 1K-8K tokens; `tests/test_capacity_buckets.py`).
+
+    Why the budget fixes them: a loop's rows fit its capacity W (the smallest step of the series at or above
+    them: over half of W) and its rows are at most the S the page was derived from, so 2 S >= W and the page is
+    at least `smallest = max(1, round(W / t))` (round does not decrease). Then ceil(W / page) <= ceil(W /
+    smallest) pages cover the capacity and k // page + 2 <= k // smallest + 2 pages reach the first k tokens. A
+    loop outside that rule (a teacher-forced target longer than the sample's generation, a capacity of the
+    series' floor) takes its own page's counts: correct, one graph more."""
+
+    def __init__(self, page: torch.Tensor, pages: int, ordered: int, width: int):
+        self.page, self.pages, self.ordered, self.width = page, pages, ordered, width
+
+    @classmethod
+    def at(cls, width: int, page_size: int, budget: int, k: int, device: torch.device) -> "RuntimePage":
+        smallest = max(1, round(width / budget))
+        if page_size < smallest:  # outside the rule: this page's own counts
+            smallest = page_size
+        pages = -(-width // smallest)
+        return cls(torch.tensor(page_size, dtype=torch.int64, device=device), pages, min(pages, k // smallest + 2),
+                   width)
+
+    def top_tokens(self, page_scores: torch.Tensor, fill: torch.Tensor, k: int) -> torch.Tensor:
+        """`top_page_tokens(page_scores, page, fill, k)` `[H, k]` from the fixed shapes: the first `ordered` pages
+        in stable descending order, then the k-th output token's page and offset computed from the page tensor.
+        Only a head's last page can be partial (r = fill % page tokens); the tokens after it in that order
+        move up by the page - r it lacks. A head holding fewer than k tokens gets indices past its tokens (the
+        attention's validity mask drops them), clamped to the capacity."""
+        heads = page_scores.shape[0]
+        page = self.page
+        order = stable_topk(page_scores, self.ordered)  # [H, m] pages, stable descending
+        out = torch.arange(k, device=order.device)[None, :].expand(heads, k)
+        partial = fill % page  # [H] tokens of the last page (0: it is whole)
+        is_partial = order == (fill // page)[:, None]
+        # where the partial page stands in the order (m: nowhere among the first m, or no partial page)
+        where = torch.where(is_partial.any(dim=-1) & (partial > 0), is_partial.to(torch.int64).argmax(dim=-1),
+                            self.ordered)
+        shifted = torch.where(out >= (where * page + partial)[:, None], out + (page - partial)[:, None], out)
+        tokens = order.gather(1, (shifted // page).clamp(max=self.ordered - 1)) * page + shifted % page
+        return tokens.clamp(max=self.width - 1)
+
+
+def plan_pages(layer, plan) -> PageSummary:
+    """The layer's page summary for `plan`'s page size (`layer_pages`). A static loop's summary with a runtime page
+    is built for the plan's page and is returned without reading the plan's number, which would make the page
+    a constant of the compiled graph (`RuntimePage`)."""
+    pages = layer.derived.get("pages")
+    if pages is not None and pages.runtime is not None:
+        return pages
+    return layer_pages(layer, plan.derived["page_size"])
 
 
 def layer_pages(layer, page_size: int) -> PageSummary:
