@@ -11,8 +11,8 @@ attention function and `attention.hooks.evict_layer` call them, never the other 
   still happen (H2O); state in `layer.token_tensor(name)`, replaced, never modified in place.
 - `plan(budget, sequence_length=, new_tokens=, head_dim=)`: once per sample, the budgets and derived
   parameters (RocketKV's decomposition, Quest's page size), recorded with the sample.
-- `select(layer, q, view, step, scaling)` with `selects = True`: every decode step, `[H_kv, G, k]` indices
-  (or a `Selection`), None for all tokens.
+- `select(layer, q, view, step, scaling)`, a `SelectionMethod`'s (`selects = True`): every decode step,
+  `[H_kv, G, k]` indices (or a `Selection`), None for all tokens.
 - `chunk_context(layer, query, step, scaling)`: the past rows a multi-token chunk on top of the cache attends
   to besides itself (None: everything, the dense default; OmniKV-prefill).
 - `chunk_attention(layer, query, step, scaling)`: a multi-token chunk's whole attention output, where each of
@@ -74,7 +74,6 @@ class Method:
     last_prompt_token_via_decode: ClassVar[bool] = False  # the prompt's last token goes through decode (RocketKV)
     steps_through_chunks: ClassVar[bool] = False  # later chunks (question, turns) go token by token (CTKVR)
     uses_budget: ClassVar[bool] = True  # False: the budget cannot change a result (full), so sweeps share one point
-    static_selection: ClassVar[bool] = False  # `select` and its derived state also serve the static layout
     host_work: ClassVar[str | None] = None  # the host work every decode step needs (keeps it off the static layout)
     # each decode step reads every key to choose what it attends, a read its cost model (`step_traffic`) leaves
     # out: an oracle (Exact-TopK) is counted by what it attends, as RocketKV counts it
@@ -120,8 +119,6 @@ class Method:
         can). A method whose every step needs host work says what that work is."""
         if self.host_work is not None:
             return self.host_work
-        if self.selects and not self.static_selection:
-            return f"{self.name}'s decode-time selection is not written for fixed shapes"
         schedule = self.schedule()
         if schedule is not None and schedule.decode_every:
             if schedule.decode_every != 1:
@@ -186,11 +183,6 @@ class Method:
     def keep(self, layer: "KVLayer", budget: int, step: Step) -> list[torch.Tensor] | None:
         return None
 
-    def select(
-        self, layer: "KVLayer", q: torch.Tensor, view: HeadView, step: Step, scaling: float
-    ) -> "torch.Tensor | Selection | None":
-        return None
-
     def params(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -224,6 +216,30 @@ class EvictionMethod(Method):
         return Schedule(self.block_size, every, self.evicts_every_turn)
 
 
+
+
+@dataclass
+class SelectionMethod(Method):
+    """A method that chooses, every decode step, the rows each query head attends (`select`): the dispatcher
+    calls it on every layer that is not dense while the sample's plan has a selection budget (`plan`'s default
+    sets it to the budget). It evicts too where its `schedule` says so (RocketKV: `EvictionMethod` as well).
+
+    `static_selection`: `select`, its `step_traffic` and derived state are written for fixed shapes, so decode
+    steps also run on the static layout (module doc); otherwise the method stays on the eager path."""
+
+    family: ClassVar[str] = "selection"
+    selects: ClassVar[bool] = True
+    static_selection: ClassVar[bool] = False
+
+    def static_decode_blocker(self) -> str | None:
+        if self.host_work is None and not self.static_selection:
+            return f"{self.name}'s decode-time selection is not written for fixed shapes"
+        return super().static_decode_blocker()
+
+    def select(
+        self, layer: "KVLayer", q: torch.Tensor, view: HeadView, step: Step, scaling: float
+    ) -> "torch.Tensor | Selection | None":
+        raise NotImplementedError
 
 
 @dataclass

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from kvbench.core.contract import Plan, Schedule, Selection
 from kvbench.core.stages import stage
-from kvbench.methods.base import Method, register_method
+from kvbench.methods.base import SelectionMethod, register_method
 from kvbench.methods.common.derived import FixedState
 from kvbench.methods.common.placement import HostSegment, recall_of
 
@@ -148,10 +148,8 @@ def build_index(
 
 @register_method
 @dataclass
-class CTKVR(Method):
+class CTKVR(SelectionMethod):
     name = "ctkvr"
-    family = "selection"
-    selects = True
     host_work = "CTKVR recalls from its inverted index and reads rows from host memory at every decode step"
     steps_through_chunks: ClassVar[bool] = True
     max_centroids: int = 2048  # C = min(max_centroids, s // 16)

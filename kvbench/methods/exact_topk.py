@@ -22,16 +22,14 @@ from dataclasses import dataclass
 import torch
 
 from kvbench.kernels.exact_scores import exact_logits
-from kvbench.methods.base import Method, register_method
+from kvbench.methods.base import SelectionMethod, register_method
 from kvbench.methods.common.pages import top_tokens
 
 
 @register_method
 @dataclass
-class ExactTopK(Method):
+class ExactTopK(SelectionMethod):
     name = "exact_topk"
-    family = "selection"
-    selects = True
     static_selection = True
     scores_every_key = True
     granularity: str = "head"

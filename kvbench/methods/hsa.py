@@ -34,7 +34,7 @@ import torch
 
 from kvbench.core.contract import Plan, Selection
 from kvbench.kernels.page_summary import page_scores
-from kvbench.methods.base import Method, register_method
+from kvbench.methods.base import SelectionMethod, register_method
 from kvbench.methods.common.arithmetic import check_scoring_dtype, scoring_dtype
 from kvbench.methods.common.pages import PageSummary, layer_pages, page_tokens, top_page_tokens
 
@@ -122,10 +122,8 @@ class HSAStage:
 
 @register_method
 @dataclass
-class HSA(Method):
+class HSA(SelectionMethod):
     name = "hsa"
-    family = "selection"
-    selects = True
     static_selection = True
     scoring_dtype: str | None = None  # null/float32 | release: the estimate in float16, as the release
 

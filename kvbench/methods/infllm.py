@@ -76,7 +76,7 @@ import torch
 
 from kvbench.core.checks import is_int
 from kvbench.core.contract import Plan, Schedule, Selection
-from kvbench.methods.base import Method, register_method
+from kvbench.methods.base import SelectionMethod, register_method
 from kvbench.methods.common.block_memory import BlockCache, BlockMemory, BlockReprs
 from kvbench.methods.common.blocks import needs_rotary, rope, unrope
 from kvbench.methods.common.placement import mass_recall
@@ -87,10 +87,8 @@ SCORE = "infllm_score"  # token state: each token's local score per query head [
 
 @register_method
 @dataclass
-class InfLLM(Method):
+class InfLLM(SelectionMethod):
     name = "infllm"
-    family = "selection"
-    selects = True
     host_work = "InfLLM's block cache is managed on the host (LRU) at every decode step"
     observes = True
     steps_through_chunks: ClassVar[bool] = True

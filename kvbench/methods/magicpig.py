@@ -66,7 +66,7 @@ from functools import lru_cache
 import torch
 
 from kvbench.core.contract import Plan, Schedule, Selection
-from kvbench.methods.base import Method, register_method
+from kvbench.methods.base import SelectionMethod, register_method
 from kvbench.methods.common.placement import HostSegment, recall_of
 
 MIN_COLLISIONS = 2  # lsh.cc `retrieve`: a key is sampled at its second table collision with the query
@@ -138,10 +138,8 @@ class LSHSegment(HostSegment):
 
 @register_method
 @dataclass
-class MagicPIG(Method):
+class MagicPIG(SelectionMethod):
     name = "magicpig"
-    family = "selection"
-    selects = True
     host_work = "MagicPIG's LSH sampling runs over keys in host memory at every decode step"
     dense_layers: int | list[int] | None = field(default_factory=lambda: [0, 16, 32, 48, 64])  # the code's
     K: int = 9  # hash bits (hyperplanes) per table

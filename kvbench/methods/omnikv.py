@@ -60,17 +60,15 @@ from dataclasses import dataclass, field
 import torch
 
 from kvbench.core.contract import Plan, Schedule, Selection
-from kvbench.methods.base import Method, register_method
+from kvbench.methods.base import SelectionMethod, register_method
 from kvbench.methods.common.arithmetic import check_scoring_dtype, scoring_dtype
 from kvbench.methods.common.placement import HostSegment, recall_of
 
 
 @register_method
 @dataclass
-class OmniKV(Method):
+class OmniKV(SelectionMethod):
     name = "omnikv"
-    family = "selection"
-    selects = True
     filter_layers: list[int] = field(default_factory=lambda: [2, 8, 18])  # Llama-3-8B's {2, 8, 18}
     wait_layers: int = 1
     score_space: str = "logits"

@@ -76,7 +76,7 @@ import torch
 
 from kvbench.core.checks import is_int
 from kvbench.core.contract import Plan, Schedule, Selection
-from kvbench.methods.base import Method, register_method
+from kvbench.methods.base import SelectionMethod, register_method
 from kvbench.methods.common.derived import FixedState
 from kvbench.methods.common.placement import HostSegment, mass_recall
 
@@ -188,10 +188,8 @@ class GraphIndex(FixedState):
 
 @register_method
 @dataclass
-class RetrievalAttention(Method):
+class RetrievalAttention(SelectionMethod):
     name = "retrieval_attention"
-    family = "selection"
-    selects = True
     host_work = "RetrievalAttention searches its faiss graph index on the CPU at every decode step"
     steps_through_chunks: ClassVar[bool] = False  # a later chunk attends densely (host rows included)
     n_init: int = 128

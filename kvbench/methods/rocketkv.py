@@ -36,7 +36,7 @@ from typing import ClassVar
 import torch
 
 from kvbench.core.contract import Plan
-from kvbench.methods.base import EvictionMethod, register_method
+from kvbench.methods.base import EvictionMethod, SelectionMethod, register_method
 from kvbench.methods.common.arithmetic import check_scoring_dtype, scoring_dtype
 from kvbench.methods.hsa import HSAStage, hsa_parameters
 from kvbench.methods.snapkv import SnapKV
@@ -55,13 +55,12 @@ def rocket_plan(sequence_length: int, budget: int, head_dim: int, new_tokens: in
 
 @register_method
 @dataclass
-class RocketKV(EvictionMethod):
+class RocketKV(EvictionMethod, SelectionMethod):
     """Two stages: `eviction`, a GQA-aware SnapKV, and `selection`, HSA. The fields stay flat (the YAML's);
     `window`, `kernel`, `pooling`, `gqa_agg` and `granularity` are the SnapKV stage's and are checked there."""
 
     name = "rocketkv"
     family = "two-stage"
-    selects = True
     static_selection = True
     evicts_every_turn: ClassVar[bool] = True
     window: int = 32

@@ -62,7 +62,7 @@ import torch.nn.functional as F
 
 from kvbench.core.checks import is_int
 from kvbench.core.contract import Plan, Schedule, Selection
-from kvbench.methods.base import Method, register_method
+from kvbench.methods.base import SelectionMethod, register_method
 from kvbench.methods.common.blocks import needs_rotary, rope, unrope
 from kvbench.methods.common.derived import FixedState
 from kvbench.methods.common.placement import recall_of
@@ -143,10 +143,8 @@ def shadowkv_rank(rank: int | str, kv_heads: int, head_dim: int) -> int:
 
 @register_method
 @dataclass
-class ShadowKV(Method):
+class ShadowKV(SelectionMethod):
     name = "shadowkv"
-    family = "selection"
-    selects = True
     host_work = "ShadowKV gathers the selected values from host memory at every decode step"
     steps_through_chunks: ClassVar[bool] = True
     chunk_size: int = 8

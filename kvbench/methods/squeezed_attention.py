@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from kvbench.core.checks import is_int
 from kvbench.core.contract import Plan, Schedule, Selection
-from kvbench.methods.base import Method, register_method
+from kvbench.methods.base import SelectionMethod, register_method
 from kvbench.methods.common.derived import FixedState
 from kvbench.methods.common.pages import top_tokens
 
@@ -98,10 +98,8 @@ def spherical_kmeans(keys: torch.Tensor, clusters: int, iterations: int,
 
 @register_method
 @dataclass
-class SqueezedAttention(Method):
+class SqueezedAttention(SelectionMethod):
     name = "squeezed_attention"
-    family = "selection"
-    selects = True
     percent_clusters: float = 5.0  # C = percent_clusters% of the clustered keys (the release's PC5)
     window: int = 100  # the prompt's last tokens, never clustered, always attended (the release's obs window)
     kmeans_iterations: int = 300  # at most; stops once no label changes
