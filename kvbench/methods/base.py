@@ -222,7 +222,8 @@ class EvictionMethod(Method):
 class SelectionMethod(Method):
     """A method that chooses, every decode step, the rows each query head attends (`select`): the dispatcher
     calls it on every layer that is not dense while the sample's plan has a selection budget (`plan`'s default
-    sets it to the budget). It evicts too where its `schedule` says so (RocketKV: `EvictionMethod` as well).
+    sets it to the budget). It evicts too where its `schedule` says so (RocketKV: `EvictionMethod` as well), or
+    moves rows off the device at one event (`OffloadMethod`).
 
     `static_selection`: `select`, its `step_traffic` and derived state are written for fixed shapes, so decode
     steps also run on the static layout (module doc); otherwise the method stays on the eager path."""
@@ -240,6 +241,32 @@ class SelectionMethod(Method):
         self, layer: "KVLayer", q: torch.Tensor, view: HeadView, step: Step, scaling: float
     ) -> "torch.Tensor | Selection | None":
         raise NotImplementedError
+
+
+@dataclass
+class OffloadMethod(SelectionMethod):
+    """A selection method whose one "eviction" event, at the compressed segment's end, moves (or factors) the
+    prompt's rows off the device and indexes them, dropping nothing; every decode step then selects among them
+    (MagicPIG, ShadowKV, RetrievalAttention, CTKVR). A budget at or above the sequence is full attention; below
+    it the budget is the selection's and `plan_derived` adds the method's parameters. `offloaded`: the rows
+    under `layer.derived["host"]` (a `HostSegment`), which a dense chunk appended later attends to too."""
+
+    def schedule(self) -> Schedule:
+        return Schedule(block_size=None, decode_every=0)
+
+    def plan(self, budget: int, *, sequence_length: int, new_tokens: int, head_dim: int,
+             num_layers: int | None = None) -> Plan:
+        if budget >= sequence_length:
+            return Plan.full_attention()
+        return Plan(evict=budget, select=budget, derived=self.plan_derived(budget, sequence_length - new_tokens))
+
+    def plan_derived(self, budget: int, prompt: int) -> dict[str, Any]:
+        """The sample's parameters beside its budget (`Plan.derived`, recorded as its budget plan); `prompt`: the
+        prompt's tokens."""
+        return {}
+
+    def offloaded(self, layer: "KVLayer") -> Any:
+        return layer.derived.get("host")
 
 
 @dataclass

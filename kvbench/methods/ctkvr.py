@@ -53,9 +53,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvbench.core.contract import Plan, Schedule, Selection
+from kvbench.core.contract import Schedule, Selection
 from kvbench.core.stages import stage
-from kvbench.methods.base import SelectionMethod, register_method
+from kvbench.methods.base import OffloadMethod, register_method
 from kvbench.methods.common.derived import FixedState
 from kvbench.methods.common.placement import HostSegment, recall_of
 
@@ -148,7 +148,7 @@ def build_index(
 
 @register_method
 @dataclass
-class CTKVR(SelectionMethod):
+class CTKVR(OffloadMethod):
     name = "ctkvr"
     host_work = "CTKVR recalls from its inverted index and reads rows from host memory at every decode step"
     steps_through_chunks: ClassVar[bool] = True
@@ -206,18 +206,15 @@ class CTKVR(SelectionMethod):
         layer.derived["centroid_pool"] = CentroidPool(queries.index_select(1, rows), (first + rows).to(torch.int32))
 
     def schedule(self) -> Schedule:
-        # the "eviction" events move the prompt's middle to host memory (nothing is dropped) and build the index
+        # the "eviction" events move the prompt's middle to host memory and build the index: with
+        # turn_index=rebuild at each turn's end too
         return Schedule(block_size=None, decode_every=0, every_turn=self.turn_index == "rebuild")
 
-    def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
-        if budget >= sequence_length:
-            return Plan.full_attention()
-        prompt = sequence_length - new_tokens
+    def plan_derived(self, budget, prompt):
         centroids = centroid_count(self.max_centroids, prompt)
         local = self.n_local if self.n_local is not None else default_local(centroids, prompt)
-        return Plan(evict=budget, select=budget, derived={
-            "rho_prime": budget, "rho": int(self.list_ratio * budget), "retrieved_centroids": self.retrieved_centroids,
-            "centroids": centroids, "n_init": self.n_init, "n_local": local})
+        return {"rho_prime": budget, "rho": int(self.list_ratio * budget), "retrieved_centroids": self.retrieved_centroids,
+                "centroids": centroids, "n_init": self.n_init, "n_local": local}
 
     # -- prefill end (and turn ends with turn_index=rebuild): offload the middle, build the qcIVF -------------
     def keep(self, layer, budget, step):
@@ -307,9 +304,6 @@ class CTKVR(SelectionMethod):
         packed = torch.sort((~valid).to(torch.int8), dim=-1, stable=True).indices[:, :width]
         return ordered.gather(1, packed), valid.gather(1, packed)
 
-    def offloaded(self, layer):
-        return layer.derived.get("host")
-
     def step_traffic(self, layer, selection, step):
         """The paper's work per step: centroid cosines, the recalled keys (rerank), the retrieved and resident
         K/V (attention). Section 3.1.2's rerank model: L_recall*d + 2*rho'*d instead of 2*L_recall*d."""
@@ -320,6 +314,3 @@ class CTKVR(SelectionMethod):
         retrieved = selection.external[0].shape[1]
         return int(centroids.numel() + heads * dim * (selection.extra["recall_size"] + 2 * retrieved)
                    + 2 * dim * sum(layer.lengths()))
-
-    def build_derived(self, layer, step):
-        return {}

@@ -65,8 +65,8 @@ from functools import lru_cache
 
 import torch
 
-from kvbench.core.contract import Plan, Schedule, Selection
-from kvbench.methods.base import SelectionMethod, register_method
+from kvbench.core.contract import Selection
+from kvbench.methods.base import OffloadMethod, register_method
 from kvbench.methods.common.placement import HostSegment, recall_of
 
 MIN_COLLISIONS = 2  # lsh.cc `retrieve`: a key is sampled at its second table collision with the query
@@ -138,7 +138,7 @@ class LSHSegment(HostSegment):
 
 @register_method
 @dataclass
-class MagicPIG(SelectionMethod):
+class MagicPIG(OffloadMethod):
     name = "magicpig"
     host_work = "MagicPIG's LSH sampling runs over keys in host memory at every decode step"
     dense_layers: int | list[int] | None = field(default_factory=lambda: [0, 16, 32, 48, 64])  # the code's
@@ -164,17 +164,11 @@ class MagicPIG(SelectionMethod):
         if not eps >= 0:
             raise ValueError(f"weight_eps must be a number >= 0, got {eps!r}")
 
-    def schedule(self) -> Schedule:
-        # the "eviction" event moves the prompt's middle to host memory and hashes it (nothing is dropped)
-        return Schedule(block_size=None, decode_every=0)
-
-    def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
-        if budget >= sequence_length:
-            return Plan.full_attention()
+    # the "eviction" event (`OffloadMethod.schedule`) moves the prompt's middle to host memory and hashes it
+    def plan_derived(self, budget, prompt):
         # the budget sets nothing else: the samples per step are dynamic (module doc)
-        return Plan(evict=budget, select=budget, derived={
-            "K": self.K, "L": self.L, "min_collisions": MIN_COLLISIONS, "n_sink": self.n_sink,
-            "n_local": self.n_local, "dynamic_sparsity": True})
+        return {"K": self.K, "L": self.L, "min_collisions": MIN_COLLISIONS, "n_sink": self.n_sink,
+                "n_local": self.n_local, "dynamic_sparsity": True}
 
     def planes(self, dim: int, device: torch.device) -> torch.Tensor:
         return simhash_planes(dim, self.K, self.L, self.seed, str(device))
@@ -252,9 +246,6 @@ class MagicPIG(SelectionMethod):
         u = sampling_probability(cos, self.K, self.L)
         return (-torch.log(u + self.weight_eps)).float()
 
-    def offloaded(self, layer):
-        return layer.derived.get("host")
-
     def step_traffic(self, layer, selection, step):
         """Elements one step reads by MagicPIG's own lookup (module doc): bucket bounds and entries, the
         sampled keys' norms, sampled (distinct per group) and resident K/V."""
@@ -266,6 +257,3 @@ class MagicPIG(SelectionMethod):
         entries = selection.extra["table_entries_per_head"] * heads * group
         index_bytes = 4 * (entries + 2 * self.L * heads * group + union)
         return int(2 * dim * (sum(layer.lengths()) + union) + index_bytes / keys.element_size())
-
-    def build_derived(self, layer, step):
-        return {}

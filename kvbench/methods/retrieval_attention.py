@@ -75,8 +75,8 @@ import numpy as np
 import torch
 
 from kvbench.core.checks import is_int
-from kvbench.core.contract import Plan, Schedule, Selection
-from kvbench.methods.base import SelectionMethod, register_method
+from kvbench.core.contract import Selection
+from kvbench.methods.base import OffloadMethod, register_method
 from kvbench.methods.common.derived import FixedState
 from kvbench.methods.common.placement import HostSegment, mass_recall
 
@@ -188,7 +188,7 @@ class GraphIndex(FixedState):
 
 @register_method
 @dataclass
-class RetrievalAttention(SelectionMethod):
+class RetrievalAttention(OffloadMethod):
     name = "retrieval_attention"
     host_work = "RetrievalAttention searches its faiss graph index on the CPU at every decode step"
     steps_through_chunks: ClassVar[bool] = False  # a later chunk attends densely (host rows included)
@@ -223,18 +223,12 @@ class RetrievalAttention(SelectionMethod):
     def obs_window(self) -> int:
         return self.index_queries if self.graph == "roar" else 0
 
-    def schedule(self) -> Schedule:
-        # the "eviction" event moves the prompt's middle to host memory (nothing is dropped) and indexes it
-        return Schedule(block_size=None, decode_every=0)
-
-    def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
-        if budget >= sequence_length:
-            return Plan.full_attention()
-        return Plan(evict=budget, select=budget, derived={
-            "k": budget, "ef_search": self.ef_search or budget, "n_init": self.n_init, "n_local": self.n_local,
-            "granularity": self.granularity, "k_per_query_head": budget,
-            "k_per_kv_group": budget if self.granularity == "group_max" else None,  # head: up to G * k, measured
-            "unverified": list(UNVERIFIED)})
+    # the "eviction" event (`OffloadMethod.schedule`) moves the prompt's middle to host memory and indexes it
+    def plan_derived(self, budget, prompt):
+        return {"k": budget, "ef_search": self.ef_search or budget, "n_init": self.n_init, "n_local": self.n_local,
+                "granularity": self.granularity, "k_per_query_head": budget,
+                "k_per_kv_group": budget if self.granularity == "group_max" else None,  # head: up to G * k, measured
+                "unverified": list(UNVERIFIED)}
 
     # -- prefill end: offload the middle, index it ----------------------------------------------------------
     def keep(self, layer, budget, step):
@@ -317,9 +311,6 @@ class RetrievalAttention(SelectionMethod):
         hits = (exact[..., :, None] == torch.where(own, rows[:, None, :], -1)[..., None, :]).any(-1)
         extra["ann_recall"] = float(hits.float().mean())
         return mass_recall(probs, chosen, n_res + k)
-
-    def offloaded(self, layer):
-        return layer.derived.get("host")
 
     def step_traffic(self, layer, selection, step):
         """Keys the graph search scored, the group's candidate keys again when `group_max` reranks, the

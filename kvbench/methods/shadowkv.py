@@ -61,8 +61,8 @@ import torch
 import torch.nn.functional as F
 
 from kvbench.core.checks import is_int
-from kvbench.core.contract import Plan, Schedule, Selection
-from kvbench.methods.base import SelectionMethod, register_method
+from kvbench.core.contract import Selection
+from kvbench.methods.base import OffloadMethod, register_method
 from kvbench.methods.common.blocks import needs_rotary, rope, unrope
 from kvbench.methods.common.derived import FixedState
 from kvbench.methods.common.placement import recall_of
@@ -143,7 +143,7 @@ def shadowkv_rank(rank: int | str, kv_heads: int, head_dim: int) -> int:
 
 @register_method
 @dataclass
-class ShadowKV(SelectionMethod):
+class ShadowKV(OffloadMethod):
     name = "shadowkv"
     host_work = "ShadowKV gathers the selected values from host memory at every decode step"
     steps_through_chunks: ClassVar[bool] = True
@@ -168,18 +168,12 @@ class ShadowKV(SelectionMethod):
         if not isinstance(self.low_rank, bool):
             raise ValueError(f"low_rank must be true or false, got {self.low_rank!r}")
 
-    def schedule(self) -> Schedule:
-        # the one "eviction" event factors the keys and moves the values to host memory (nothing else is dropped)
-        return Schedule(block_size=None, decode_every=0)
-
-    def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
-        if budget >= sequence_length:
-            return Plan.full_attention()
-        return Plan(evict=budget, select=budget, derived={
-            "sparse_budget": budget, "select_chunks": budget // self.chunk_size, "chunk_size": self.chunk_size,
-            "outlier_chunks": self.outlier_chunks, "local_chunks": self.local_chunks,
-            "sink_tokens": self.sink_tokens, "low_rank": self.low_rank,
-            "rank": self.rank})
+    # the one "eviction" event (`OffloadMethod.schedule`) factors the keys and moves the values to host memory; they
+    # are no `offloaded` rows (`layer.derived` has no "host"): a later chunk goes token by token instead
+    def plan_derived(self, budget, prompt):
+        return {"sparse_budget": budget, "select_chunks": budget // self.chunk_size, "chunk_size": self.chunk_size,
+                "outlier_chunks": self.outlier_chunks, "local_chunks": self.local_chunks,
+                "sink_tokens": self.sink_tokens, "low_rank": self.low_rank, "rank": self.rank}
 
     def layer_rank(self, layer) -> int:
         """The SVD rank of a layer: `shadowkv_rank` of its key width, capped by the segment's length."""
