@@ -57,7 +57,7 @@ from kvbench.core.contract import Schedule, Selection
 from kvbench.core.stages import stage
 from kvbench.methods.base import OffloadMethod, register_method
 from kvbench.methods.common.derived import FixedState
-from kvbench.methods.common.placement import HostSegment, recall_of
+from kvbench.methods.common.placement import HostSegment, resident_and_host_recall
 
 
 @dataclass
@@ -277,10 +277,7 @@ class CTKVR(OffloadMethod):
                 index.push(q.reshape(heads * group, dim).to(index.centroids.dtype), dcu)  # in place: clones fork it
         recall = None
         if step.measure_recall:  # over every token: resident and host
-            everything = torch.cat([view.keys, host.keys.to(q.device)], dim=1)
-            rows = torch.cat([resident[:, 0], n_res + chosen.to(q.device)], dim=1)
-            valid_rows = torch.cat([torch.ones_like(resident[:, 0], dtype=torch.bool), chosen_valid.to(q.device)], dim=1)
-            recall = recall_of(q, everything, rows, valid_rows, scaling)
+            recall = resident_and_host_recall(q, view.keys, host.keys, chosen, chosen_valid, scaling)
         moved = 0 if host.keys.device == q.device else (2 * q.numel() + heads * group) * 4  # q out, output + lse back
         recall_size = float(valid.sum(dim=1).float().mean())
         return Selection(resident, external=external, recall=recall, moved_bytes=moved,

@@ -67,7 +67,7 @@ import torch
 
 from kvbench.core.contract import Selection
 from kvbench.methods.base import OffloadMethod, register_method
-from kvbench.methods.common.placement import HostSegment, recall_of
+from kvbench.methods.common.placement import HostSegment, resident_and_host_recall
 
 MIN_COLLISIONS = 2  # lsh.cc `retrieve`: a key is sampled at its second table collision with the query
 
@@ -221,10 +221,7 @@ class MagicPIG(OffloadMethod):
         log_weights = log_weights.masked_fill(~own, float("-inf"))
         recall = None
         if step.measure_recall:  # over every token: resident and host
-            everything = torch.cat([view.keys, host.keys.to(q.device)], dim=1)
-            chosen = torch.cat([resident[:, 0], n_res + rows.to(q.device)], dim=1)
-            chosen_valid = torch.cat([torch.ones_like(resident[:, 0], dtype=torch.bool), valid.to(q.device)], dim=1)
-            recall = recall_of(q, everything, chosen, chosen_valid, scaling)
+            recall = resident_and_host_recall(q, view.keys, host.keys, rows, valid, scaling)
         moved = 0 if where == q.device else (2 * q.numel() + heads * group + q_codes.numel()) * 4
         per_head = sampled.sum(dim=-1).float()  # [H, G]
         extra = {

@@ -64,6 +64,18 @@ def recall_of(q: torch.Tensor, keys: torch.Tensor, chosen: torch.Tensor, valid: 
     return mass_recall(probs, mass.sum(-1), min(count, probs.shape[-1]))
 
 
+def resident_and_host_recall(q: torch.Tensor, resident: torch.Tensor, host: torch.Tensor, rows: torch.Tensor,
+                              valid: torch.Tensor, scaling: float) -> float:
+    """`recall_of` a step that attends to every resident row (keys `resident` [H, n, D]) and the host rows `rows`
+    [H, m] (`valid` [H, m] marks padding) of `host` [H, M, D], over every token on both sides."""
+    heads, n_res = resident.shape[:2]
+    everything = torch.cat([resident, host.to(q.device)], dim=1)
+    every_resident = torch.arange(n_res, device=q.device).expand(heads, n_res)
+    chosen = torch.cat([every_resident, n_res + rows.to(q.device)], dim=1)
+    chosen_valid = torch.cat([torch.ones_like(every_resident, dtype=torch.bool), valid.to(q.device)], dim=1)
+    return recall_of(q, everything, chosen, chosen_valid, scaling)
+
+
 def mass_recall(probs: torch.Tensor, chosen_mass: torch.Tensor, k: int) -> float:
     """Top-k attention-mass recall: the attention mass a step attended (`chosen_mass` [H, G]) over the mass of
     the exact top-`k` tokens of `probs` [H, G, N], averaged over query heads (1 for Exact-TopK)."""
