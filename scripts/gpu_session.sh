@@ -23,6 +23,11 @@
 #                                                 # compiled phase with the selection methods first, then their
 #                                                 # compiled step's top kernels (BREAKDOWN_METHODS, default
 #                                                 # quest,sparq,exact_topk, in BREAKDOWN_LIMIT s, default 75)
+#   bash scripts/gpu_session.sh batched OUT_DIR   # a sweep's 16 points of one 32K sample at Llama-3.1-8B shapes
+#                                                 # (8 layers, bf16) one by one and batched, eager, and the first
+#                                                 # 4 compiled one by one: ms per row-token vs the floor, and the
+#                                                 # batch-invariance probe on this GPU (scripts/gpu_batched_decode.py,
+#                                                 # <= 3 min)
 #   bash scripts/gpu_session.sh big     OUT_DIR   # a model larger than one GPU in bf16 (scripts/gpu_big_model.py):
 #                                                 # Llama-3.1-70B's shapes in NF4, random weights, the 70B config's
 #                                                 # placement check, prefill + decode per method, memory per device
@@ -40,7 +45,7 @@
 # COMPILED_ARGS (appended: e.g. COMPILED_ARGS="--lengths 32768 --methods full,stock,quest"), its limits with
 # COMPILED_LIMIT and COMPILED_DEADLINE.
 set -uo pipefail
-usage="usage: gpu_session.sh check|profile|breakdown|compiled|kernel|selection|big|all OUT_DIR"
+usage="usage: gpu_session.sh check|profile|breakdown|compiled|kernel|selection|batched|big|all OUT_DIR"
 phase=${1:?$usage}
 out=$(mkdir -p "${2:?$usage}" && cd "$2" && pwd)
 repo=$(cd "$(dirname "$0")/.." && pwd)
@@ -153,6 +158,21 @@ compiled() {  # the compiled decode step: (a) static-decode check, (b) ms/token 
     return $rc
 }
 
+batched() {  # a sweep's points decoded one by one and as one batch, and the batch-invariance probe (<= 3 min)
+    local sizes=()
+    if [ "${DEVICE:-cuda}" = cpu ]; then  # the shell and script logic at tiny shapes, dynamo's eager backend
+        sizes=(--device cpu --dtype float32 --layers 1 --hidden 64 --intermediate 128 --heads 4 --kv-heads 2
+               --head-dim 16 --length 256 --budgets 32,64 --extra "" --steps 3 --warmup 2 --compiled 2
+               --backend eager)
+    fi
+    # shellcheck disable=SC2086 # BATCHED_ARGS: flags, split on spaces
+    step batched_decode "${BATCHED_LIMIT:-180}" $py "$repo/scripts/gpu_batched_decode.py" "${sizes[@]}" \
+        --csv "$out/batched_decode.csv" ${BATCHED_ARGS:-}
+    local rc=$?
+    grep -v -E "^USDT|Online softmax is disabled" "$out/batched_decode.log"
+    return $rc
+}
+
 # the stable top-k bench and the compiled step's breakdown at tiny shapes on a CPU (the kernels interpreted):
 # the `kernel` and `selection` phases' CPU smoke runs
 cpu_topk=(--device cpu --lengths 300 --kv-heads 2 --group 2 --budget 32 --calls 2 --repeats 2)
@@ -242,6 +262,7 @@ case $phase in
     big) big_model ;;
     kernel) decode_kernel ;;
     selection) selection ;;
+    batched) batched ;;
     check) check ;;
     profile) profile ;;
     breakdown) breakdown ;;

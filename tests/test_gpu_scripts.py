@@ -319,3 +319,20 @@ def test_session_names_its_phases_on_a_wrong_one(tmp_path):
                           text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable,
                                                        "WHEELS": str(tmp_path / "no-wheels")})
     assert proc.returncode == 2 and "check|profile|breakdown|compiled|kernel|selection|big|all" in proc.stderr
+
+
+def test_batched_decode_phase_decodes_a_sweeps_points_one_by_one_and_batched_on_cpu(tmp_path):
+    """`DEVICE=cpu gpu_session.sh batched` (scripts/gpu_batched_decode.py at tiny shapes): the probe's verdict, the points
+    alone, batched with the same tokens, and compiled one by one, each against its floor, in the CSV too."""
+    out_dir = tmp_path / "out"
+    text = run_cpu_phase("batched", out_dir, tmp_path)
+    assert re.search(r"^=== batched_decode: exit 0 after \d+s$", text, re.M)
+    assert "7 points, batch_rows 7, row block 4" in text  # full + snapkv, adakv, quest at 2 budgets
+    assert "probe: batch-invariant" in text
+    rows = {r["mode"]: r for r in csv.DictReader((out_dir / "batched_decode.csv").open())}
+    assert list(rows) == ["one_by_one", "batched", "compiled_one_by_one"], text
+    assert rows["batched"]["tokens_equal"] == "7/7" and rows["batched"]["rows"] == "7"
+    for row in rows.values():
+        assert float(row["ms_per_row_token"]) > 0 and float(row["over_floor"]) > 1
+    assert float(rows["batched"]["ms_per_step"]) == pytest.approx(7 * float(rows["batched"]["ms_per_row_token"]))
+    assert re.search(rf"^batched over one by one, per row-token: {NUMBER}x \(floors allow {NUMBER}x\)$", text, re.M)

@@ -91,6 +91,8 @@ GRID = [("full", {}, 64), ("adakv", {}, 48), ("exact_topk", {}, 32), ("snapkv", 
         ("duoattention", {"pattern": "tiny_llama"}, 24), ("magicpig", {"n_local": 8, "dense_layers": None}, 16),
         ("shadowkv", {"local_chunks": 1, "outlier_chunks": 2}, 16), ("infllm", {"memory_block_size": 8}, 48),
         ("retrieval_attention", {"n_init": 4, "n_local": 8}, 8),
+        # the rest of the list: pyramid budgets, accumulated scores, page and reduced-dimension selection
+        ("pyramidkv", {}, 40), ("h2o", {}, 40), ("quest", {}, 32), ("sparq", {}, 32),
         # a stochastic method: the sample's generator, drawn at the prompt's end and at every decode step
         ("random", {"decode_every": 1}, 32)]
 
@@ -125,8 +127,11 @@ def test_rows_one_at_a_time_record_what_batched_rows_record(tiny):
     one_at_a_time = _grouped_vs_alone(tiny, compress_question=False, batch_rows=1)
     batched = _grouped_vs_alone(tiny, compress_question=False)
     for (_, single), (_, together) in zip(one_at_a_time, batched):
-        assert single["decode_batched_rows"] == 1 and together["decode_batched_rows"] == len(GRID)
+        assert single["decode_batched_rows"] == 1 and together["decode_batched_rows"] > 1
         assert_same_records(single, together)
+    # more points than `engine.batch_rows`: forwards of at most that many rows, the rest in another forward
+    assert len(GRID) > EngineConfig().batch_rows
+    assert max(together["decode_batched_rows"] for _, together in batched) == EngineConfig().batch_rows
 
 
 def test_a_machine_whose_kernels_are_not_batch_invariant_decodes_one_row_at_a_time():
