@@ -39,16 +39,14 @@ import torch
 from kvbench.core.contract import Plan, Selection
 from kvbench.kernels.page_summary import page_scores
 from kvbench.kernels.stable_topk import stable_topk
-from kvbench.methods.base import Method, register_method
+from kvbench.methods.base import SelectionMethod, register_method
 from kvbench.methods.common.pages import PageSummary, plan_pages
 
 
 @register_method
 @dataclass
-class Quest(Method):
+class Quest(SelectionMethod):
     name = "quest"
-    family = "selection"
-    selects = True
     static_selection = True
     page_size: int | None = None  # null: the traffic-equivalent page max(1, round(2 S / t))
     budget_unit: str | None = None  # null/traffic: RocketKV's, bounds count as half; attended: Quest's, CTKVR's
