@@ -1,13 +1,15 @@
 """The contract types every layer shares: when a method evicts (`Schedule`), its budgets for a sample (`Plan`),
 what a decode step attends to (`Selection`), a padded view of a layer (`HeadView`), and the per-forward
-context handed to the attention function and the hooks (`Step`)."""
+context handed to the attention function and the hooks (`Step`), with what that code uses of the step's cache
+and method (`StepCache`, `StepMethod`, `StepSelector`: protocols, as this module sits below `kvbench.cache` and
+`kvbench.methods`)."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -84,6 +86,55 @@ class HeadView:
         return self.keys.shape[1]
 
 
+class StepCache(Protocol):
+    """What the attention function uses of a step's cache (`kvbench.cache.KVBenchCache`): its layers, by layer index
+    (`KVLayer`s; `Any` here, below the cache), and how many there are."""
+
+    @property
+    def layers(self) -> Sequence[Any]: ...
+
+    @property
+    def num_layers(self) -> int: ...
+
+
+class StepMethod(Protocol):
+    """What the attention function (`kvbench.attention`) and the layers' eviction (`KVLayer.evict`) call of a step's
+    method (`kvbench.methods.base.Method`, whose docstrings say what each returns; one whose `selects` is True is a
+    `StepSelector`). `layer` is a `KVLayer`."""
+
+    selects: ClassVar[bool]
+
+    @property
+    def repeats_kv(self) -> bool: ...
+
+    def is_dense_layer(self, layer_idx: int) -> bool: ...
+
+    def layer_budget(self, layer: Any, budget: int, step: Step) -> int: ...
+
+    def keep(self, layer: Any, budget: int, step: Step) -> list[torch.Tensor] | None: ...
+
+    def decode_eviction_scores(self, layer: Any, budget: int, step: Step) -> tuple[torch.Tensor, Any]: ...
+
+    def observe(self, layer: Any, queries: torch.Tensor, step: Step) -> None: ...
+
+    def step_traffic(self, layer: Any, selection: Selection | None, step: Step) -> int | torch.Tensor: ...
+
+    def chunk_context(self, layer: Any, query: torch.Tensor, step: Step,
+                      scaling: float) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+    def chunk_attention(self, layer: Any, query: torch.Tensor, step: Step, scaling: float) -> torch.Tensor | None: ...
+
+    def offloaded(self, layer: Any) -> Any: ...
+
+
+class StepSelector(StepMethod, Protocol):
+    """A step's method whose `selects` is True (`kvbench.methods.base.SelectionMethod`): the dispatcher also asks it
+    what each decode step attends to."""
+
+    def select(self, layer: Any, q: torch.Tensor, view: HeadView, step: Step,
+               scaling: float) -> torch.Tensor | Selection | None: ...
+
+
 @dataclass
 class Step:
     """One forward pass over one cache, as the attention function and the method's hooks see it.
@@ -91,11 +142,12 @@ class Step:
     The session builds one for every forward (and for the hooks it runs between forwards) and hands it to
     the model as `kvbench_steps` (one per batch row), which transformers passes through to the registered
     attention function; nothing about a step is stored on the cache. `cache` and `method` are the
-    `KVBenchCache` and `Method` (typed loosely: this module sits below both).
+    `KVBenchCache` and `Method`, typed by what the attention path uses of them (`StepCache`, `StepMethod`: this
+    module sits below both); `method` is None for a run without a method.
     """
 
-    cache: Any
-    method: Any = None
+    cache: StepCache
+    method: StepMethod | None = None
     plan: Plan | None = None
     evict: bool = False  # an eviction event: every layer evicts right after its attention
     observe: bool = False  # the method observes every attention call (H2O), while eviction can still happen
