@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import random_ids
 
-from kvbench.cache.layer import GROWTH, MIN_SLACK, KVLayer
+from kvbench.cache.dynamic import DynamicKVLayer
+from kvbench.cache.layer import GROWTH, MIN_SLACK
 from kvbench.engine.session import Session
 from kvbench.methods import build_method
 from kvbench.methods.duoattention import write_pattern
@@ -117,7 +118,7 @@ def test_decode_evictions_rewrite_the_rows_in_place_as_the_copying_path_would(ti
     assert all(layer.is_ragged and layer.evictions >= 12 for layer in session.cache.layers)
     for mine, theirs in zip(_held(twin), untouched):  # the clone still holds what it was cloned with
         assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
-    monkeypatch.setattr(KVLayer, "_rewritable", lambda self, kept: False)  # every eviction copies compactly
+    monkeypatch.setattr(DynamicKVLayer, "_rewritable", lambda self, kept: False)  # every eviction copies compactly
     reference, ref_logits = _sliding_window(tiny, tmp_path / "gates.tsv")
     for token in tokens:
         ref_logits = reference.step(token)

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kvbench.attention.dispatch as dispatch
+import kvbench.cache.dynamic as dynamic_layer
 import kvbench.kernels.decode_attention as decode_attention_module
 import kvbench.models as models
 from kvbench.core.errors import KVBenchError
@@ -127,7 +127,7 @@ def test_bfloat16_fast_path_matches_the_reference_path(model, method, cpu_sdpa, 
     lm = load_model(model_cfg(model, dtype="bfloat16"))
     ids = random_ids(120, seed=11)
     fast_tokens, fast_logits = _greedy(lm, method, ids)
-    monkeypatch.setattr(dispatch, "decode_attention", decode_attention_reference)
+    monkeypatch.setattr(dynamic_layer, "decode_attention", decode_attention_reference)
     ref_tokens, ref_logits = _greedy(lm, method, ids)
     assert fast_tokens == ref_tokens
     for fast, ref in zip(fast_logits, ref_logits):

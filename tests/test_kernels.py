@@ -969,11 +969,11 @@ def test_a_compiled_step_attending_by_flash_decode_keeps_the_eager_tokens(tiny_l
     calls = []
     monkeypatch.setattr(static_layout, "flash_decode_applies", lambda keys: True)
     real_op = torch.ops.kvbench.flash_decode
-    monkeypatch.setattr("kvbench.attention.dispatch.flash_decode",
+    monkeypatch.setattr(static_layout, "flash_decode",
                         lambda *a: calls.append(a[-1]) or real_op(*a))
     selected = []
     real_selected = flash_decode_module.flash_decode_selected
-    monkeypatch.setattr("kvbench.attention.selected.flash_decode_selected",
+    monkeypatch.setattr(static_layout, "flash_decode_selected",
                         lambda *a: selected.append(a[-2].shape) or real_selected(*a))
     tops = []
     monkeypatch.setattr(stable_topk_module, "triton_launchable", lambda *tensors: True)

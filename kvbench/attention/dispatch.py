@@ -25,8 +25,6 @@ from kvbench.attention.selected import selected_attention
 from kvbench.cache.layer import KVLayer
 from kvbench.core.contract import Selection, Step
 from kvbench.core.stages import stage
-from kvbench.kernels.decode_attention import decode_attention, static_decode_attention
-from kvbench.kernels.flash_decode import flash_decode
 
 ATTENTION_NAME = "kvbench"
 
@@ -132,55 +130,15 @@ def _decode(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> 
                 out = selected_attention(layer, step, q, view, selection, scaling)
             return out.reshape(1, -1, 1, out.shape[-1])
     q = query[0, :, 0, :].view(layer.num_heads, -1, query.shape[-1])  # packed GQA: [H_kv, G, D]
-    if layer.static is not None:
-        with stage("attention"):
-            return _static_decode(layer, step, q, scaling).reshape(1, -1, 1, q.shape[-1])
-    keys, values, starts, lens, caps = layer.buffers["keys"], layer.buffers["values"], layer.starts, layer.lens, layer.caps
-    copies = 1
-    if method is not None and method.repeats_kv:
-        keys, values, starts, lens, caps, copies = _repeated_kv(layer, q.shape[1])
-        q = q.reshape(-1, 1, q.shape[-1])
+    # RocketKV's and gpt-fast's Full-KV baseline reads the K/V repeated to every query head (`Method.repeats_kv`)
+    repeats = method is not None and method.repeats_kv
+    with stage("attention"):  # the layer's layout attends: its buffers' rows (eager), or its fixed capacity (static)
+        out = layer.dense_decode(q, scaling, repeats)
     if method is not None:
-        layer.cache.stats.add(layer, copies * method.step_traffic(layer, None, step), None, sum(lens) / len(lens))
-    with stage("attention"):
-        out = decode_attention(q, keys, values, scaling, starts, lens, caps)
-    return out.reshape(1, -1, 1, out.shape[-1])
-
-
-def _static_decode(layer: KVLayer, step: Step, q: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The dense decode step of a layer in the static layout (`kvbench.cache.static`): attention over the fixed
-    capacity with the device lengths, and its accounting on the device. [H_kv, G, D]."""
-    method, st = step.method, layer.static
-    copies = 1
-    if method is not None and method.repeats_kv:
-        # RocketKV's and gpt-fast's Full-KV baseline, kept as it is measured there: the capacity copied to every
-        # query head and attended whole, masked (math attention; never the split-K kernel)
-        copies = q.shape[1]
-        view = layer.head_view()
-        keys, values = (t.repeat_interleave(copies, dim=0) for t in (view.keys, view.values))
-        fill = st.fill.repeat_interleave(copies)
-        out = static_decode_attention(q.reshape(-1, 1, q.shape[-1]), keys.flatten(0, 1), values.flatten(0, 1), scaling,
-                                      fill, st.width, None, None).view(q.shape)
-    elif st.flash_decode:  # CUDA: each head's held rows only, read once per KV group
-        out = flash_decode(q, layer.buffers["keys"], layer.buffers["values"], st.starts, st.fill, scaling)
-    else:
-        out = static_decode_attention(q, layer.buffers["keys"], layer.buffers["values"], scaling, st.fill,
-                                      st.width if st.uniform else None, st.row_head, st.row_slot)
-    if method is not None:
+        copies = q.shape[1] if repeats else 1
         layer.cache.stats.add(layer, copies * method.step_traffic(layer, None, step), None,
                               layer.held_tokens() / layer.num_heads)
-    return out
-
-
-def _repeated_kv(layer: KVLayer, group: int) -> tuple:
-    """The layer's whole K/V buffers repeated to every query head (a new copy, as gpt-fast makes each step)."""
-    if layer.is_ragged:
-        raise ValueError("repeated K/V is the dense baseline: it needs a uniform layer")
-    n_kv, cap, dim = layer.num_heads, layer.caps[0], layer.head_dim
-    keys, values = (layer.buffers[name].view(n_kv, cap, dim).repeat_interleave(group, dim=0).view(-1, dim)
-                    for name in ("keys", "values"))
-    heads = n_kv * group
-    return keys, values, [h * cap for h in range(heads)], [layer.lens[0]] * heads, [cap] * heads, group
+    return out.reshape(1, -1, 1, out.shape[-1])
 
 
 def _continuation(layer: KVLayer, step: Step, query: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -9,7 +9,6 @@ from kvbench.cache.layer import KVLayer
 from kvbench.core.contract import HeadView, Selection, Step
 from kvbench.core.stages import stage
 from kvbench.kernels.exact_scores import exact_logits
-from kvbench.kernels.flash_decode import flash_decode_selected
 from kvbench.kernels.sparse_attention import merge_attention, topk_attention
 from kvbench.methods.common.placement import mass_recall_tensor
 
@@ -18,13 +17,8 @@ def selected_attention(layer: KVLayer, step: Step, q: torch.Tensor, view: HeadVi
                        scaling: float) -> torch.Tensor:
     """Attention of each query head over what the method selected (storage rows, rows from outside merged by
     log-sum-exp, a blended fallback), and the step's accounting. Returns [H_kv, G, D]."""
-    if selection.external is None and layer.static is not None and layer.static.flash_decode:
-        # CUDA's static layout: the selected slots read where they are, by the split-K operator (one graph node)
-        st = layer.static
-        out = flash_decode_selected(q, layer.buffers["keys"], layer.buffers["values"], st.starts, st.fill,
-                                    selection.idx, scaling)
-    elif selection.external is None:
-        out = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid)
+    if selection.external is None:  # the layer's layout attends (the static one on CUDA: the split-K operator)
+        out = layer.attend_selected(q, view, selection.idx, scaling)
     else:  # the stored rows and the rows from outside (CTKVR's host rows: where they live), merged
         with stage("stored"):
             out, lse = topk_attention(q, view.keys, view.values, selection.idx, scaling, view.valid, return_lse=True)
@@ -37,18 +31,7 @@ def selected_attention(layer: KVLayer, step: Step, q: torch.Tensor, view: HeadVi
     if step.measure_recall:
         recall = selection.recall if selection.recall is not None else attention_recall(q, view, selection.idx, scaling)
     elements, attended = step.method.step_traffic(layer, selection, step), attended_per_head(selection)
-    if layer.static is None:
-        recall = float(recall) if isinstance(recall, torch.Tensor) else recall
-        layer.cache.stats.add(layer, elements, recall, attended, selection.moved_bytes, selection.extra)
-        return out
-    # static layout: a selection of at least every token held is full attention, which the eager path runs (and
-    # accounts) densely; counted the same way here, where the choice is data, not Python
-    selective = view.lengths.max() > selection.idx.shape[-1]
-    held = layer.held_tokens()
-    elements = torch.where(selective, elements, 2 * layer.head_dim * held)
-    attended = torch.where(selective, attended, held / layer.num_heads)
-    layer.cache.stats.add(layer, elements, recall, attended, selection.moved_bytes, selection.extra,
-                          recall_counts=selective)
+    layer.account_selected_step(elements, recall, attended, selection, view)
     return out
 
 

@@ -9,21 +9,24 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
+from kvbench.cache.dynamic import DynamicKVLayer
 from kvbench.cache.layer import KVLayer
-from kvbench.cache.static import StaticCounters
+from kvbench.cache.static import StaticCounters, StaticKVLayer
 
 
 class KVBenchCache(Cache):
-    """A transformers Cache of `KVLayer`s: storage and its accounting, nothing more.
+    """A transformers Cache of `KVLayer`s (`DynamicKVLayer`s, `StaticKVLayer`s during a static decode loop):
+    storage and its accounting, nothing more.
 
-    It never calls a method: the session decides what happens at each forward and says so in the `Step` it
-    hands to the attention function, which runs the method's hooks on the layer it has just attended with.
+    It never calls a method of its own accord: the session decides what happens at each forward and says so in the
+    `Step` it hands to the attention function, which runs the method's hooks on the layer it has just attended with
+    (an eviction through `KVLayer.evict`, which asks the method the hook of the layer's layout).
     At an eviction event each layer evicts right after its own attention, so at peak only one layer holds its
     uncompressed KV plus the chunk, as in the reference implementations.
     """
 
     def __init__(self, num_layers: int):
-        super().__init__(layers=[KVLayer(i, self) for i in range(num_layers)])
+        super().__init__(layers=[DynamicKVLayer(i, self) for i in range(num_layers)])
         self.stats = DecodeStats()
         self._kv_bytes = 0
         self.kv_peak_bytes = 0  # the most K/V bytes held at any moment
@@ -100,11 +103,11 @@ class KVBenchCache(Cache):
 
     def make_static(self, tokens: int, query_window: int, query_heads: int, ragged: bool = False) -> None:
         """Every layer into the static decode layout for a loop of up to `tokens` decode steps (see
-        `kvbench.cache.static`; `ragged`: every layer flat), the byte accounting and decode statistics onto the
-        device."""
+        `kvbench.cache.static`; `ragged`: every layer flat): each becomes a `StaticKVLayer`, the same object. The
+        byte accounting and decode statistics onto the device."""
         device = self.layers[0].buffers["keys"].device
         for layer in self.layers:
-            layer.make_static(tokens, query_window, query_heads, ragged)
+            StaticKVLayer.enter(layer, tokens, query_window, query_heads, ragged)
         as_tensor = lambda n: torch.tensor(n, dtype=torch.int64, device=device)  # noqa: E731
         self.static_counters = StaticCounters(as_tensor(self._kv_bytes), as_tensor(self.kv_peak_bytes))
         self.static_position = torch.zeros(1, dtype=torch.int64, device=device)
@@ -130,7 +133,8 @@ class KVBenchCache(Cache):
             layer.seen += tokens
 
     def make_dynamic(self) -> None:
-        """Back to the eager layout after a static decode loop: the device numbers read back in one transfer."""
+        """Back to the eager layout after a static decode loop (every layer a `DynamicKVLayer` again, the same object):
+        the device numbers read back in one transfer."""
         parts = [t for layer in self.layers for t in layer.static_host_numbers()]
         counters = self.static_counters
         numbers = torch.cat([*parts, torch.stack([counters.kv_bytes, counters.kv_peak_bytes])]).tolist()

@@ -47,20 +47,28 @@ the buffers has written past its own length (`claimed`); otherwise it copies (co
 holds its buffers alone (`row_sharers`) rewrites them in place on a small eviction, a decode step's (any
 eviction method with `decode_every`, DuoAttention's sliding window, KeyDiff's block loop): the kept rows move
 down within each head's rows, so nothing is copied whole.
+
+Two layer types share this storage, as transformers 5 has `DynamicLayer` and `StaticLayer`: `DynamicKVLayer`
+(`kvbench.cache.dynamic`), the eager layout described above, and `StaticKVLayer` (`kvbench.cache.static`), the
+fixed-capacity layout a decode loop runs on. A cache's layers are dynamic; `KVBenchCache.make_static` turns each
+into a static one for a decode loop and `make_dynamic` turns it back, in place (the object's type is swapped, so
+`cache.layers[i]` and every reference to a layer stay the same object). What differs between the layouts is a
+method of the layer types (`field`, `head_view`, `dense_decode`, `attend_selected`, `account_selected_step`,
+`evict`, ...), so that no code outside the cache asks which layout a layer is in; `is_static` says it where a
+method's own arithmetic differs (H2O's observation of a decode step, KeyDiff's anchor over the valid slots).
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from kvbench.cache.static import StaticLayout, StaticRows
 from kvbench.cache.token_state import FIXED_FIELDS, TokenState
-from kvbench.core.contract import HeadView
+from kvbench.core.contract import HeadView, Selection, Step, StepMethod
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -78,10 +86,15 @@ def growth_slack(longest: int) -> int:
     return max(MIN_SLACK, math.ceil(GROWTH * longest))
 
 
-class KVLayer(StaticLayout, CacheLayerMixin):
+class KVLayer(CacheLayerMixin):
+    """One layer's row storage, what both layouts share: a cache's layers are `DynamicKVLayer`s, and a decode loop
+    on the static layout turns them into `StaticKVLayer`s and back (module docstring). The methods below that
+    raise `NotImplementedError` are the ones each layout has its own of."""
+
     is_compileable = False  # a True value makes generate() build 4D masks and auto-compile
     is_sliding = False
     is_croppable = False
+    is_static: ClassVar[bool] = False  # the static decode layout (`StaticKVLayer`)
 
     def __init__(self, layer_idx: int, cache: Cache):
         # not CacheLayerMixin.__init__: it assigns `keys`/`values`, which are views of `buffers` here
@@ -112,7 +125,6 @@ class KVLayer(StaticLayout, CacheLayerMixin):
         self.peak_len = 0  # most tokens any head held at any moment
         self.relayouts = 0  # appends that found no room and copied the layer
         self.fresh = False  # updated by the forward in flight and not yet attended
-        self.static: StaticRows | None = None  # set while a decode loop runs on the static layout (`make_static`)
 
     # -- transformers' layer protocol -------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -130,22 +142,7 @@ class KVLayer(StaticLayout, CacheLayerMixin):
             copies = self.num_heads // key_states.shape[1]
             key_states = key_states.repeat_interleave(copies, dim=1)
             value_states = value_states.repeat_interleave(copies, dim=1)
-        if self.static is not None:
-            return self._static_update(key_states, value_states)
-        q = key_states.shape[2]
-        before = self.kv_nbytes()
-        new_pos = torch.arange(self.seen, self.seen + q, dtype=torch.int32, device=key_states.device)
-        incoming = {"keys": key_states[0], "values": value_states[0], "positions": new_pos.expand(self.num_heads, q)}
-        if not self.buffers:
-            self._install({name: t.reshape(-1, *t.shape[2:]) for name, t in incoming.items()}, [q] * self.num_heads)
-        else:
-            self._append(incoming, q)
-        self.seen += q
-        self.derived = {name: state.append(self, q) for name, state in self.derived.items()}
-        self.peak_len = max(self.peak_len, self.physical_length())
-        self.cache._account(self.kv_nbytes() - before)
-        self.fresh = True  # the attention function checks that the forward it serves updated this layer
-        return self.keys, self.values
+        return self._store(key_states, value_states)
 
     def get_seq_length(self) -> int:
         return self.seen
@@ -160,23 +157,6 @@ class KVLayer(StaticLayout, CacheLayerMixin):
     @property
     def is_ragged(self) -> bool:
         return len(set(self.lens)) > 1
-
-
-    def field(self, name: str) -> torch.Tensor:
-        """A per-token field: a `[H, L, ...]` view on a uniform layer (`[1, H, L, D]` for keys and values,
-        as the model sees them), the flat buffer `[R, ...]` (slack included; see `starts`) of keys, values
-        and positions on a ragged one, and a compact copy of method state there."""
-        buf = self.buffers[name]
-        if self.static is not None:  # the whole capacity: [H, width] views, or the flat buffers
-            if not self.static.uniform:
-                return buf
-            view = buf.view(self.num_heads, self.static.width, *buf.shape[1:])
-            return view[None] if name in ("keys", "values") else view
-        if not self.is_ragged:
-            heads = len(self.lens)
-            view = buf.view(heads, buf.shape[0] // heads, *buf.shape[1:])[:, : self.lens[0]]
-            return view[None] if name in ("keys", "values") else view
-        return buf if name in FIXED_FIELDS else buf.index_select(0, self.used_rows())
 
     def set_field(self, name: str, value: torch.Tensor) -> None:
         """Install a per-token field given in `field`'s compact shape, as a new buffer in the row layout."""
@@ -201,21 +181,6 @@ class KVLayer(StaticLayout, CacheLayerMixin):
         """The buffer rows holding tokens, head after head."""
         device = self.buffers["positions"].device
         return torch.cat([torch.arange(s, s + n, device=device) for s, n in zip(self.starts, self.lens)])
-
-    def lengths(self) -> list[int]:
-        if self.static is not None:
-            raise RuntimeError("a static layer's lengths are on the device (`head_view().lengths`) until make_dynamic")
-        return list(self.lens)
-
-    def held_tokens(self) -> "int | torch.Tensor":
-        """Tokens held over all heads: an int, or a 0-d device tensor on a static layer."""
-        return self.static.fill.sum() if self.static is not None else sum(self.lens)
-
-    def physical_length(self) -> int:
-        """The longest head's tokens: the width of a padded view (on a static layer its fixed capacity)."""
-        if self.static is not None:
-            return self.static.width
-        return max(self.lens, default=0)
 
     def kv_nbytes(self) -> int:
         """Bytes of the keys and values of the tokens held."""
@@ -262,146 +227,12 @@ class KVLayer(StaticLayout, CacheLayerMixin):
         rows = self.used_rows()
         return {name: t.index_select(0, rows) for name, t in self.buffers.items()}
 
-    def reserve(self, tokens: int) -> None:
-        """Make room for `tokens` more tokens per head, so that appending them copies nothing (derived state
-        that grows with the tokens reserves its own room too)."""
-        if self.buffers and not self._room_for(tokens):
-            self._install(self._compact(), self.lens, slack=tokens)
-            self.relayouts += 1
-        for state in self.derived.values():
-            if hasattr(state, "reserve"):
-                state.reserve(tokens)
-
-    def _room_for(self, q: int) -> bool:
-        return all(c == n and n + q <= cap for c, n, cap in zip(self.claimed, self.lens, self.caps))
-
-    def _append(self, incoming: dict[str, torch.Tensor], q: int) -> None:
-        """Write `q` new tokens per head (`incoming[name]`: `[H, q, ...]`) after each head's rows: in place
-        when the buffers have room this layer may claim, else into new buffers with slack."""
-        if not self._room_for(q):
-            longest = max(self.lens) + q
-            self._install(self._compact(), self.lens, slack=max(q, growth_slack(longest)))
-            self.relayouts += 1
-        heads = len(self.lens)
-        if not self.is_ragged:  # a strided slice: same rows as the index list below, one copy kernel
-            length = self.lens[0]
-            for name, buf in self.buffers.items():
-                view = buf.view(heads, buf.shape[0] // heads, *buf.shape[1:])[:, length:length + q]
-                view.copy_(incoming[name]) if name in incoming else view.zero_()
-        else:
-            dest = torch.tensor([s + n + i for s, n in zip(self.starts, self.lens) for i in range(q)],
-                                device=self.buffers["keys"].device)
-            for name, buf in self.buffers.items():
-                if name in incoming:
-                    buf.index_copy_(0, dest, incoming[name].reshape(-1, *buf.shape[1:]))
-                else:
-                    buf.index_fill_(0, dest, 0)
-        self.lens = [n + q for n in self.lens]
-        self.claimed[:] = self.lens  # in place: every layer sharing these buffers sees the claim
-
-    def head_view(self) -> HeadView:
-        """Keys/values as `[H, L_max, D]`: a free view when uniform, a padded copy when ragged. On a static layer
-        `[H, width, D]` over the capacity, with `valid` and the device `lengths`."""
-        if self.static is not None:
-            return self._static_view()
-        if not self.is_ragged:
-            return HeadView(self.keys[0], self.values[0], self.positions, None)
-        rows, valid = self._padded_rows()
-        positions = self.buffers["positions"][rows]
-        positions = torch.where(valid, positions, torch.full_like(positions, -1))
-        return HeadView(self.buffers["keys"][rows], self.buffers["values"][rows], positions, valid)
-
-    def _padded_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        lens = torch.tensor(self.lens, device=self.buffers["keys"].device)
-        slot = torch.arange(int(lens.max()), device=lens.device)[None, :]
-        valid = slot < lens[:, None]
-        rows = (self._offsets()[:, None] + slot).clamp(max=self.buffers["keys"].shape[0] - 1)
-        return rows, valid
-
     def token_tensor(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The method's per-token tensor `name`, created as zeros for the tokens already stored."""
         if name not in self.buffers:
             positions = self.buffers["positions"]
             self.buffers[name] = torch.zeros(positions.shape[0], dtype=dtype, device=positions.device)
         return self.token_state[name]
-
-    def retain(self, indices: list[torch.Tensor]) -> None:
-        """Keep, per head, the tokens at `indices[h]` (sorted positions in the head's current storage).
-
-        `G * H` index lists split every head into G copies, copy `i` reading head `i // G` (per-query-head
-        eviction). Keys, values, positions and every token-state tensor move with the same rows. An eviction
-        that drops few rows per head from buffers this layer holds alone (`_rewritable`: a decode step's) moves
-        the kept rows down in place, and the rows it frees are slack for the next appends; any other (a
-        compression) gathers the kept rows into new compact tensors, so the old storage is freed.
-        """
-        if len(indices) % self.num_heads:
-            raise ValueError(f"{len(indices)} index lists for {self.num_heads} heads")
-        copies = len(indices) // self.num_heads
-        new_lens = [int(ix.numel()) for ix in indices]
-        before = self.kv_nbytes()
-        if copies == 1 and self._rewritable(new_lens):
-            self._retain_in_place(indices, new_lens)
-        else:
-            device = self.buffers["keys"].device
-            rows = torch.cat([ix.to(device) + self.starts[i // copies] for i, ix in enumerate(indices)])
-            self._install({name: t.index_select(0, rows) for name, t in self.buffers.items()}, new_lens)
-        # derived from rows that changed: dropped (the method rebuilds it) unless the state says it still holds
-        self.derived = {name: kept for name, state in self.derived.items()
-                    if (kept := getattr(state, "kept", lambda layer: None)(self)) is not None}
-        self.evictions += 1
-        self.cache._account(self.kv_nbytes() - before)
-
-    def _rewritable(self, kept: list[int]) -> bool:
-        """Whether an eviction to `kept` tokens per head may rewrite the rows in place: no other layer holds
-        these buffers, no head drops more rows than an append's slack (a compression copies instead, which
-        frees its memory rather than leaving it as slack), and equal lengths keep equal capacities (what a
-        uniform layer's `[H, cap, ...]` views need)."""
-        few = growth_slack(max(kept))
-        return (self.row_sharers[0] == 1 and all(n - k <= few for n, k in zip(self.lens, kept))
-                and (len(set(kept)) > 1 or len(set(self.caps)) == 1))
-
-    @torch.inference_mode()  # buffers written in a forward are inference tensors; a rollback rewrites them after it
-    def _retain_in_place(self, indices: list[torch.Tensor], kept: list[int]) -> None:
-        """`retain` within the buffers: each head that drops tokens gets its kept rows moved to the front of
-        its rows (in order), and the freed rows are cleared as `_install` clears slack. A head that keeps
-        everything (sorted, distinct indices: `kept == lens`) is not touched."""
-        device = self.buffers["keys"].device
-        moved = [h for h, (k, n) in enumerate(zip(kept, self.lens)) if k != n]
-        if moved:
-            source = torch.cat([indices[h].to(device) + self.starts[h] for h in moved])
-            dest = torch.cat([torch.arange(self.starts[h], self.starts[h] + kept[h], device=device) for h in moved])
-            freed = torch.cat([torch.arange(self.starts[h] + kept[h], self.starts[h] + self.lens[h], device=device)
-                               for h in moved])
-            for name, buf in self.buffers.items():
-                buf.index_copy_(0, dest, buf.index_select(0, source))
-                buf.index_fill_(0, freed, -1 if name == "positions" else 0)
-        self.lens, self.claimed = list(kept), list(kept)
-
-    def truncate(self, logical_length: int) -> None:
-        """Drop every stored token (and query) whose logical position is >= `logical_length` (rollback)."""
-        view = self.head_view()
-        keep = [torch.nonzero((p >= 0) & (p < logical_length)).flatten() for p in view.positions]
-        if any(int(ix.numel()) != n for ix, n in zip(keep, self.lengths())):
-            evictions, aux = self.evictions, self.derived
-            self.retain(keep)
-            self.evictions, self.derived = evictions, aux  # a rollback is not an eviction: the state truncates
-        self.seen = logical_length  # before the derived state truncates: it reads what is left
-        self.derived = {name: cut for name, state in self.derived.items() if (cut := state.truncate(self)) is not None}
-        if self.queries is not None:
-            old = self.query_positions < logical_length
-            self.queries, self.query_positions = self.queries[:, old].clone(), self.query_positions[old].clone()
-
-    def remember_queries(self, queries: torch.Tensor, window: int) -> None:
-        """Keep the last `window` queries `[H_q, q, D]` of the chunk just attended (new tensors, no views)."""
-        if self.static is not None:
-            self.static_remember_query(queries)
-            return
-        q = queries.shape[1]
-        positions = torch.arange(self.seen - q, self.seen, dtype=torch.int32, device=queries.device)
-        if self.queries is not None and q < window:
-            queries = torch.cat([self.queries, queries], dim=1)
-            positions = torch.cat([self.query_positions, positions])
-        self.queries, self.query_positions = queries[:, -window:].clone(), positions[-window:].clone()
 
     def method_state_nbytes(self) -> int:
         held = sum(self.lens)
@@ -416,17 +247,63 @@ class KVLayer(StaticLayout, CacheLayerMixin):
         queries = [t for t in (self.queries, self.query_positions) if t is not None]
         return [*self.buffers.values(), *queries]
 
+    # -- what each layout has its own of ----------------------------------------------------------------------
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """`update`'s storing of a chunk's keys and values (`[1, H, q, D]`, one copy per head)."""
+        raise NotImplementedError
+
+    def field(self, name: str) -> torch.Tensor:
+        """A per-token field: a `[H, L, ...]` view on a uniform layer (`[1, H, L, D]` for keys and values, as the
+        model sees them), the flat buffer `[R, ...]` on a ragged one (see each layout's)."""
+        raise NotImplementedError
+
+    def lengths(self) -> list[int]:
+        """The tokens each head holds (a dynamic layer's; a static one keeps them on the device)."""
+        raise NotImplementedError
+
+    def held_tokens(self) -> "int | torch.Tensor":
+        """Tokens held over all heads: an int, or a 0-d device tensor on a static layer."""
+        raise NotImplementedError
+
+    def physical_length(self) -> int:
+        """The longest head's tokens: the width of a padded view (on a static layer its fixed capacity)."""
+        raise NotImplementedError
+
+    def head_view(self) -> HeadView:
+        """Keys/values as `[H, L_max, D]` with positions and a validity mask (see each layout's)."""
+        raise NotImplementedError
+
+    def remember_queries(self, queries: torch.Tensor, window: int) -> None:
+        """Keep the last `window` queries `[H_q, q, D]` of the chunk just attended."""
+        raise NotImplementedError
+
+    def recent_queries(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last `count` queries the layer attended with, oldest first, `[H_q, count, D]`, and their positions."""
+        raise NotImplementedError
+
+    def dense_decode(self, q: torch.Tensor, scaling: float, repeats_kv: bool = False) -> torch.Tensor:
+        """A decode step's dense attention of the packed GQA queries `q` `[H_kv, G, D]` over every token the layer
+        holds: `[H_kv, G, D]`. `repeats_kv`: the K/V copied to every query head first (RocketKV's and gpt-fast's
+        Full-KV baseline, `Method.repeats_kv`)."""
+        raise NotImplementedError
+
+    def attend_selected(self, q: torch.Tensor, view: HeadView, idx: torch.Tensor, scaling: float) -> torch.Tensor:
+        """A decode step's attention of `q` `[H_kv, G, D]` over the rows `idx` `[H_kv, G, k]` of `view` (this
+        layer's `head_view`) that a selection method chose: `[H_kv, G, D]`."""
+        raise NotImplementedError
+
+    def account_selected_step(self, elements: Any, recall: Any, attended: Any, selection: Selection,
+                              view: HeadView) -> None:
+        """A selection decode step's numbers into the cache's decode statistics (`DecodeStats.add`): `elements`
+        read (the method's cost model), the top-k `recall` (or None), `attended` rows per query head."""
+        raise NotImplementedError
+
+    def evict(self, method: StepMethod, step: Step) -> None:
+        """An eviction event on this layer, to `self.budget` tokens per head: the method's choice (the hook its
+        layout asks: `keep`, or on the static layout `decode_eviction_scores`) applied to the storage."""
+        raise NotImplementedError
+
     def clone_into(self, cache: Cache) -> "KVLayer":
-        """A layer for `cache` that shares this layer's buffers: shared rows are never rewritten, and an append
-        writes in place only into slack nobody else claimed (see `claimed`)."""
-        if self.static is not None:
-            raise RuntimeError("a layer in the static decode layout is not cloned (make_dynamic first)")
-        copy = KVLayer(self.layer_idx, cache)
-        copy.__dict__.update({k: v for k, v in self.__dict__.items() if k != "cache"})
-        copy.cache = cache
-        copy.buffers = dict(self.buffers)
-        self.row_sharers[0] += 1  # the copy holds the same cell (`__dict__` above)
-        copy.starts, copy.caps, copy.lens = list(self.starts), list(self.caps), list(self.lens)
-        # immutable derived state is shared; state that updates in place (page summaries, CTKVR's index) is forked
-        copy.derived = {name: state.fork() if hasattr(state, "fork") else state for name, state in self.derived.items()}
-        return copy
+        """A layer for `cache` that shares this layer's buffers (see each layout's)."""
+        raise NotImplementedError
+

@@ -1,8 +1,8 @@
 """The static decode layout: a layer's rows at a fixed capacity with device lengths, so that a decode step is the
 same graph at every step (`torch.compile(fullgraph=True, dynamic=False)`, CUDA graphs).
 
-A `KVLayer` enters it for one decode loop (`KVBenchCache.make_static`) and leaves it when the loop ends
-(`make_dynamic`). Entering copies the layer once into buffers whose shape is fixed for the whole loop: per head
+A layer enters it for one decode loop (`KVBenchCache.make_static`: each `DynamicKVLayer` becomes a `StaticKVLayer`,
+the same object, its type swapped) and leaves it when the loop ends (`make_dynamic`). Entering copies the layer once into buffers whose shape is fixed for the whole loop: per head
 `tokens` rows of room past what it holds, the capacity rounded up to the next step of a geometric series
 (`bucketed`) so that samples of similar length share a graph. Inside the loop nothing Python-side changes from one
 step to the next:
@@ -47,11 +47,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
+from transformers.cache_utils import Cache
 
-from kvbench.core.contract import HeadView
-from kvbench.kernels.flash_decode import flash_decode_applies
+from kvbench.cache.dynamic import DynamicKVLayer
+from kvbench.cache.layer import KVLayer
+from kvbench.core.contract import HeadView, Selection, Step, StepMethod
+from kvbench.kernels.decode_attention import static_decode_attention
+from kvbench.kernels.flash_decode import flash_decode, flash_decode_applies, flash_decode_selected
+from kvbench.kernels.sparse_attention import topk_attention
 
 CAPACITY_BUCKET = 256  # rows: the smallest capacity; every capacity is a multiple of it
 CAPACITY_GROWTH = 2.0  # each capacity of the series is this many times the one below it (module docstring)
@@ -121,46 +127,52 @@ class StaticCounters:
         self.kv_peak_bytes.copy_(torch.maximum(self.kv_peak_bytes, self.kv_bytes))
 
 
-class StaticLayout:
-    """`KVLayer`'s side of the static layout: entering it for a decode loop, a step's append, view and in-place
-    eviction on it, and leaving it (the device numbers read back once by the cache). Mixed into `KVLayer`, whose
-    storage (`buffers`, `starts`, `lens`, `_install`, ...) it works on."""
+class StaticKVLayer(KVLayer):
+    """A layer in the static layout (module docstring): buffers at a fixed capacity, lengths on the device (`static`,
+    a `StaticRows`), a step's append, view and in-place eviction on them. A `DynamicKVLayer` becomes one for a
+    decode loop (`enter`, by `KVBenchCache.make_static`) and turns back when it ends (`make_dynamic`, the device
+    numbers read back once by the cache); the object stays the same."""
 
-    def make_static(self, tokens: int, query_window: int, query_heads: int, ragged: bool = False) -> None:
-        """Enter the static layout for a decode loop of up to `tokens` appends: one copy into buffers of a fixed
-        capacity of the series (`bucketed`) that this layer holds alone, lengths on the device, the last
-        `query_window` queries in a buffer of that size (empty entries at position -1), derived state at the same
-        capacity. `ragged`: the flat layout even if every head holds as many tokens (a method whose layers may be
-        ragged)."""
-        heads, device = len(self.lens), self.buffers["keys"].device
-        uniform = not (ragged or self.is_ragged)
+    is_static: ClassVar[bool] = True
+    static: StaticRows
+
+    @staticmethod
+    def enter(layer: DynamicKVLayer, tokens: int, query_window: int, query_heads: int, ragged: bool = False) -> None:
+        """Turn `layer`, a dynamic layer, into a static one (the same object) for a decode loop of up to `tokens`
+        appends: one copy into buffers of a fixed capacity of the series (`bucketed`) that the layer holds alone,
+        lengths on the device, the last `query_window` queries in a buffer of that size (empty entries at position
+        -1), derived state at the same capacity. `ragged`: the flat layout even if every head holds as many tokens
+        (a method whose layers may be ragged)."""
+        heads, device = len(layer.lens), layer.buffers["keys"].device
+        uniform = not (ragged or layer.is_ragged)
         if uniform:
-            width = bucketed(self.lens[0] + tokens)
-            slack: list[int] = [width - self.lens[0]] * heads
+            width = bucketed(layer.lens[0] + tokens)
+            slack: list[int] = [width - layer.lens[0]] * heads
         else:  # fixed total rows, each head its own room: nothing padded to the longest head
             slack = [tokens] * heads
-            slack[-1] += bucketed(sum(self.lens) + heads * tokens) - (sum(self.lens) + heads * tokens)
-            width = bucketed(max(self.lens) + tokens)
-        self._install(self._compact(), list(self.lens), slack=slack)
-        starts = torch.tensor(self.starts, dtype=torch.int64, device=device)
-        fill = torch.tensor(self.lens, dtype=torch.int64, device=device)
+            slack[-1] += bucketed(sum(layer.lens) + heads * tokens) - (sum(layer.lens) + heads * tokens)
+            width = bucketed(max(layer.lens) + tokens)
+        layer._install(layer._compact(), list(layer.lens), slack=slack)
+        starts = torch.tensor(layer.starts, dtype=torch.int64, device=device)
+        fill = torch.tensor(layer.lens, dtype=torch.int64, device=device)
         row_head = row_slot = None
         if not uniform:
-            caps = torch.tensor(self.caps, dtype=torch.int64, device=device)
+            caps = torch.tensor(layer.caps, dtype=torch.int64, device=device)
             row_head = torch.repeat_interleave(torch.arange(heads, device=device), caps)
             row_slot = torch.arange(row_head.shape[0], device=device) - starts[row_head]
-        self.static = StaticRows(
+        layer.__class__ = StaticKVLayer  # the same object: `cache.layers[i]` and every reference to it stay valid
+        layer.static = StaticRows(
             starts=starts, fill=fill, next_slot=fill.clone(),
-            peak=torch.tensor(self.peak_len, dtype=torch.int64, device=device),
+            peak=torch.tensor(layer.peak_len, dtype=torch.int64, device=device),
             evictions=torch.zeros((), dtype=torch.int64, device=device), width=width, uniform=uniform,
-            row_bytes=2 * self.head_dim * self.buffers["keys"].element_size(), row_head=row_head, row_slot=row_slot,
-            flash_decode=flash_decode_applies(self.buffers["keys"]))
-        for name, state in list(self.derived.items()):
+            row_bytes=2 * layer.head_dim * layer.buffers["keys"].element_size(), row_head=row_head, row_slot=row_slot,
+            flash_decode=flash_decode_applies(layer.buffers["keys"]))
+        for name, state in list(layer.derived.items()):
             if not hasattr(state, "make_static"):
                 raise NotImplementedError(f"{type(state).__name__} (derived state {name!r}) has no static layout")
-            self.derived[name] = state.make_static(self)
+            layer.derived[name] = state.make_static(layer)
         if query_window:
-            self._static_queries(query_window, query_heads, device)
+            layer._static_queries(query_window, query_heads, device)
 
     def _static_queries(self, window: int, heads: int, device: torch.device) -> None:
         """The last `window` queries in a buffer of exactly `window` entries, oldest first (empty: position -1),
@@ -174,7 +186,7 @@ class StaticLayout:
         self.queries, self.query_positions = queries, positions
         self.query_slot = torch.zeros((), dtype=torch.int64, device=device)
 
-    def _static_update(self, key_states: torch.Tensor, value_states: torch.Tensor):
+    def _store(self, key_states: torch.Tensor, value_states: torch.Tensor):
         """A decode step's token written at each head's `next_slot` (an emptied slot, or the next free one)."""
         st, heads = self.static, self.num_heads
         if key_states.shape[2] != 1:
@@ -200,7 +212,28 @@ class StaticLayout:
         self.fresh = True
         return key_states, value_states
 
-    def _static_view(self) -> HeadView:
+    def field(self, name: str) -> torch.Tensor:
+        """A per-token field over the whole capacity: `[H, width, ...]` views (`[1, H, width, D]` for keys and
+        values) on a uniform layer, the flat buffer `[R, ...]` on a ragged one."""
+        buf = self.buffers[name]
+        if not self.static.uniform:
+            return buf
+        view = buf.view(self.num_heads, self.static.width, *buf.shape[1:])
+        return view[None] if name in ("keys", "values") else view
+
+    def lengths(self) -> list[int]:
+        raise RuntimeError("a static layer's lengths are on the device (`head_view().lengths`) until make_dynamic")
+
+    def held_tokens(self) -> torch.Tensor:
+        """Tokens held over all heads: a 0-d device tensor."""
+        return self.static.fill.sum()
+
+    def physical_length(self) -> int:
+        """The fixed capacity: the width of the `[H, width]` view."""
+        return self.static.width
+
+    def head_view(self) -> HeadView:
+        """`[H, width, D]` over the capacity, with `valid` (the slots holding tokens) and the device `lengths`."""
         st = self.static
         valid = st.valid()
         if st.uniform:
@@ -212,6 +245,68 @@ class StaticLayout:
             keys, values = self.buffers["keys"][rows], self.buffers["values"][rows]
             positions = torch.where(valid, self.buffers["positions"][rows], -1)
         return HeadView(keys, values, positions, valid, lengths=st.fill)
+
+    def remember_queries(self, query: torch.Tensor, window: int) -> None:
+        """The step's queries `[H_q, 1, D]` overwrite the oldest entry of the static query window, a ring whose
+        oldest entry is at `query_slot`: written where they go, they fuse into the kernels that compute them
+        (shifting the window by a `cat` and a copy back was 3 kernels a layer of RocketKV's compiled step on a GPU,
+        `scripts/count_step_kernels.py`); `make_dynamic` puts the window back in order, oldest first."""
+        slot = self.query_slot.view(1)
+        self.queries.index_copy_(1, slot, query)
+        self.query_positions.index_copy_(0, slot, self.cache.static_position.to(self.query_positions.dtype))
+        self.query_slot.copy_((self.query_slot + 1) % self.queries.shape[1])
+
+    def recent_queries(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last `count` queries the layer attended with, oldest first, `[H_q, count, D]`, and their positions:
+        read out of the ring in that order."""
+        if self.query_slot is None:
+            return self.queries[:, -count:], self.query_positions[-count:]
+        return _ring_in_order(self.queries, self.query_positions, self.query_slot, count)
+
+    def dense_decode(self, q: torch.Tensor, scaling: float, repeats_kv: bool = False) -> torch.Tensor:
+        """Attention over the fixed capacity with the device lengths. [H_kv, G, D]."""
+        st = self.static
+        if repeats_kv:
+            # RocketKV's and gpt-fast's Full-KV baseline, kept as it is measured there: the capacity copied to every
+            # query head and attended whole, masked (math attention; never the split-K kernel)
+            copies = q.shape[1]
+            view = self.head_view()
+            keys, values = (t.repeat_interleave(copies, dim=0) for t in (view.keys, view.values))
+            fill = st.fill.repeat_interleave(copies)
+            return static_decode_attention(q.reshape(-1, 1, q.shape[-1]), keys.flatten(0, 1), values.flatten(0, 1),
+                                           scaling, fill, st.width, None, None).view(q.shape)
+        if st.flash_decode:  # CUDA: each head's held rows only, read once per KV group
+            return flash_decode(q, self.buffers["keys"], self.buffers["values"], st.starts, st.fill, scaling)
+        return static_decode_attention(q, self.buffers["keys"], self.buffers["values"], scaling, st.fill,
+                                       st.width if st.uniform else None, st.row_head, st.row_slot)
+
+    def attend_selected(self, q: torch.Tensor, view: HeadView, idx: torch.Tensor, scaling: float) -> torch.Tensor:
+        st = self.static
+        if st.flash_decode:  # CUDA: the selected slots read where they are, by the split-K operator (one graph node)
+            return flash_decode_selected(q, self.buffers["keys"], self.buffers["values"], st.starts, st.fill, idx,
+                                         scaling)
+        return topk_attention(q, view.keys, view.values, idx, scaling, view.valid)
+
+    def account_selected_step(self, elements: Any, recall: Any, attended: Any, selection: Selection,
+                              view: HeadView) -> None:
+        """On the device: a selection of at least every token held is full attention, which the eager path runs
+        (and accounts) densely; counted the same way here, where the choice is data, not Python."""
+        selective = view.lengths.max() > selection.idx.shape[-1]
+        held = self.held_tokens()
+        elements = torch.where(selective, elements, 2 * self.head_dim * held)
+        attended = torch.where(selective, attended, held / self.num_heads)
+        self.cache.stats.add(self, elements, recall, attended, selection.moved_bytes, selection.extra,
+                             recall_counts=selective)
+
+    def evict(self, method: StepMethod, step: Step) -> None:
+        """A decode step's eviction: every head over the number of tokens it keeps loses the slot of its lowest
+        score (`Method.decode_eviction_scores`), emptied in place (`static_evict`). A decode step adds one token per
+        head, so after the first decode step of the loop (run eagerly, see `Session`) a head is never more than one
+        token over."""
+        scores, keep = method.decode_eviction_scores(self, self.budget, step)
+        st = self.static
+        slot = scores.float().masked_fill(~st.valid(), float("inf")).argmin(dim=-1)
+        self.static_evict(slot, st.fill > keep)
 
     def static_evict(self, slot: torch.Tensor, evict: torch.Tensor) -> None:
         """Empty slot `slot[h]` of every head with `evict[h]` (one token per head at most): its position becomes
@@ -235,34 +330,18 @@ class StaticLayout:
         else:
             buf.index_add_(0, st.padded_rows(buf.shape[0]).flatten(), delta.flatten())
 
-    def static_remember_query(self, query: torch.Tensor) -> None:
-        """The step's queries `[H_q, 1, D]` overwrite the oldest entry of the static query window, a ring whose
-        oldest entry is at `query_slot`: written where they go, they fuse into the kernels that compute them
-        (shifting the window by a `cat` and a copy back was 3 kernels a layer of RocketKV's compiled step on a GPU,
-        `scripts/count_step_kernels.py`); `make_dynamic` puts the window back in order, oldest first."""
-        slot = self.query_slot.view(1)
-        self.queries.index_copy_(1, slot, query)
-        self.query_positions.index_copy_(0, slot, self.cache.static_position.to(self.query_positions.dtype))
-        self.query_slot.copy_((self.query_slot + 1) % self.queries.shape[1])
-
-    def recent_queries(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The last `count` queries the layer attended with, oldest first, `[H_q, count, D]`, and their positions:
-        on a static layer read out of the ring in that order."""
-        if self.query_slot is None:
-            return self.queries[:, -count:], self.query_positions[-count:]
-        window = self.queries.shape[1]
-        order = (torch.arange(window - count, window, device=self.query_slot.device) + self.query_slot) % window
-        return self.queries.index_select(1, order), self.query_positions.index_select(0, order)
-
     def static_host_numbers(self) -> list[torch.Tensor]:
         """What `make_dynamic` reads back, as 1-d int64 tensors: fill, next_slot, [peak, evictions]."""
         st = self.static
         return [st.fill, st.next_slot, torch.stack([st.peak, st.evictions])]
 
     def make_dynamic(self, fill: list[int], next_slot: list[int], peak: int, evictions: int) -> None:
-        """Leave the static layout after its decode loop (the device numbers read back once, by the cache). A
-        layer that evicted while decoding is compacted into position order, as the eager layout keeps it."""
-        st, self.static = self.static, None
+        """Leave the static layout after its decode loop (the device numbers read back once, by the cache): the layer
+        is a `DynamicKVLayer` again. A layer that evicted while decoding is compacted into position order, as the
+        eager layout keeps it."""
+        st = self.static
+        del self.static
+        self.__class__ = DynamicKVLayer
         self.peak_len, self.evictions = max(self.peak_len, peak), self.evictions + evictions
         held = [f - (s != f) for f, s in zip(fill, next_slot)]  # an eviction's emptied slot is not refilled yet
         if evictions:
@@ -279,9 +358,21 @@ class StaticLayout:
             self.lens, self.claimed = list(held), list(held)
         self.derived = {name: state.make_dynamic(self) for name, state in self.derived.items()}
         if self.query_slot is not None:  # the ring back in order, oldest first
-            self.queries, self.query_positions = self.recent_queries(self.queries.shape[1])
+            self.queries, self.query_positions = _ring_in_order(self.queries, self.query_positions, self.query_slot,
+                                                                self.queries.shape[1])
             self.query_slot = None
         if self.query_positions is not None and bool((self.query_positions < 0).any()):
             kept_queries = self.query_positions >= 0
             self.queries = self.queries[:, kept_queries].clone() if bool(kept_queries.any()) else None
             self.query_positions = self.query_positions[kept_queries].clone() if self.queries is not None else None
+
+    def clone_into(self, cache: Cache) -> KVLayer:
+        raise RuntimeError("a layer in the static decode layout is not cloned (make_dynamic first)")
+
+
+def _ring_in_order(queries: torch.Tensor, positions: torch.Tensor, slot: torch.Tensor,
+                   count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last `count` entries of the static query window, a ring whose oldest entry is at `slot`, oldest first."""
+    window = queries.shape[1]
+    order = (torch.arange(window - count, window, device=slot.device) + slot) % window
+    return queries.index_select(1, order), positions.index_select(0, order)

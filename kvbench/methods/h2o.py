@@ -40,7 +40,7 @@ class H2O(ScoredEviction):
             raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio!r}")
 
     def observe(self, layer, queries, step):
-        if layer.static is not None:  # a decode step: its query attends to every stored token, in place
+        if layer.is_static:  # a decode step: its query attends to every stored token, in place
             view = layer.head_view()
             q = queries.float().view(view.keys.shape[0], -1, view.keys.shape[-1])  # [H, G, D]
             logits = torch.einsum("hgd,hld->hgl", q, view.keys.float()) * layer.scaling

@@ -102,7 +102,7 @@ class KeyDiff(ScoredEviction):
 
     def score(self, layer, step):
         view = layer.head_view()
-        return keydiff_scores(view.keys, self.anchor, self.metric, view.valid if layer.static is not None else None)
+        return keydiff_scores(view.keys, self.anchor, self.metric, view.valid if layer.is_static else None)
 
     def recent_tokens(self, budget):
         return round(self.window_ratio * budget)
