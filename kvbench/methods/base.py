@@ -1,7 +1,7 @@
 """The method interface: a method is a small dataclass that says when it evicts and which tokens it keeps.
 
 Every hook is optional and gets the forward's `Step` (its plan, shared state, layer count); the session, the
-attention function and `attention.hooks.evict_layer` call them, never the other way round:
+attention function and the layer's `evict` (for `attention.hooks.evict_layer`) call them, never the other way round:
 
 - `schedule()`: the events at which the method evicts (`EvictionMethod`: from `block_size`, `decode_every`).
 - `keep(layer, budget, step)`: per layer at each eviction event, the sorted indices each head keeps, or None.

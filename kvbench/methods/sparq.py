@@ -28,7 +28,7 @@ import torch
 
 from kvbench.core.contract import Plan, Selection
 from kvbench.kernels.reduced_scores import reduced_scores, reduced_scores_reference
-from kvbench.methods.base import Method, register_method
+from kvbench.methods.base import SelectionMethod, register_method
 from kvbench.methods.common.buffers import GrowingBuffers
 from kvbench.methods.common.pages import top_tokens
 
@@ -110,10 +110,8 @@ class TransposedKeys:
 
 @register_method
 @dataclass
-class SparQ(Method):
+class SparQ(SelectionMethod):
     name = "sparq"
-    family = "selection"
-    selects = True
     static_selection = True
     reallocation: bool = True
     granularity: str = "group"
