@@ -111,7 +111,7 @@ def _after_attention(layer: KVLayer, step: Step, query: torch.Tensor) -> None:
     if step.query_window:
         layer.remember_queries(query[0], step.query_window)
     if step.observe and not step.method.is_dense_layer(layer.layer_idx):
-        step.method.observe(layer, query[0], step)
+        layer.observe(step.method, query[0], step)
     if step.evict:
         evict_layer(layer, step)
 

@@ -220,6 +220,10 @@ class DynamicKVLayer(KVLayer):
         recall = float(recall) if isinstance(recall, torch.Tensor) else recall
         self.cache.stats.add(self, elements, recall, attended, selection.moved_bytes, selection.extra)
 
+    def observe(self, method: StepMethod, queries: torch.Tensor, step: Step) -> None:
+        """The method's observation of a chunk's queries `[H_q, n, D]` (`Method.observe`)."""
+        method.observe(self, queries, step)
+
     def evict(self, method: StepMethod, step: Step) -> None:
         """The method's sorted indices each head keeps (`Method.keep`; None: nothing to evict), by `retain`."""
         keep = method.keep(self, self.budget, step)

@@ -298,6 +298,10 @@ class StaticKVLayer(KVLayer):
         self.cache.stats.add(self, elements, recall, attended, selection.moved_bytes, selection.extra,
                              recall_counts=selective)
 
+    def observe(self, method: StepMethod, queries: torch.Tensor, step: Step) -> None:
+        """The method's observation of a decode step's query `[H_q, 1, D]`, in fixed shapes (`Method.observe_step`)."""
+        method.observe_step(self, queries, step)
+
     def evict(self, method: StepMethod, step: Step) -> None:
         """A decode step's eviction: every head over the number of tokens it keeps loses the slot of its lowest
         score (`Method.decode_eviction_scores`), emptied in place (`static_evict`). A decode step adds one token per

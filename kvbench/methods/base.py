@@ -180,6 +180,10 @@ class Method:
     def observe(self, layer: "KVLayer", queries: torch.Tensor, step: Step) -> None:
         return None
 
+    def observe_step(self, layer: "KVLayer", queries: torch.Tensor, step: Step) -> None:
+        """`observe` of one decode step's query on the static layout (fixed shapes, state updated in place)."""
+        raise NotImplementedError(f"{self.name} observes no decode step on the static layout")
+
     def keep(self, layer: "KVLayer", budget: int, step: Step) -> list[torch.Tensor] | None:
         return None
 

@@ -39,14 +39,15 @@ class H2O(ScoredEviction):
         if not 0 <= self.recent_ratio <= 1:
             raise ValueError(f"recent_ratio must be in [0, 1], got {self.recent_ratio!r}")
 
+    def observe_step(self, layer, queries, step):
+        """A decode step on the static layout: its query attends to every stored token; added in place."""
+        view = layer.head_view()
+        q = queries.float().view(view.keys.shape[0], -1, view.keys.shape[-1])  # [H, G, D]
+        logits = torch.einsum("hgd,hld->hgl", q, view.keys.float()) * layer.scaling
+        probs = torch.softmax(logits.masked_fill(~view.valid[:, None, :], float("-inf")), dim=-1).mean(dim=1)
+        layer.static_add_token_state("h2o", probs)
+
     def observe(self, layer, queries, step):
-        if layer.is_static:  # a decode step: its query attends to every stored token, in place
-            view = layer.head_view()
-            q = queries.float().view(view.keys.shape[0], -1, view.keys.shape[-1])  # [H, G, D]
-            logits = torch.einsum("hgd,hld->hgl", q, view.keys.float()) * layer.scaling
-            probs = torch.softmax(logits.masked_fill(~view.valid[:, None, :], float("-inf")), dim=-1).mean(dim=1)
-            layer.static_add_token_state("h2o", probs)
-            return
         view = layer.head_view()
         heads, width = view.positions.shape
         group = queries.shape[0] // heads

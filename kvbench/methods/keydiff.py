@@ -102,7 +102,9 @@ class KeyDiff(ScoredEviction):
 
     def score(self, layer, step):
         view = layer.head_view()
-        return keydiff_scores(view.keys, self.anchor, self.metric, view.valid if layer.is_static else None)
+        # the anchor over the held keys: a static layer's capacity masks its empty slots (an eager layer's uniform
+        # heads have no mask, `valid` None)
+        return keydiff_scores(view.keys, self.anchor, self.metric, view.valid)
 
     def recent_tokens(self, budget):
         return round(self.window_ratio * budget)
