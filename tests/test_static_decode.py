@@ -446,6 +446,16 @@ def test_records_say_which_path_ran_and_why(tiny_llama, eager_backend):
     assert drawn["decode_path"] == "compiled"
     stepwise = run_sample(tiny_llama, build_method("random", decode_every=1), 64, sample, EngineConfig(compile=True))
     assert stepwise["decode_path"] == "eager" and "generator" in stepwise["decode_path_reason"]
+    # a method that evicts while decoding takes each loop's first step eagerly: with two new tokens (one decode
+    # step) nothing is left to compile, and the record says so rather than nothing
+    short = kv_sample(2)
+    short.meta["min_new_tokens"] = 2
+    for turn in short.turns:
+        turn.max_new_tokens = 2
+    first_only = run_sample(tiny_llama, build_method("streamingllm", decode_every=1), 64, short,
+                            EngineConfig(compile=True, nll=False))
+    assert (first_only["decode_path"], first_only["decode_compiles"]) == ("eager", 0)
+    assert "first step runs eagerly" in first_only["decode_path_reason"]
 
 
 def test_a_step_that_fails_to_compile_falls_back_to_eager_with_one_warning(tiny_llama, monkeypatch, caplog):

@@ -113,7 +113,7 @@ def _record(lm: LoadedModel, run: SampleRun, wall_s: float, profiler: PhaseProfi
         # which decode step ran (kvbench.engine.compiled): eager, or compiled on the static layout; why not
         # compiled where compiling was asked for; the calls that compiled (their time is not in the steps')
         "decode_path": run.session.decode_path,
-        "decode_path_reason": run.session.decode_path_reason,
+        "decode_path_reason": _path_reason(run.session),
         "decode_compiles": run.session.compiles,
         # compiled steps that ran their graph without dynamo's guards (a CUDA-graph replay on a GPU)
         "decode_replayed_steps": run.session.replayed_steps,
@@ -174,3 +174,18 @@ def _decode_accounting(cache: KVBenchCache, lm: LoadedModel, sequence_length: in
         "device_bytes_end": cache.kv_bytes() + cache.method_state_bytes() - host,
         "host_bytes_end": host,
     }
+
+
+# a compiled session whose decode steps all ran eagerly: each loop's first step evicts eagerly (`Session`), and no
+# loop of this sample had a step after it
+EAGER_FIRST_ONLY = ("each decode loop's first step runs eagerly (the method evicts while decoding) and this sample's "
+                    "loops had no later step")
+
+
+def _path_reason(session) -> str | None:
+    """Why the decode path is not the compiled one although compiling was asked for (None when it is, or was not
+    asked for)."""
+    if session.decode_path_reason is None and session.decoder is not None and session.decode_path == "eager":
+        return EAGER_FIRST_ONLY
+    return session.decode_path_reason
+
