@@ -172,12 +172,12 @@ def test_compiled_points_step_alone_in_a_group_and_record_what_they_record_alone
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_several_samples_of_one_point_decode_together(dtype):
     lm = load_model(model_cfg("tiny_llama", dtype=dtype))
-    samples = _samples(lm, n=3)
+    samples = _samples(lm, n=4)
     method = build_method("adakv")
     alone = [run_sample(lm, method, 40, s, EngineConfig()) for s in samples]
-    together = run_group(lm, [(method, 40, s) for s in samples], EngineConfig(sample_batch=3))
+    together = run_group(lm, [(method, 40, s) for s in samples], EngineConfig(sample_batch=4))
     for a, g in zip(alone, together):
-        assert a["sample_id"] == g["sample_id"] and g["decode_batched_rows"] == 3
+        assert a["sample_id"] == g["sample_id"] and g["decode_batched_rows"] == 4
         assert_same_records(a, g)
 
 
