@@ -44,6 +44,13 @@ for each length, is then about the most that a method reading its bytes reaches 
 then each one's second, ...), and stops starting new work when the estimate of the next item would pass
 `--deadline-s` (counted from the start, the check included): skipped items get a row saying so, and the table
 is printed anyway (also on SIGTERM, e.g. from `timeout`).
+
+`--rounds N` measures kvbench's items N times, interleaved (every item once, then again: a drift of the machine
+falls on every method alike), stock once (it would compile its step again): the table's ms are the median of the
+rounds' medians and the CSV holds the spread (max - min) / median beside them (`eager_spread`, `compiled_spread`),
+also printed under the table. Every row names the attention its decode steps ran (`decode_attention`:
+`kvbench.engine.record.dense_decode_attention`'s names, `stock_sdpa_static_cache` for stock) and the full row's
+(`baseline_attention`), which its speedup divides by.
 """
 
 from __future__ import annotations
@@ -72,7 +79,8 @@ COLUMNS = ["length", "method", "status", "eager_ms", "compiled_ms", "compile_s",
            "weights_mb",
            "kv_aux_mb", "bytes_mb", "floor_ms", "eager_over_floor", "compiled_over_floor", "compiled_over_stock",
            "speedup_vs_full", "full_bytes_over_bytes", "of_bytes", "compiled_over_snapkv", "eager_p90_ms",
-           "compiled_p90_ms", "prefill_s", "seconds", "note"]
+           "compiled_p90_ms", "rounds", "eager_spread", "compiled_spread", "decode_attention", "baseline_attention",
+           "prefill_s", "seconds", "note"]
 
 
 class Deadline(Exception):
@@ -106,6 +114,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budget", type=int, default=1024, help="tokens per KV group")
     parser.add_argument("--steps", type=int, default=32, help="timed decode steps per run")
     parser.add_argument("--warmup", type=int, default=4, help="untimed steps before them (the compile, CUDA graphs)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="interleaved rounds over the work (kvbench's methods; stock once): ms are the median of "
+                             "the rounds' medians, the spread (max - min) / median is written beside them")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend: inductor, or eager/aot_eager")
     parser.add_argument("--compile-threads", type=int, default=os.cpu_count() or 1,
                         help="torch._inductor.config.compile_threads (parallel Triton compiles)")
@@ -299,17 +310,19 @@ class Bench:
 
     def run_method(self, length: int, label: str) -> Row:
         from kvbench.bench.timing import time_decode
+        from kvbench.engine.record import dense_decode_attention
 
         args = self.args
         name, settings = LABELS.get(label, (label, {}))
         row = Row(length, label)
         session, logits, prefill_s = self.session(name, settings, length)
         eager, _ = time_decode(self.lm, session, logits, args.warmup, args.steps)
-        kv_aux = self.kv_aux_bytes(session)
+        kv_aux, eager_attention = self.kv_aux_bytes(session), dense_decode_attention(session, self.lm)
         del session, logits
         self.free()
         row.values.update(eager_ms=statistics.median(eager), eager_p90_ms=percentile(eager, 90), prefill_s=prefill_s,
-                          kv_aux_mb=kv_aux / 1e6, weights_mb=self.weights / 1e6, bytes_mb=(self.weights + kv_aux) / 1e6)
+                          kv_aux_mb=kv_aux / 1e6, weights_mb=self.weights / 1e6, bytes_mb=(self.weights + kv_aux) / 1e6,
+                          decode_attention=eager_attention)
         decoder = self.kvbench_decoder()
         if decoder is None:
             row.values.update(path="eager", note=self.decoder_error)
@@ -320,7 +333,7 @@ class Bench:
         compiled, _ = time_decode(self.lm, session, logits, args.warmup, args.steps)
         session.end_decode()
         row.values.update(path=session.decode_path, compile_s=session.compile_s, compiles=session.compiles,
-                          replayed=session.replayed_steps)
+                          replayed=session.replayed_steps, decode_attention=dense_decode_attention(session, self.lm))
         if session.decode_path == "compiled":
             row.values.update(compiled_ms=statistics.median(compiled), compiled_p90_ms=percentile(compiled, 90))
             if session.compiles:
@@ -393,6 +406,7 @@ class Bench:
                           compiled_ms=statistics.median(timed), compiled_p90_ms=percentile(timed, 90),
                           compile_s=max(0.0, first_s - statistics.median(eager) / 1e3), compiles=1, path="compiled",
                           weights_mb=weights / 1e6, kv_aux_mb=kv / 1e6, bytes_mb=(weights + kv) / 1e6,
+                          decode_attention="stock_sdpa_static_cache",
                           note=f"StaticCache of {capacity} rows, SDPA, "
                                + ("reduce-overhead" if cuda_graphs else f"backend {args.backend}"))
         cache = kwargs = compiled = None  # the closures above are done: free the cache before the next item
@@ -433,6 +447,7 @@ def add_ratios(rows: list[Row], bench: Bench | None) -> None:
             v["compiled_over_stock"] = v["compiled_ms"] / stock.get("compiled_ms")
         if full is not None and full.get("compiled_ms") and v.get("compiled_ms"):
             v["speedup_vs_full"] = full.get("compiled_ms") / v["compiled_ms"]
+            v["baseline_attention"] = full.get("decode_attention")  # what the speedup divides by
         if full is not None and full.get("bytes_mb") and v.get("bytes_mb"):
             v["full_bytes_over_bytes"] = full.get("bytes_mb") / v["bytes_mb"]
         if v.get("speedup_vs_full") and v.get("full_bytes_over_bytes"):
@@ -472,6 +487,11 @@ def print_table(rows: list[Row], bench: Bench | None) -> None:
               f"| {fmt(v.get('compiled_over_floor'))} | {fmt(v.get('compiled_over_stock'))} "
               f"| {fmt(v.get('speedup_vs_full'))} | {fmt(v.get('full_bytes_over_bytes'))} | {fmt(v.get('of_bytes'))} "
               f"| {fmt(v.get('compiled_over_snapkv'))} | {note} |")
+    spread = [f"{row.length} {row.method} {row.values['compiled_spread']:.1%}" for row in rows
+              if row.values.get("compiled_spread") is not None]
+    if spread:
+        print(f"compiled ms: median of {max(r.values.get('rounds') or 1 for r in rows)} interleaved rounds; spread "
+              f"(max - min) / median: {', '.join(spread)}")
     for row in rows:
         if row.method == "snapkv" and row.values.get("of_bytes"):
             print(f"L={row.length}: SnapKV, selecting nothing at decode, reaches {row.values['of_bytes']:.2f} of its "
@@ -488,6 +508,19 @@ def write_csv(path: str, rows: list[Row]) -> None:
         for row in rows:
             values = {**row.values, "length": row.length, "method": row.method, "status": row.status}
             writer.writerow(["" if values.get(c) is None else values.get(c) for c in COLUMNS])
+
+
+def merge_rounds(runs: list[Row]) -> None:
+    """The first row of an item (the one in the table) holds the median of its rounds' medians, and their spread:
+    (max - min) / median."""
+    first = runs[0]
+    for key in ("eager_ms", "compiled_ms"):
+        values = [r.get(key) for r in runs if r.status == "ok" and r.get(key)]
+        if values:
+            middle = statistics.median(values)
+            first.values[key] = middle
+            first.values[key.replace("_ms", "_spread")] = (max(values) - min(values)) / middle
+    first.values["rounds"] = sum(r.status == "ok" for r in runs)
 
 
 def work_order(plan: dict[int, list[str]]) -> list[tuple[int, str]]:
@@ -539,13 +572,18 @@ def _main(args: argparse.Namespace, elapsed) -> int:
         print(f"== (b) eager and compiled decode: {bench.lm.name} ({args.layers} layers, {bench.lm.dtype}) built in "
               f"{bench.build_s:.1f} s, copy rate {bench.gbps:.0f} GB/s, weights {bench.weights / 1e6:.0f} MB/step; "
               f"backend {args.backend}, compile threads {args.compile_threads}", flush=True)
-        for length, label in work_order(args.plan):
-            estimate = bench.estimate_s(length, label, rows)
+        runs: dict[tuple[int, str], list[Row]] = {}  # every round's row of an item, the first one in `rows`
+        for round_, (length, label) in itertools.product(range(args.rounds), work_order(args.plan)):
+            first = runs.get((length, label), [None])[0]
+            if round_ and (label == "stock" or first is None or first.status != "ok"):
+                continue  # later rounds: kvbench's measured items (stock would compile its step again)
+            estimate = first.values["seconds"] if round_ else bench.estimate_s(length, label, rows)
             if elapsed() + estimate > args.deadline_s:
-                rows.append(Row(length, label, "skipped", {"note": f"deadline: {elapsed():.0f} s + ~{estimate:.0f} s "
-                                                                    f"> {args.deadline_s:.0f} s"}))
-                print(f"L={length} {label}: skipped (~{estimate:.0f} s left {args.deadline_s - elapsed():.0f} s)",
-                      flush=True)
+                if not round_:
+                    rows.append(Row(length, label, "skipped", {"note": f"deadline: {elapsed():.0f} s + "
+                                                                        f"~{estimate:.0f} s > {args.deadline_s:.0f} s"}))
+                print(f"L={length} {label}: skipped (~{estimate:.0f} s left {args.deadline_s - elapsed():.0f} s)"
+                      + (f", round {round_ + 1}" if round_ else ""), flush=True)
                 continue
             t0 = time.perf_counter()
             try:
@@ -557,7 +595,11 @@ def _main(args: argparse.Namespace, elapsed) -> int:
                 row = Row(length, label, "error", {"note": f"{type(exc).__name__}: {str(exc).strip()[:200]}"})
                 bench.free()
             row.values["seconds"] = time.perf_counter() - t0
-            rows.append(row)
+            runs.setdefault((length, label), []).append(row)
+            if round_:
+                merge_rounds(runs[length, label])
+            else:
+                rows.append(row)
             v = row.values
             print(f"L={length} {label}: {row.status}, eager {fmt(v.get('eager_ms'))} ms, compiled "
                   f"{fmt(v.get('compiled_ms'))} ms, compile {fmt(v.get('compile_s'), 1)} s, "

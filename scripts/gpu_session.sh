@@ -238,7 +238,7 @@ selection() {  # what issue 45 still needs a GPU for, in one call of at most 9 m
     if [ "${DEVICE:-cuda}" != cpu ]; then  # selection methods first: the deadline skips the rest
         COMPILED_LIMIT=${COMPILED_LIMIT:-320} COMPILED_DEADLINE=${COMPILED_DEADLINE:-280} \
         COMPILED_ARGS="--methods full,quest,rocketkv,sparq,hsa,exact_topk,snapkv,stock,adakv
-                       --methods-at 131072=full,quest,snapkv,stock ${COMPILED_ARGS:-}" compiled
+                       --methods-at 131072=full,quest,snapkv,stock --rounds ${ROUNDS:-3} ${COMPILED_ARGS:-}" compiled
     fi
     (cd "$repo/scripts" && step kernel_breakdown "${BREAKDOWN_LIMIT:-75}" $py gpu_decode_breakdown.py --compile --top 12 \
         --methods "${BREAKDOWN_METHODS:-quest,sparq,exact_topk}" "${prof[@]}")

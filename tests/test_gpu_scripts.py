@@ -124,6 +124,28 @@ def test_compiled_decode_skips_what_the_deadline_leaves_no_time_for(tmp_path):
         ("256", "full", "skipped"), ("320", "full", "skipped"), ("256", "stock", "skipped"), ("256", "quest", "skipped")]
 
 
+def test_compiled_decode_rounds_interleave_and_name_the_attention_each_ratio_divides_by(tmp_path):
+    """`--rounds 2`: kvbench's items measured twice, interleaved (stock once), their ms the median of the rounds and
+    the spread beside it; every row names its decode attention and the full row's it divides by."""
+    table = tmp_path / "rows.csv"
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = gpu_compiled_decode.main(["--device", "cpu", "--dtype", "float32", *TINY, "--lengths", "256",
+                                       "--methods", "full,stock,quest", "--budget", "32", "--steps", "2", "--warmup",
+                                       "2", "--backend", "eager", "--no-check", "--rounds", "2", "--csv", str(table)])
+    assert rc == 0
+    text = out.getvalue()
+    assert text.count("L=256 quest: ok") == 2 and text.count("L=256 stock: ok") == 1, text
+    assert re.search(r"^compiled ms: median of 2 interleaved rounds; spread \(max - min\) / median: 256 full "
+                     rf"{NUMBER}%, 256 quest {NUMBER}%$", text, re.M), text
+    rows = {r["method"]: r for r in csv.DictReader(table.open())}
+    assert rows["full"]["rounds"] == rows["quest"]["rounds"] == "2" and rows["stock"]["rounds"] == ""
+    assert float(rows["quest"]["compiled_spread"]) >= 0 and rows["stock"]["compiled_spread"] == ""
+    assert rows["stock"]["decode_attention"] == "stock_sdpa_static_cache"
+    assert rows["full"]["decode_attention"] == rows["quest"]["decode_attention"] == "masked_capacity"  # CPU
+    assert {r["baseline_attention"] for r in rows.values()} == {"masked_capacity"}
+
+
 def _compiled_table(text: str) -> dict[tuple[int, str], list[str]]:
     rows = {}
     for line in text.splitlines():
