@@ -21,7 +21,7 @@ from it, as a grouped sweep does. The points: full attention, then each of `--me
    dimension is not built).
 
 The floor of a forward is the bytes it must read over the copy rate measured here (`kvbench.bench.timing.copy_gbps`):
-the weights once plus every row's K/V and auxiliary elements (`Method.step_traffic`, the cache's `DecodeStats`).
+the weights once plus every row's K/V and auxiliary elements (`kvbench.bench.timing.step_read_bytes`).
 Per row-token: one by one, each point's (weights + its bytes) summed over the points and divided by them; batched,
 (weights + all rows' bytes) per step divided by the rows. Printed as ratios (one by one / batched, each over its
 floor), and with `--csv` as rows. Equal tokens one by one and batched are checked (a difference is printed).
@@ -106,12 +106,6 @@ class Sweep:
         session.row_block = self.row_block
         return session, logits
 
-    def step_bytes(self, session) -> float:
-        """K/V and auxiliary bytes one decode step of `session` read (its cost model)."""
-        stats = session.cache.stats
-        steps = max(1.0, stats.layer_steps / len(session.cache.layers))
-        return stats.read_elements / steps * self.dtype_bytes
-
     def floor_ms(self, nbytes: float) -> float:
         return nbytes / (self.gbps * 1e9) * 1e3
 
@@ -129,6 +123,7 @@ def decode_timed(sweep: Sweep, sessions: list, logits: list, max_rows: int) -> t
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kvbench.bench.timing import step_read_bytes
     from kvbench.engine.compiled import decoder_for
     from kvbench.engine.invariance import batch_invariance
 
@@ -149,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens, ms = decode_timed(sweep, [session], [logits], 1)
         alone_tokens.append(tokens[0])
         alone_ms.append(ms)
-        alone_bytes.append(sweep.step_bytes(session))
+        alone_bytes.append(step_read_bytes(session, sweep.dtype_bytes))
         del session, logits
     one_floor = sum(sweep.floor_ms(sweep.weights + b) for b in alone_bytes) / rows_n
     one = sum(alone_ms) / rows_n
@@ -160,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     pairs = [sweep.session(name, budget) for name, budget in args.points]
     tokens, ms = decode_timed(sweep, [s for s, _ in pairs], [lg for _, lg in pairs], max_rows)
-    total_bytes = sum(sweep.step_bytes(s) for s, _ in pairs)
+    total_bytes = sum(step_read_bytes(s, sweep.dtype_bytes) for s, _ in pairs)
     forwards = -(-rows_n // max_rows)
     floor = sweep.floor_ms(forwards * sweep.weights + total_bytes) / rows_n
     equal = sum(a == b for a, b in zip(alone_tokens, tokens))
@@ -184,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"compiled: {name}@{budget} ran {session.decode_path}: {session.decode_path_reason}")
             continue
         compiled_ms.append(ms)
-        compiled_floor.append(sweep.floor_ms(sweep.weights + sweep.step_bytes(session)))
+        compiled_floor.append(sweep.floor_ms(sweep.weights + step_read_bytes(session, sweep.dtype_bytes)))
         del session, logits
     if compiled_ms:
         n = len(compiled_ms)

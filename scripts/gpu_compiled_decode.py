@@ -297,19 +297,8 @@ class Bench:
         self.prefilled.add(length)
         return session, logits, prefill_s
 
-    def kv_aux_bytes(self, session) -> float:
-        """Bytes of K/V and auxiliary elements one step read (the method's cost model), and the keys a method
-        that scores every key read to choose."""
-        from kvbench.bench.timing import scored_keys
-
-        stats = session.cache.stats
-        steps = stats.layer_steps / len(session.cache.layers)
-        read = stats.read_elements / steps * self.dtype_bytes
-        per_row = 2 * self.args.head_dim * self.args.kv_heads * self.args.layers * self.dtype_bytes
-        return read + scored_keys(session) * per_row
-
     def run_method(self, length: int, label: str) -> Row:
-        from kvbench.bench.timing import time_decode
+        from kvbench.bench.timing import step_read_bytes, time_decode
         from kvbench.engine.record import dense_decode_attention
 
         args = self.args
@@ -317,7 +306,7 @@ class Bench:
         row = Row(length, label)
         session, logits, prefill_s = self.session(name, settings, length)
         eager, _ = time_decode(self.lm, session, logits, args.warmup, args.steps)
-        kv_aux, eager_attention = self.kv_aux_bytes(session), dense_decode_attention(session, self.lm)
+        kv_aux, eager_attention = step_read_bytes(session, self.dtype_bytes), dense_decode_attention(session, self.lm)
         del session, logits
         self.free()
         row.values.update(eager_ms=statistics.median(eager), eager_p90_ms=percentile(eager, 90), prefill_s=prefill_s,

@@ -95,6 +95,15 @@ def time_decode(lm, session, logits: torch.Tensor, warmup: int, steps: int) -> t
     return times, logits
 
 
+def step_read_bytes(session, dtype_bytes: int) -> float:
+    """Bytes of K/V and auxiliary elements one decode step of `session` read (its method's cost model, summed by
+    the cache's `DecodeStats`), plus the keys a method that scores every key reads to choose (`scored_keys`)."""
+    stats, layers = session.cache.stats, session.cache.layers
+    steps = stats.layer_steps / len(layers)
+    per_row = 2 * layers[0].head_dim * layers[0].num_heads * len(layers) * dtype_bytes
+    return stats.read_elements / steps * dtype_bytes + scored_keys(session) * per_row
+
+
 def scored_keys(session) -> float:
     """K/V row-equivalents per KV group and step that the method reads to choose and its cost model leaves out:
     the keys of every token held, for a method that scores every key (`Method.scores_every_key`); 0 otherwise."""

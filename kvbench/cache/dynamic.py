@@ -51,12 +51,12 @@ class DynamicKVLayer(KVLayer):
     def lengths(self) -> list[int]:
         return list(self.lens)
 
-    def held_tokens(self) -> "int | torch.Tensor":
-        """Tokens held over all heads: an int, or a 0-d device tensor on a static layer."""
+    def held_tokens(self) -> int:
+        """Tokens held over all heads."""
         return sum(self.lens)
 
     def physical_length(self) -> int:
-        """The longest head's tokens: the width of a padded view (on a static layer its fixed capacity)."""
+        """The longest head's tokens: the width of a padded view."""
         return max(self.lens, default=0)
 
     def reserve(self, tokens: int) -> None:

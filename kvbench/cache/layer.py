@@ -298,6 +298,11 @@ class KVLayer(CacheLayerMixin):
         read (the method's cost model), the top-k `recall` (or None), `attended` rows per query head."""
         raise NotImplementedError
 
+    def observe(self, method: StepMethod, queries: torch.Tensor, step: Step) -> None:
+        """The method's observation of the queries `[H_q, q, D]` the layer just attended with (the hook its layout
+        asks: `observe`, or on the static layout `observe_step`)."""
+        raise NotImplementedError
+
     def evict(self, method: StepMethod, step: Step) -> None:
         """An eviction event on this layer, to `self.budget` tokens per head: the method's choice (the hook its
         layout asks: `keep`, or on the static layout `decode_eviction_scores`) applied to the storage."""
