@@ -23,7 +23,7 @@ from release_refs.harness import TensorRun, attention, jaccard, random_layer
 from release_refs.infllm import ReleaseContextManager, rope_table
 from release_refs.magicpig import magicpig_decode
 from release_refs.minference import vertical_slash as minference_vertical_slash
-from release_refs.rocketkv import release_plan, snapkv_plus_plus
+from release_refs.rocketkv import gpt_fast_dense_decode, release_plan, snapkv_plus_plus
 from release_refs.shadowkv import prefill_landmarks, retrieval_chunks
 from release_refs.snapkv import l2norm_keep, pyramid_capacity, repeat_kv, snapkv_update_kv
 from release_refs.sparq import sparq_decode, sparq_gpt_fast
@@ -31,6 +31,7 @@ from release_refs.streaming_llm import rope_attention_output, start_recent_indic
 from release_refs.tova import TOVALayer
 
 from kvbench.attention.minference import LAST_Q, MInference, estimate_vertical_slash
+from kvbench.cache.static import CAPACITY_BUCKET
 from kvbench.methods import build_method
 from kvbench.methods.duoattention import pattern_path
 from kvbench.methods.rocketkv import rocket_plan
@@ -449,6 +450,35 @@ def test_rocketkv_snapkv_plus_plus_equals_the_release(seed, sequence_length, bud
     # the release's own arithmetic (its model runs in float16): here the same sets (docs/fidelity.md)
     half = snapkv_plus_plus(q.half(), k.half(), prompt_budget)
     assert torch.equal(half, top)
+
+
+
+@pytest.mark.parametrize("layout", ["eager", "static"])
+def test_full_repeated_kv_is_the_release_full_kv_baseline(layout):
+    """`full repeat_kv=true` is the Full-KV baseline RocketKV's Fig. 7 divides by, as its gpt-fast release runs it
+    (`release_refs.rocketkv.gpt_fast_dense_decode`): K/V repeated to every query head, the whole capacity attended
+    with a boolean mask, math attention (the release turns SDPA's flash and memory-efficient kernels off for the
+    decode step). On the eager layout and on the static one a compiled step runs (its capacity the release's
+    `max_seq_length`, the prompt plus the loop, rounded up to 256 rows; the masked slots weigh nothing), at every
+    step of a short loop."""
+    dim, length, new = 16, LENGTH, 6
+    q, k, v = random_layer(7, Q_HEADS, KV_HEADS, length + new, dim)
+    run = TensorRun(build_method("full", repeat_kv=True), None, 1, dim, length + new)
+    run.forward(0, q[:, :length], k[:, :length], v[:, :length], evict=False)
+    if layout == "static":  # as the session enters it for this method: gpt-fast's max_seq_length in 256-row steps
+        run.cache.make_static(new, 0, Q_HEADS, tight=True)
+        assert 0 <= run.cache.layers[0].head_view().keys.shape[1] - (length + new) < CAPACITY_BUCKET
+    k_cache, v_cache = torch.zeros(KV_HEADS, length + new, dim), torch.zeros(KV_HEADS, length + new, dim)
+    k_cache[:, :length], v_cache[:, :length] = k[:, :length], v[:, :length]
+    for t in range(length, length + new):
+        if layout == "static":
+            run.cache.static_position.fill_(t)
+        out = run.forward(0, q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], evict=False)[:, 0]
+        k_cache[:, t], v_cache[:, t] = k[:, t], v[:, t]
+        torch.testing.assert_close(out, gpt_fast_dense_decode(q[:, t], k_cache, v_cache, t), atol=OUT_ATOL, rtol=0)
+    layer = run.cache.layers[0]
+    held = layer.head_view().lengths.tolist() if layout == "static" else layer.lengths()
+    assert held == [length + new] * KV_HEADS
 
 
 # -- DuoAttention ------------------------------------------------------------------------------------------

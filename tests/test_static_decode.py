@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import kvbench.engine.compiled as compiled
-from kvbench.cache.static import CAPACITY_BUCKET
+from kvbench.cache.static import CAPACITY_BUCKET, bucketed
 from kvbench.core.errors import KVBenchError
 from kvbench.devtools import static_decode as check_static_decode
 from kvbench.engine.config import EngineConfig
@@ -174,6 +174,27 @@ def test_decode_eviction_overwrites_slots_and_comes_back_in_position_order(tiny_
         torch.testing.assert_close(b.head_view().keys, a.head_view().keys)
         assert torch.equal(b.head_view().positions, a.head_view().positions)
     assert eager.cache.evictions() == static.cache.evictions() and eager.cache.kv_bytes() == static.cache.kv_bytes()
+
+
+def test_the_repeated_kv_baseline_holds_the_releases_capacity_and_full_a_bucket(tiny_llama, eager_backend):
+    """The repeated-K/V baseline attends every slot of its capacity, masked, as RocketKV's gpt-fast baseline attends
+    its `max_seq_length` (prompt plus new tokens): its compiled loop holds that rounded up to 256 rows, where the
+    geometric capacity would make it read up to twice that at every step. `full` keeps the geometric capacity
+    (its CUDA kernel reads each head's held rows only). Tokens are the eager path's either way."""
+    ids = random_ids(600, seed=5)
+    widths, tokens = {}, {}
+    for repeat in (None, True):
+        method = build_method("full", repeat_kv=repeat)
+        eager, last = greedy_decode(tiny_llama, method, 10**6, ids, 6, None)
+        eager.end_decode()
+        session, token = greedy_decode(tiny_llama, method, 10**6, ids, 6, compiled.decoder_for(tiny_llama))
+        widths[repeat] = session.cache.layers[0].static.width
+        tokens[repeat] = (token, last)
+        assert session.static_steps == 6
+        session.end_decode()
+    needed = 600 + 6 + 1  # the prompt, the loop's steps and the token before them
+    assert widths[True] == 768 == bucketed(needed, growth=1) and widths[None] == 1024 == bucketed(needed)
+    assert all(a == b for a, b in tokens.values())
 
 
 @pytest.mark.parametrize("steps", [5, 13])  # fewer decode steps than RocketKV's window of 8, and more

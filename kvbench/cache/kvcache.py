@@ -101,13 +101,15 @@ class KVBenchCache(Cache):
     def is_static(self) -> bool:
         return self.static_counters is not None
 
-    def make_static(self, tokens: int, query_window: int, query_heads: int, ragged: bool = False) -> None:
+    def make_static(self, tokens: int, query_window: int, query_heads: int, ragged: bool = False,
+                    tight: bool = False) -> None:
         """Every layer into the static decode layout for a loop of up to `tokens` decode steps (see
-        `kvbench.cache.static`; `ragged`: every layer flat): each becomes a `StaticKVLayer`, the same object. The
-        byte accounting and decode statistics onto the device."""
+        `kvbench.cache.static`; `ragged`: every layer flat; `tight`: linear capacity steps, `StaticKVLayer.enter`):
+        each becomes a `StaticKVLayer`, the same object. The byte accounting and decode statistics onto the
+        device."""
         device = self.layers[0].buffers["keys"].device
         for layer in self.layers:
-            StaticKVLayer.enter(layer, tokens, query_window, query_heads, ragged)
+            StaticKVLayer.enter(layer, tokens, query_window, query_heads, ragged, tight)
         as_tensor = lambda n: torch.tensor(n, dtype=torch.int64, device=device)  # noqa: E731
         self.static_counters = StaticCounters(as_tensor(self._kv_bytes), as_tensor(self.kv_peak_bytes))
         self.static_position = torch.zeros(1, dtype=torch.int64, device=device)

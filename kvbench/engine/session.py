@@ -189,8 +189,10 @@ class Session:
 
     def _static_step(self, token: int, evict: bool) -> torch.Tensor:
         if not self.cache.is_static:
+            method = self.method
             self.cache.make_static(self._static_left + 1, self.query_window, self.lm.model.config.num_attention_heads,
-                                   ragged=self.method is not None and self.method.ragged_layers)
+                                   ragged=method is not None and method.ragged_layers,
+                                   tight=method is not None and method.repeats_kv)  # reads its whole capacity
             self.static_flash_decode = self.cache.layers[0].static.flash_decode
             self.static_loop = self.decoder.new_loop()
         try:

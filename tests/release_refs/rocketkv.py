@@ -51,3 +51,24 @@ def snapkv_plus_plus(q: torch.Tensor, k: torch.Tensor, prompt_budget: int, windo
     score = score.view(heads_kv, -1, length - window).sum(dim=1)
     score = torch.nn.functional.max_pool1d(score[None], kernel_size=kernel, padding=kernel // 2, stride=1)[0]
     return score.topk(prompt_budget - window, dim=-1).indices.sort().values
+
+
+def gpt_fast_dense_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          input_pos: int) -> torch.Tensor:
+    """The Full-KV baseline of the release's efficiency figure (Fig. 7): `gpt-fast/model.py`
+    (`DenseAttentionFunction.forward`: `repeat_interleave` of the whole K/V cache to the query heads, then
+    `F.scaled_dot_product_attention(q, k, v, mask)`) with `mask = causal_mask[None, None, input_pos]`, a boolean row
+    over the cache's whole `max_seq_length` (`Transformer.forward`), run inside `decode_n_tokens`'s
+    `torch.backends.cuda.sdp_kernel(enable_flash=False, enable_mem_efficient=False, enable_math=True)`
+    (`gpt-fast/generate.py`: "Actually better for Inductor to codegen attention here"): masked math attention over
+    the capacity, K/V repeated. q `[H_q, D]` for the token at `input_pos`, caches `[H_kv, max_seq_length, D]`
+    (the token already written at `input_pos`); returns `[H_q, D]`."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[0] // k_cache.shape[0]
+    k = k_cache.repeat_interleave(group, dim=0)[None]
+    v = v_cache.repeat_interleave(group, dim=0)[None]
+    causal_mask = torch.tril(torch.ones(k_cache.shape[1], k_cache.shape[1], dtype=torch.bool))
+    mask = causal_mask[None, None, torch.tensor([input_pos])]
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(q[None, :, None, :], k, v, mask)[0, :, 0]
