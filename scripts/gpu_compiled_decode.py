@@ -78,9 +78,9 @@ LABELS = {"full_repeated_kv": ("full", {"repeat_kv": True})}
 COLUMNS = ["length", "method", "status", "eager_ms", "compiled_ms", "compile_s", "compiles", "replayed", "path",
            "weights_mb",
            "kv_aux_mb", "bytes_mb", "floor_ms", "eager_over_floor", "compiled_over_floor", "compiled_over_stock",
-           "speedup_vs_full", "full_bytes_over_bytes", "of_bytes", "compiled_over_snapkv", "eager_p90_ms",
+           "speedup_vs_full", "speedup_vs_repeated_kv", "full_bytes_over_bytes", "of_bytes", "compiled_over_snapkv", "eager_p90_ms",
            "compiled_p90_ms", "rounds", "eager_spread", "compiled_spread", "decode_attention", "baseline_attention",
-           "prefill_s", "seconds", "note"]
+           "held_rows", "capacity_rows", "prefill_s", "seconds", "note"]
 
 
 class Deadline(Exception):
@@ -320,6 +320,7 @@ class Bench:
         session.decoder = decoder
         session.begin_decode(self.new_tokens)
         compiled, _ = time_decode(self.lm, session, logits, args.warmup, args.steps)
+        row.values.update(static_rows(session))
         session.end_decode()
         row.values.update(path=session.decode_path, compile_s=session.compile_s, compiles=session.compiles,
                           replayed=session.replayed_steps, decode_attention=dense_decode_attention(session, self.lm))
@@ -416,6 +417,17 @@ class Bench:
             torch.cuda.empty_cache()
 
 
+def static_rows(session) -> dict[str, int]:
+    """The most tokens a head of the compiled loop holds, and the slots per head of its static view (the capacity,
+    `kvbench.cache.static.bucketed`): a step whose scores or masked attention span the view reads the slack
+    between the two, which the floor (held rows only) does not count. Empty when the loop did not run static."""
+    if not session.cache.is_static:
+        return {}
+    layers = session.cache.layers
+    return {"held_rows": max(int(layer.head_view().lengths.max()) for layer in layers),
+            "capacity_rows": max(layer.static.width for layer in layers)}
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
@@ -437,6 +449,9 @@ def add_ratios(rows: list[Row], bench: Bench | None) -> None:
         if full is not None and full.get("compiled_ms") and v.get("compiled_ms"):
             v["speedup_vs_full"] = full.get("compiled_ms") / v["compiled_ms"]
             v["baseline_attention"] = full.get("decode_attention")  # what the speedup divides by
+        repeated = same.get("full_repeated_kv")  # RocketKV Fig. 7's Full-KV: its released gpt-fast baseline
+        if repeated is not None and repeated.get("compiled_ms") and v.get("compiled_ms"):
+            v["speedup_vs_repeated_kv"] = repeated.get("compiled_ms") / v["compiled_ms"]
         if full is not None and full.get("bytes_mb") and v.get("bytes_mb"):
             v["full_bytes_over_bytes"] = full.get("bytes_mb") / v["bytes_mb"]
         if v.get("speedup_vs_full") and v.get("full_bytes_over_bytes"):
@@ -481,6 +496,11 @@ def print_table(rows: list[Row], bench: Bench | None) -> None:
     if spread:
         print(f"compiled ms: median of {max(r.values.get('rounds') or 1 for r in rows)} interleaved rounds; spread "
               f"(max - min) / median: {', '.join(spread)}")
+    slack = [f"{row.length} {row.method} {row.values['held_rows']}/{row.values['capacity_rows']}" for row in rows
+             if row.values.get("capacity_rows") and row.values["capacity_rows"] >= 1.25 * row.values["held_rows"]]
+    if slack:  # a CUDA dense step reads each head's held rows only; a selection's scores span the capacity
+        print(f"held rows / capacity rows where the capacity is 1.25x or more (slack a step spanning its capacity "
+              f"reads beyond the floor's bytes): {', '.join(slack)}")
     for row in rows:
         if row.method == "snapkv" and row.values.get("of_bytes"):
             print(f"L={row.length}: SnapKV, selecting nothing at decode, reaches {row.values['of_bytes']:.2f} of its "

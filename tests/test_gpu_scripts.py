@@ -131,19 +131,30 @@ def test_compiled_decode_rounds_interleave_and_name_the_attention_each_ratio_div
     out = io.StringIO()
     with redirect_stdout(out):
         rc = gpu_compiled_decode.main(["--device", "cpu", "--dtype", "float32", *TINY, "--lengths", "256",
-                                       "--methods", "full,stock,quest", "--budget", "32", "--steps", "2", "--warmup",
-                                       "2", "--backend", "eager", "--no-check", "--rounds", "2", "--csv", str(table)])
+                                       "--methods", "full,stock,quest,full_repeated_kv", "--budget", "32", "--steps",
+                                       "2", "--warmup", "2", "--backend", "eager", "--no-check", "--rounds", "2",
+                                       "--csv", str(table)])
     assert rc == 0
     text = out.getvalue()
     assert text.count("L=256 quest: ok") == 2 and text.count("L=256 stock: ok") == 1, text
     assert re.search(r"^compiled ms: median of 2 interleaved rounds; spread \(max - min\) / median: 256 full "
-                     rf"{NUMBER}%, 256 quest {NUMBER}%$", text, re.M), text
+                     rf"{NUMBER}%, 256 quest {NUMBER}%, 256 full_repeated_kv {NUMBER}%$", text, re.M), text
     rows = {r["method"]: r for r in csv.DictReader(table.open())}
     assert rows["full"]["rounds"] == rows["quest"]["rounds"] == "2" and rows["stock"]["rounds"] == ""
     assert float(rows["quest"]["compiled_spread"]) >= 0 and rows["stock"]["compiled_spread"] == ""
     assert rows["stock"]["decode_attention"] == "stock_sdpa_static_cache"
     assert rows["full"]["decode_attention"] == rows["quest"]["decode_attention"] == "masked_capacity"  # CPU
     assert {r["baseline_attention"] for r in rows.values()} == {"masked_capacity"}
+    # the loop's capacity beside the rows it holds: Quest holds the whole prompt and the loop's tokens (256 + 2
+    # warmup + 2 timed) in the next capacity of the series, whose slack its page scores span
+    assert (rows["quest"]["held_rows"], rows["quest"]["capacity_rows"]) == ("260", "512")
+    assert rows["stock"]["held_rows"] == rows["stock"]["capacity_rows"] == ""
+    assert "held rows / capacity rows where the capacity is 1.25x or more" in text and "256 quest 260/512" in text
+    # RocketKV Fig. 7's second baseline: the repeated K/V's ms over each row's, at the same length
+    for method in ("full", "quest", "full_repeated_kv"):
+        row = rows[method]
+        assert float(row["speedup_vs_repeated_kv"]) == pytest.approx(
+            float(rows["full_repeated_kv"]["compiled_ms"]) / float(row["compiled_ms"]))
 
 
 def _compiled_table(text: str) -> dict[tuple[int, str], list[str]]:

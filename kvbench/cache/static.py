@@ -35,7 +35,10 @@ The cost is memory held, not bytes read: a layer holds up to twice the rows it n
 decoded for 64 steps holds 8,192 rows a head, 1.9x), plus what derived state keeps at the same capacity (page
 summaries, SparQ's transposed keys). Attention reads only the rows below each head's `fill` where the backend
 bounds its loop by the lengths (the split-K kernel on CUDA); elsewhere it masks the slots past `fill`, so the
-slack is read there. The eager path (the default on CPU) never enters this layout: its records are unaffected.
+slack is read there. The repeated-K/V baseline (`Method.repeats_kv`) reads its whole capacity on every device, as
+RocketKV's gpt-fast baseline reads its `max_seq_length`, so its capacity takes linear 256-row steps instead
+(`StaticKVLayer.enter`'s `tight`): it reads what the release reads, within 255 rows, at a graph per 256 rows of
+prompt. The eager path (the default on CPU) never enters this layout: its records are unaffected.
 If memory matters more than compile time, set `kvbench.cache.static.CAPACITY_GROWTH` before decoding (read at
 every layout entry; it is no config key): 1.25 holds at most 25-40% slack rows (25% past 4K rows) for 2.5 times
 as many graphs (22 capacities over 1K-128K instead of 9), 1 gives the linear 256-row steps (510 over 1K-128K).
