@@ -15,6 +15,10 @@ class Full(Method):
     does) and attends over the copies, so it reads G times the K/V of the GQA-aware cache (G = query heads per
     KV head, 4 on Llama-3.1-8B); its traffic counts those reads (not the copy's own write). Same outputs,
     another cost: how much of a speedup over "full" the baseline explains. null means false.
+    Its attention is the release's: masked math attention over the whole cache (NVlabs/RocketKV 63637c8,
+    `gpt-fast/model.py` `DenseAttentionFunction`, run by `gpt-fast/generate.py` `decode_n_tokens` with SDPA's
+    flash and memory-efficient kernels off), so the compiled loop holds the prompt plus its tokens in 256-row
+    steps, as close as that to the release's `max_seq_length` (`StaticKVLayer.enter`'s `tight`; docs/fidelity.md).
     """
 
     name = "full"
