@@ -76,10 +76,9 @@ DEFAULT_METHODS_AT = ["131072=full,stock,snapkv,quest"]
 # labels that are not a method's registered name: (method, settings)
 LABELS = {"full_repeated_kv": ("full", {"repeat_kv": True})}
 COLUMNS = ["length", "method", "status", "eager_ms", "compiled_ms", "compile_s", "compiles", "replayed", "path",
-           "weights_mb",
-           "kv_aux_mb", "bytes_mb", "floor_ms", "eager_over_floor", "compiled_over_floor", "compiled_over_stock",
-           "speedup_vs_full", "speedup_vs_repeated_kv", "full_bytes_over_bytes", "of_bytes", "compiled_over_snapkv", "eager_p90_ms",
-           "compiled_p90_ms", "rounds", "eager_spread", "compiled_spread", "decode_attention", "baseline_attention",
+           "weights_mb", "kv_aux_mb", "bytes_mb", "floor_ms", "eager_over_floor", "compiled_over_floor",
+           "compiled_over_stock", "speedup_vs_full", "speedup_vs_repeated_kv", "full_bytes_over_bytes", "of_bytes",
+           "compiled_over_snapkv", "eager_p90_ms", "compiled_p90_ms", "rounds", "eager_spread", "compiled_spread", "decode_attention", "baseline_attention",
            "held_rows", "capacity_rows", "prefill_s", "seconds", "note"]
 
 
@@ -424,7 +423,7 @@ def static_rows(session) -> dict[str, int]:
     if not session.cache.is_static:
         return {}
     layers = session.cache.layers
-    return {"held_rows": max(int(layer.head_view().lengths.max()) for layer in layers),
+    return {"held_rows": max(int(layer.static.fill.max()) for layer in layers),
             "capacity_rows": max(layer.static.width for layer in layers)}
 
 
