@@ -102,6 +102,8 @@ def test_bad_input_gives_one_clear_error_line(tmp_path, args, message):
     assert "Traceback" not in result.stderr + result.stdout
     assert not list(tmp_path.rglob("records.jsonl"))
     assert not list(tmp_path.rglob(".hydra")), "an invalid point leaves no directory behind"
+    left = [str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_dir()]
+    assert not left, f"an invalid point leaves no directory behind (not its task or method folders): {left}"
 
 
 def test_budget_at_or_above_context_is_recorded_as_uncompressed(tmp_path):
@@ -282,6 +284,9 @@ def test_ctrl_c_says_how_to_resume_without_a_traceback(tmp_path, multirun):
     assert "kvbench: interrupted: rerun the same command to resume" in err
     kept = sum(len(v) for v in records(tmp_path).values())
     assert 2 <= kept < 800
+    if multirun:  # stopped in the grouped phase, before any job ended: its table still shows what is recorded
+        table = out.split("(sweep did not finish: partial results)", 1)[1]
+        assert "(no records)" not in table and "snapkv" in table, out
 
 
 @pytest.mark.parametrize("where,reason", [("file", "File exists"), ("under_file", "Not a directory"),

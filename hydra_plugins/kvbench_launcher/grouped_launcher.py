@@ -45,6 +45,7 @@ class GroupedLauncher(Launcher):
         self.config, self.task_function, self.hydra_context = config, task_function, hydra_context
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from kvbench.results.sweeps import note_point
         from kvbench.run.group import group_key, run_grouped
         from kvbench.run.progress import SweepEstimate
 
@@ -69,6 +70,8 @@ class GroupedLauncher(Launcher):
             shared = [members for members in groups.values() if len(members) > 1]
             estimate = SweepEstimate(len(shared))
             for members in shared:
+                for config, job_dir in members:  # noted now, so a sweep stopped in its grouped phase (Ctrl-C)
+                    note_point(Path(str(config.hydra.sweep.dir)), job_dir)  # prints what it has recorded
                 run_grouped([(_task_config(c), d) for c, d in members], self.max_group)
                 estimate.group_done()
         runs: list[JobReturn] = []

@@ -34,9 +34,23 @@ def run_point(cfg: DictConfig) -> dict[str, Any]:
             prepared = prepare_point(cfg, run_dir)
         except KVBenchError:
             if not (run_dir / RECORDS_FILE).exists():  # nothing recorded: leave no empty point behind
-                shutil.rmtree(run_dir, ignore_errors=True)
+                _remove_empty_point(run_dir, Path(str(cfg.results_dir)))
             raise
         return _run_prepared(prepared)
+
+
+def _remove_empty_point(run_dir: Path, results_dir: Path) -> None:
+    """Remove a point directory that holds no records, and the task / model / method directories above it
+    that Hydra created for it and that hold nothing else (up to `results_dir`, which stays)."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    root = results_dir.resolve()
+    for parent in run_dir.resolve().parents:
+        if parent == root or root not in parent.parents:
+            break
+        try:
+            parent.rmdir()  # only an empty directory: another point's records stop the walk
+        except OSError:
+            break
 
 
 def _run_prepared(prepared: PreparedPoint) -> dict[str, Any]:
