@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -98,6 +99,31 @@ def test_point_table_intervals_are_of_the_printed_number(results: Path) -> None:
     assert (full["ci_low"], full["ci_high"]) == (100.0, 100.0)  # two alike: the bootstrap sees no spread
     assert list(table.columns[table.columns.get_loc("score"):][:3]) == ["score", "ci_low", "ci_high"]
     assert point_table(collect(results)).equals(table)  # seeded: a second report gives the same numbers
+
+
+def test_shared_decode_steps_are_shown_beside_ms_per_token(tmp_path: Path) -> None:
+    """Points decoded together record their share of each shared step as ms/token: the table says how many rows
+    shared it and that it is not the method's latency; a table of points decoded alone is unchanged."""
+    alone = tmp_path / "alone"
+    write_point(alone, "snapkv", 64, "qa", [("qa", 1.0), ("qa", 0.0)])
+    write_point(alone, "full", 1.0, "qa", [("qa", 1.0), ("qa", 1.0)])
+    text = report_text(alone)
+    assert "rows/step" not in text and "not the method's own latency" not in text
+
+    shared = tmp_path / "shared"
+    for run_dir, rows in ((write_point(shared, "snapkv", 64, "qa", [("qa", 1.0), ("qa", 0.0)]), [5, 4]),
+                          (write_point(shared, "full", 1.0, "qa", [("qa", 1.0), ("qa", 1.0)]), [5, 5])):
+        path = run_dir / "records.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        path.write_text("".join(json.dumps({**r, "decode_batched_rows": n}) + "\n" for r, n in zip(records, rows)))
+    table = point_table(collect(shared)).set_index("method")
+    assert table.loc["snapkv", "decode_batched_rows"] == pytest.approx(4.5)
+    text = report_text(shared)
+    header = next(line for line in text.splitlines() if line.lstrip().startswith("method"))
+    assert header.split()[-2:] == ["ms/token", "rows/step"]
+    rows = {line.split()[0]: line.split()[-1] for line in text.splitlines() if line.lstrip().startswith(("full", "snapkv"))}
+    assert rows == {"full": "5", "snapkv": "4.5"}
+    assert "not the method's own latency; profile=true times a point alone" in text
 
 
 def test_points_differing_only_in_hidden_settings_stay_apart(tmp_path: Path) -> None:

@@ -39,9 +39,20 @@ TABLE_METRICS = ("nll", "kept_tokens_mean", "kv_bytes_after_prefill", "decode_ms
 TABLE_TOTALS = ("decode_compile_s",)
 
 
+# How many points' rows shared a decode forward (grouped and batched decoding). A table shows it beside ms/token
+# where any point shared its steps: that ms/token is the shared step's time divided by its rows, a sweep's
+# throughput, not the method's own latency.
+SHARED_ROWS = "decode_batched_rows"
+
+
 # Short names of the metrics in a printed table (the CSV keeps the record names); KV bytes are printed in MiB.
 DISPLAY_NAMES = {"kept_tokens_mean": "kept", "kv_bytes_after_prefill": "KV MiB", "decode_ms_per_token": "ms/token",
-                 "decode_compile_s": "compile s"}
+                 "decode_compile_s": "compile s", SHARED_ROWS: "rows/step"}
+
+
+SHARED_ROWS_LEGEND = ("ms/token of a point whose rows/step is over 1: its share of steps decoded together with "
+                      "other points (the step's time / its rows), not the method's own latency; profile=true "
+                      "times a point alone")
 
 
 # Columns a printed table always shows, constant or not: the comparison's axes and what was measured.
@@ -150,6 +161,8 @@ def point_table(df: pd.DataFrame) -> pd.DataFrame:
     if "method" in df.columns:
         df = df.assign(method=method_labels(df))
     metrics = [m for m in TABLE_METRICS if m in df.columns]
+    if SHARED_ROWS in df.columns and (pd.to_numeric(df[SHARED_ROWS], errors="coerce") > 1).any():
+        metrics.append(SHARED_ROWS)  # only where something was shared: a table of lone points stays as it was
     totals = [m for m in TABLE_TOTALS if m in df.columns]
     agg: dict[str, tuple[str, Any]] = {"n": ("sample_id", "size"), "score": ("score", "mean")}
     agg.update({m: (m, "mean") for m in metrics})
@@ -278,6 +291,8 @@ def _format_cell(column: str, value: Any, score_columns: set[str]) -> str:
         return f"{value / 2**20:.1f} MiB"
     if column == "KV MiB":
         return f"{value:.1f}"
+    if column in (SHARED_ROWS, "rows/step"):
+        return f"{value:.3g}"  # 5, or 4.5 where some samples' rows decoded alone
     if column in ("kept_tokens_mean", "kept"):
         return f"{value:.6g}"
     if column == "budget" and isinstance(value, float) and value.is_integer() and value >= 2:
@@ -348,11 +363,11 @@ def compact(table: pd.DataFrame) -> tuple[pd.DataFrame, str]:
         counts = {}
     texts = {c: table[c].map(_label) for c in table.columns}
     varying = {c for c in table.columns if texts[c].nunique() > 1}
-    measured = ("score", *TABLE_METRICS, *TABLE_TOTALS)
+    measured = ("score", *TABLE_METRICS, *TABLE_TOTALS, SHARED_ROWS)
     unmeasured = {c for c in measured if c in table.columns and (
         table[c].isna().all() or c in TABLE_TOTALS and not table[c].fillna(0).astype(bool).any())}
     shown = {c for c in table.columns if c != "point_hash" and c not in unmeasured and (
-        c in scores or c in varying or c in ALWAYS_SHOWN)}
+        c in scores or c in varying or c in ALWAYS_SHOWN or c == SHARED_ROWS)}
     identity = [c for c in table.columns if c in shown and c not in (*scores, *measured, "n")]
     if "point_hash" in varying and identity and table.duplicated(identity).any():
         shown.add("point_hash")  # points that differ only in settings not shown: their hashes tell them apart
@@ -387,6 +402,8 @@ def points_text(table: pd.DataFrame, markdown: bool = False, pivot: Sequence[str
     text = format_table(shown, markdown=markdown)
     if any(shown[b].notna().any() for pair in shown.attrs["intervals"].values() for b in pair):
         text += ("\n\n" if markdown else "\n") + interval_legend(shown.attrs.get("resampled", "samples"))
+    if DISPLAY_NAMES[SHARED_ROWS] in shown and "ms/token" in shown:
+        text += ("\n\n" if markdown else "\n") + SHARED_ROWS_LEGEND
     return f"{note}\n\n{text}" if note and markdown else f"{note}\n{text}" if note else text
 
 
