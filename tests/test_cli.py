@@ -106,6 +106,25 @@ def test_bad_input_gives_one_clear_error_line(tmp_path, args, message):
     assert not left, f"an invalid point leaves no directory behind (not its task or method folders): {left}"
 
 
+@pytest.mark.parametrize("args,message", [
+    (["task.seq_len=200000"], "llama3.1_8b_instruct allows at most 131072 positions"),
+    (["task=custom", "task.path=missing.jsonl", "task.metric=qa_f1"], "custom data missing.jsonl: no such file"),
+    (["task=custom"], "task=custom needs task.path=FILE"),
+])
+def test_what_the_config_tells_is_refused_before_the_model_loads(tmp_path, args, message):
+    """A hub model's load is minutes: a length over its config's declared limit and a data file that is not there
+    are refused before it (here the hub is unreachable: a later check would fail on the load instead)."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run([sys.executable, "-m", "kvbench", "model=llama3.1_8b_instruct", *args,
+                             f"results_dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                            env=env)
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("kvbench: error: ") and message in lines[0], result.stderr
+    assert "loading model" not in result.stdout + result.stderr
+    assert not [p for p in tmp_path.rglob("*") if p.is_dir()]
+
+
 def test_budget_at_or_above_context_is_recorded_as_uncompressed(tmp_path):
     result = kvbench(*TINY, "task.num_samples=1", "method=snapkv", "budget=100000", f"results_dir={tmp_path}", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -14,7 +14,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from kvbench.config.paths import GROUPS, compose_config, config_groups
-from kvbench.config.validate import check_group_overrides, check_settings, validate
+from kvbench.config.validate import check_group_overrides, check_length, check_settings, validate
 from kvbench.core.errors import KVBenchError
 
 # Hydra's flags that print something or point at another config tree: the command is Hydra's to answer.
@@ -62,13 +62,16 @@ def check_job(cfg: DictConfig, runs_here: bool = True) -> None:
     """One composed point: its settings, its method's parameters, its results directory and, when it runs on
     this machine (not on a cluster's node), its device."""
     validate(cfg)
+    check_length(cfg)  # against the model config's declared limit: a long model's load is minutes
     from kvbench.methods import build_method, method_parameters
 
     build_method(cfg.method.name, **method_parameters(cfg.method))
     if runs_here:
         from kvbench.models import resolved_precision
+        from kvbench.tasks.base import build_task
 
         resolved_precision(cfg.model)  # an absent device or unknown dtype, named before its directory exists
+        build_task(cfg.task).check()  # e.g. a custom data file that is not there (on this machine)
     check_results_dir(Path(str(cfg.results_dir)))
 
 

@@ -73,16 +73,24 @@ def validate(cfg: DictConfig) -> None:
         raise KVBenchError(f"task.seq_len must be a positive number of tokens, got {seq_len!r}")
 
 
-def check_length(cfg: DictConfig, lm: "LoadedModel") -> None:
-    """A task longer than the model allows: say how long this model goes and the ways out."""
+def check_length(cfg: DictConfig, lm: "LoadedModel | None" = None) -> None:
+    """A task longer than the model allows: say how long this model goes and the ways out. Without `lm` (before
+    the model loads), against the limit its config declares (`model.max_positions`), where it declares one."""
     seq_len = cfg.task.get("seq_len")
-    if seq_len and seq_len > lm.max_positions:
+    limit = lm.max_positions if lm is not None else cfg.model.get("max_positions")
+    name = lm.name if lm is not None else cfg.model.name
+    if is_int(seq_len) and is_int(limit) and seq_len > limit:
+        longer = next((f", or on a longer-context model (model={model}, {label})" for model, positions, label in
+                       LONGER_MODELS if positions > limit), "")
         raise KVBenchError(
-            f"task {cfg.task.name} asks for {seq_len} tokens (task.seq_len) but {lm.name} allows at most "
-            f"{lm.max_positions} positions: run it with task.seq_len={lm.max_positions} or less (e.g. "
-            f"task=ruler_4k / ruler_8k, or task.seq_len=4096), or on a long-context model "
-            f"(model=llama3.1_8b_instruct, 128K)"
+            f"task {cfg.task.name} asks for {seq_len} tokens (task.seq_len) but {name} allows at most "
+            f"{limit} positions: run it with task.seq_len={limit} or less (e.g. "
+            f"task=ruler_4k / ruler_8k, or task.seq_len=4096){longer}"
         )
+
+
+# What a too-long task's error suggests, the first whose limit is over the refusing model's.
+LONGER_MODELS = (("llama3.1_8b_instruct", 131072, "128K"), ("llama3_8b_instruct_gradient_1048k", 1048576, "1M"))
 
 
 def check_group_overrides(argv: list[str]) -> None:

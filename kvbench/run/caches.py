@@ -12,15 +12,12 @@ from typing import Any
 
 import numpy as np
 import torch
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from kvbench.core.errors import KVBenchError
 from kvbench.engine.prompt import PromptBuilder
 from kvbench.engine.snapshots import PrefillSnapshots
 from kvbench.models import LoadedModel, load_model
-from kvbench.tasks.base import Sample
+from kvbench.tasks.base import Sample, build_task, task_error
 
 log = logging.getLogger("kvbench")
 
@@ -56,17 +53,16 @@ def cached_samples(cfg: DictConfig, lm: "LoadedModel", builder: "PromptBuilder")
     if key not in _SAMPLES:
         _SAMPLES.clear()
         try:
-            task = instantiate(cfg.task, _convert_="all")
+            task = build_task(cfg.task)
             if task.max_positions is None:
                 task.max_positions = lm.max_positions
             log.info("%s: building samples (lengths measured in %s's tokenizer)", cfg.task.name, lm.name)
             start = time.perf_counter()
             _SAMPLES[key] = task.samples(builder.measure, seed=cfg.seed)
             log.info("%s: %d samples in %.1f s", cfg.task.name, len(_SAMPLES[key]), time.perf_counter() - start)
-        except (ValueError, InstantiationException) as exc:  # a task's word on its settings
+        except ValueError as exc:  # a task's word on its samples
             log.debug("task %s failed", cfg.task.name, exc_info=True)
-            cause = exc.__cause__ if isinstance(exc, InstantiationException) and exc.__cause__ else exc
-            raise KVBenchError(f"task {cfg.task.name}: {cause}") from exc
+            raise task_error(cfg.task.name, exc) from exc
     return _SAMPLES[key]
 
 

@@ -26,6 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+
 from kvbench.core.errors import KVBenchError
 
 
@@ -99,6 +102,26 @@ class Task:
 
     def samples(self, meter: PromptMeter, seed: int) -> list[Sample]:
         raise NotImplementedError
+
+    def check(self) -> None:
+        """Refuse, before the model loads, what the task can tell from its settings alone (a data file that is
+        not there; not its rows, which need the tokenizer). Raises KVBenchError; the default has nothing to
+        check."""
+
+
+def build_task(task_cfg: Any) -> Task:
+    """The task a `kvbench/conf/task/*.yaml` node names. A task's word on its settings (a ValueError, also when
+    raised through Hydra's instantiation) becomes one KVBenchError line naming the task."""
+    try:
+        return instantiate(task_cfg, _convert_="all")
+    except (ValueError, InstantiationException) as exc:
+        raise task_error(task_cfg.name, exc) from exc
+
+
+def task_error(name: str, exc: Exception) -> KVBenchError:
+    """`task NAME: what it said`, the cause of a failed instantiation rather than Hydra's wrapper."""
+    cause = exc.__cause__ if isinstance(exc, InstantiationException) and exc.__cause__ else exc
+    return KVBenchError(f"task {name}: {cause}")
 
 
 def sample_rng(seed: int, *parts: Any) -> random.Random:

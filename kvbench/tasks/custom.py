@@ -58,7 +58,17 @@ from typing import Any
 
 from kvbench.core.errors import KVBenchError
 from kvbench.tasks.base import PromptMeter, Sample, Task
-from kvbench.tasks.custom_rows import COLUMNS, FORMATS, TRUNCATIONS, Defaults, Row, check_metric, parse_row, read_rows
+from kvbench.tasks.custom_rows import (
+    COLUMNS,
+    FORMATS,
+    TRUNCATIONS,
+    Defaults,
+    Row,
+    check_file,
+    check_metric,
+    parse_row,
+    read_rows,
+)
 
 __all__ = ["COLUMNS", "FORMATS", "Custom", "check_metric", "read_rows", "sample_to_row", "write_samples"]
 
@@ -89,7 +99,7 @@ class Custom(Task):
     def __init__(self, name: str = "custom", path: str | None = None, metric: str | None = None,
                  max_new_tokens: int = 64, num_samples: int | None = None, seq_len: int | None = None,
                  chat_template: bool = True, truncation: str = "error", max_positions: int | None = None) -> None:
-        # Only stored here: every check needs the file or the model's limit, so all of them run in `samples`.
+        # Only stored here: `check` (before the model loads) and `samples` (with the model's limit) check them.
         self.name = name
         self.path = path
         self.metric = metric
@@ -117,6 +127,11 @@ class Custom(Task):
         if self.truncation not in TRUNCATIONS:
             raise KVBenchError(f"task.truncation must be one of {', '.join(TRUNCATIONS)}, got {self.truncation!r}")
         return Defaults(self.name, self.metric, self.max_new_tokens, bool(self.chat_template), self.truncation)
+
+    def check(self) -> None:
+        """The settings and the file's presence, before the model loads (the rows are checked in `samples`)."""
+        self._check_settings()
+        check_file(Path(self.path).expanduser())
 
     def samples(self, meter: PromptMeter, seed: int) -> list[Sample]:
         """The file's samples (the first `num_samples`), after validating every row. `seed` is unused."""

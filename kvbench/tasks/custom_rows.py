@@ -66,12 +66,17 @@ def _json_lines(path: Path, text: str) -> list[Row]:
     return rows
 
 
-def read_rows(path: Path) -> list[Row]:
-    """The file's rows in order, raw. Raises KVBenchError for a missing, unreadable or empty file."""
+def check_file(path: Path) -> None:
+    """Raise KVBenchError for a data file of an unsupported type or that is not there."""
     if path.suffix not in FORMATS:
         raise KVBenchError(f"custom data {path}: unsupported file type {path.suffix!r}; use {', '.join(FORMATS)}")
     if not path.is_file():
         raise KVBenchError(f"custom data {path}: no such file")
+
+
+def read_rows(path: Path) -> list[Row]:
+    """The file's rows in order, raw. Raises KVBenchError for a missing, unreadable or empty file."""
+    check_file(path)
     if path.suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq
