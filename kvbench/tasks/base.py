@@ -21,7 +21,7 @@ import dataclasses
 import hashlib
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -164,20 +164,40 @@ def read_jsonl(path: Path, required: Sequence[str], benchmark: str) -> list[dict
     return rows
 
 
+def subset_files(data_dir: Path, names: dict[str, str], missing: Callable[[list[str], str], str]) -> dict[str, Path]:
+    """Each subset's `<name>.jsonl` in `data_dir` or `data_dir/data` (`names`: subset -> file name). Any not there:
+    a `DatasetMissingError` with `missing(file names, where they were looked for)` as its message."""
+    paths = {}
+    for subset, name in names.items():
+        found = next((p for p in (data_dir / f"{name}.jsonl", data_dir / "data" / f"{name}.jsonl") if p.is_file()),
+                     None)
+        if found is not None:
+            paths[subset] = found
+    absent = [name for subset, name in names.items() if subset not in paths]
+    if absent:
+        files = ", ".join(f"{name}.jsonl" for name in absent)
+        raise DatasetMissingError(missing(absent, f"no {files} in {data_dir} or {data_dir / 'data'}"))
+    return paths
+
+
+def check_data_file(path: Path, what: str, how: str) -> None:
+    """A `DatasetMissingError` (as `jsonl_or_hub_rows` raises it) where the file `path` is not there."""
+    if not path.is_file():
+        raise DatasetMissingError(f"{what} not found: {path} does not exist. {how}")
+
+
 def jsonl_or_hub_rows(path: Path | None, dataset: str, config: str | None, what: str, how: str) -> list[dict[str, Any]]:
     """The rows of the JSON-lines file `path` (blank lines skipped) when given, else of the test split of the
     Hugging Face dataset `dataset` (its `config`; from the Hub, or its cache). Neither there: a
     `DatasetMissingError` that says `what` was not found, where it was looked for, and `how` to get it."""
     if path is not None:
-        if path.is_file():
-            return read_jsonl(path, (), what)
-        where = f"{path} does not exist"
-    else:
-        rows = load_hf_rows(dataset, config, "test")
-        if rows is not None:
-            return rows
-        named = repr(dataset) if config is None else f"{dataset!r} (config {config!r})"
-        where = f"task.data_dir is null and {named} could not be loaded from the Hugging Face Hub or its cache"
+        check_data_file(path, what, how)
+        return read_jsonl(path, (), what)
+    rows = load_hf_rows(dataset, config, "test")
+    if rows is not None:
+        return rows
+    named = repr(dataset) if config is None else f"{dataset!r} (config {config!r})"
+    where = f"task.data_dir is null and {named} could not be loaded from the Hugging Face Hub or its cache"
     raise DatasetMissingError(f"{what} not found: {where}. {how}")
 
 

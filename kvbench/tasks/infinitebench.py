@@ -55,7 +55,16 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn, read_jsonl, sample_rng
+from kvbench.tasks.base import (
+    DatasetMissingError,
+    PromptMeter,
+    Sample,
+    Task,
+    Turn,
+    read_jsonl,
+    sample_rng,
+    subset_files,
+)
 
 HF_REPO = "xinrongzhang2022/InfiniteBench"
 
@@ -251,17 +260,14 @@ class InfiniteBench(Task):
             return {}
         if self.data_dir is None:
             return {s: read_jsonl(_hub_file(s), ROW_KEYS, "InfiniteBench") for s in subsets}
-        paths = {}
-        for subset in subsets:
-            candidates = [self.data_dir / f"{subset}.jsonl", self.data_dir / "data" / f"{subset}.jsonl"]
-            found = next((p for p in candidates if p.is_file()), None)
-            if found is not None:
-                paths[subset] = found
-        missing = [s for s in subsets if s not in paths]
-        if missing:
-            files = ", ".join(f"{m}.jsonl" for m in missing)
-            raise DatasetMissingError(_missing_message(missing, f"no {files} in {self.data_dir} or {self.data_dir / 'data'}"))
+        paths = subset_files(self.data_dir, {s: s for s in subsets}, _missing_message)
         return {s: read_jsonl(p, ROW_KEYS, "InfiniteBench") for s, p in paths.items()}
+
+    def check(self) -> None:
+        """A `data_dir` without the read tasks' files, before the model loads (the Hub is asked later)."""
+        read = [s for s in self.subsets if not self.generated(s)]
+        if self.data_dir is not None and read:
+            subset_files(self.data_dir, {s: s for s in read}, _missing_message)
 
     def samples(self, meter: PromptMeter, seed: int) -> list[Sample]:
         rows = self.load_rows([s for s in self.subsets if not self.generated(s)])

@@ -59,7 +59,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn, read_jsonl
+from kvbench.tasks.base import DatasetMissingError, PromptMeter, Sample, Task, Turn, read_jsonl, subset_files
 from kvbench.tasks.longbench_metrics import (
     ALL_SUBSETS,
     ENGLISH_SUBSETS,
@@ -253,21 +253,16 @@ class LongBench(Task):
     def _config_name(self, subset: str) -> str:
         return f"{subset}_e" if self.e else subset
 
+    def check(self) -> None:
+        """A `data_dir` without the subsets' files, before the model loads (the HF cache is looked in later)."""
+        if self.data_dir is not None:
+            subset_files(self.data_dir, {s: self._config_name(s) for s in self.subsets}, _missing_message)
+
     def load_rows(self) -> dict[str, list[dict[str, Any]]]:
         """Raw rows per subset, from `data_dir` (or `data_dir/data`) or else the HF datasets cache."""
         names = {s: self._config_name(s) for s in self.subsets}
         if self.data_dir is not None:
-            paths: dict[str, Path] = {}
-            for subset, config in names.items():
-                candidates = [self.data_dir / f"{config}.jsonl", self.data_dir / "data" / f"{config}.jsonl"]
-                found = next((p for p in candidates if p.is_file()), None)
-                if found is not None:
-                    paths[subset] = found
-            missing = [names[s] for s in self.subsets if s not in paths]
-            if missing:
-                files = ", ".join(f"{m}.jsonl" for m in missing)
-                where = f"no {files} in {self.data_dir} or {self.data_dir / 'data'}"
-                raise DatasetMissingError(_missing_message(missing, where))
+            paths = subset_files(self.data_dir, names, _missing_message)
             return {s: read_jsonl(p, _ROW_KEYS, "LongBench") for s, p in paths.items()}
         if not _hf_cache_has_longbench():
             raise DatasetMissingError(

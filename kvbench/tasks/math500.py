@@ -36,27 +36,33 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvbench.tasks.base import PromptMeter, Sample, Task, Turn, jsonl_or_hub_rows, sample_rng
+from kvbench.tasks.base import PromptMeter, Sample, Task, Turn, check_data_file, jsonl_or_hub_rows, sample_rng
 
 HF_DATASET = "HuggingFaceH4/MATH-500"
 INSTRUCTION = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 PACKAGED_DATA = Path(__file__).resolve().parent / "data"  # stand-in problem sets shipped with kvbench
 
 
+HOW_TO_GET = (
+    f"Get it (about 0.45 MB) on a machine with Hub access, then either\n"
+    f"  huggingface-cli download {HF_DATASET} test.jsonl --repo-type dataset --local-dir DIR\n"
+    f"  (then set task.data_dir=DIR), or fill the HF cache with\n"
+    f"  python -c \"from datasets import load_dataset; load_dataset('{HF_DATASET}', split='test')\"\n"
+    f"  and leave task.data_dir null.")
+
+
+def data_file(data_dir: str) -> Path:
+    """`data_dir/test.jsonl`; a relative `data_dir` that is no folder here may name one of the packaged data."""
+    folder = Path(data_dir).expanduser()
+    if not folder.is_absolute() and not folder.is_dir() and (PACKAGED_DATA / folder).is_dir():
+        folder = PACKAGED_DATA / folder
+    return folder / "test.jsonl"
+
+
 def load_rows(data_dir: str | None) -> list[dict[str, Any]]:
     """All 500 problems, from `data_dir/test.jsonl` when given, else from the Hugging Face Hub (or its cache)."""
-    path = None
-    if data_dir is not None:
-        folder = Path(data_dir).expanduser()
-        if not folder.is_absolute() and not folder.is_dir() and (PACKAGED_DATA / folder).is_dir():
-            folder = PACKAGED_DATA / folder
-        path = folder / "test.jsonl"
-    return jsonl_or_hub_rows(path, HF_DATASET, None, "Math-500 data", (
-        f"Get it (about 0.45 MB) on a machine with Hub access, then either\n"
-        f"  huggingface-cli download {HF_DATASET} test.jsonl --repo-type dataset --local-dir DIR\n"
-        f"  (then set task.data_dir=DIR), or fill the HF cache with\n"
-        f"  python -c \"from datasets import load_dataset; load_dataset('{HF_DATASET}', split='test')\"\n"
-        f"  and leave task.data_dir null."))
+    path = None if data_dir is None else data_file(data_dir)
+    return jsonl_or_hub_rows(path, HF_DATASET, None, "Math-500 data", HOW_TO_GET)
 
 
 class Math500(Task):
@@ -98,6 +104,11 @@ class Math500(Task):
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.top_p = top_p
+
+    def check(self) -> None:
+        """A `data_dir` without `test.jsonl`, before the model loads (the Hub is asked later)."""
+        if self.data_dir is not None:
+            check_data_file(data_file(self.data_dir), "Math-500 data", HOW_TO_GET)
 
     def samples(self, meter: PromptMeter, seed: int) -> list[Sample]:
         """One sample per (problem, response index). `seed` only derives the per-sample sampling seeds."""

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from kvbench.tasks.base import PromptMeter, Sample, Task, Turn, jsonl_or_hub_rows
+from kvbench.tasks.base import PromptMeter, Sample, Task, Turn, check_data_file, jsonl_or_hub_rows
 from kvbench.tasks.scbench_metrics import REPOQA_LANGUAGES
 
 HF_DATASET = "microsoft/SCBench"
@@ -135,14 +135,18 @@ TASKS: dict[str, TaskSpec] = {
 def load_rows(task: str, data_dir: str | None) -> list[dict[str, Any]]:
     """All rows of one SCBench task, from `data_dir` when given, else from the Hugging Face Hub (or its cache)."""
     path = None if data_dir is None else Path(data_dir) / f"{task}.jsonl"
-    return jsonl_or_hub_rows(path, HF_DATASET, task, f"SCBench data for {task}", (
+    return jsonl_or_hub_rows(path, HF_DATASET, task, f"SCBench data for {task}", _how_to_get(task))
+
+
+def _how_to_get(task: str) -> str:
+    return (
         f"Get it on a machine with Hub access, then either\n"
         f"  huggingface-cli download {HF_DATASET} data/{task}.jsonl --repo-type dataset --local-dir DIR\n"
         f"  (then set task.data_dir=DIR/data), or\n"
         f"  wget https://huggingface.co/datasets/{HF_DATASET}/resolve/main/data/{task}.jsonl -O DIR/{task}.jsonl\n"
         f"  (then set task.data_dir=DIR), or fill the HF cache with\n"
         f"  python -c \"from datasets import load_dataset; load_dataset('{HF_DATASET}', '{task}', split='test')\"\n"
-        f"  and leave task.data_dir null."))
+        f"  and leave task.data_dir null.")
 
 
 def _math_find_target(query: str) -> str:
@@ -226,6 +230,11 @@ class SCBench(Task):
         self.max_turns = max_turns if max_turns is not None and max_turns > 0 else None
         self.golden_context = golden_context
         self.max_seq_length = max_seq_length
+
+    def check(self) -> None:
+        """A `data_dir` without a task's file, before the model loads (the Hub is asked later)."""
+        for task in self.tasks if self.data_dir is not None else ():
+            check_data_file(Path(self.data_dir) / f"{task}.jsonl", f"SCBench data for {task}", _how_to_get(task))
 
     def samples(self, meter: PromptMeter, seed: int) -> list[Sample]:
         """All samples of the configured tasks, in data order. Deterministic: `seed` and `meter` are unused
