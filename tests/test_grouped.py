@@ -201,6 +201,21 @@ def _records(root: Path) -> dict[tuple[str, str], list[dict]]:
     return out
 
 
+def test_the_grouped_phase_logs_as_the_jobs_do(tmp_path):
+    """The lines a group writes (its samples, its progress) name kvbench's logger and level, as a job's lines do,
+    not Hydra's launcher prefix; Hydra's own lines keep theirs."""
+    result = subprocess.run([sys.executable, "-m", "kvbench", "-m", "model=tiny_llama", "task=twostage_retr",
+                             "task.num_samples=1", "task.max_new_tokens=2", "method=full,snapkv", "budget=40",
+                             "show_progress=false", f"results_dir={tmp_path}"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert any("[kvbench][INFO] - decoding 2 points together" in line for line in lines), lines
+    assert not any("[HYDRA] decoding" in line or "[HYDRA] loading model" in line for line in lines), lines
+    assert any("[HYDRA] Launching 2 jobs locally" in line for line in lines), lines
+    assert not list(tmp_path.glob("*.log")), "the grouped phase writes no job's log file"
+
+
 def test_a_killed_grouped_multirun_resumes_without_loss_or_duplicates(tmp_path):
     args = ["-m", "model=tiny_llama", "task=twostage_retr", "task.num_samples=6", "task.max_new_tokens=8",
             "method=full,adakv,exact_topk", "budget=40", "show_progress=false"]

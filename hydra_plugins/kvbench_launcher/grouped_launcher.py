@@ -69,11 +69,14 @@ class GroupedLauncher(Launcher):
                     groups.setdefault(key, []).append((config, _job_dir(config)))
             shared = [members for members in groups.values() if len(members) > 1]
             estimate = SweepEstimate(len(shared))
+            if shared:  # the groups' lines read as the jobs' do (logger and level), not as Hydra's own
+                configure_log(_console_only(self.config.hydra.job_logging), self.config.hydra.verbose)
             for members in shared:
                 for config, job_dir in members:  # noted now, so a sweep stopped in its grouped phase (Ctrl-C)
                     note_point(Path(str(config.hydra.sweep.dir)), job_dir)  # prints what it has recorded
                 run_grouped([(_task_config(c), d) for c, d in members], self.max_group)
                 estimate.group_done()
+            configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         runs: list[JobReturn] = []
         for idx, overrides, config in configs:
             log.info(f"\t#{idx} : {' '.join(filter_overrides(overrides))}")
@@ -81,6 +84,18 @@ class GroupedLauncher(Launcher):
                                 job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir"))
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return runs
+
+
+def _console_only(job_logging: DictConfig) -> DictConfig:
+    """A job's logging config without its file handlers: the grouped phase belongs to no one job's directory."""
+    logging_cfg = OmegaConf.create(OmegaConf.to_container(job_logging, resolve=False))
+    files = [name for name, handler in (logging_cfg.get("handlers") or {}).items()
+             if "File" in str(handler.get("class", ""))]
+    for name in files:
+        del logging_cfg.handlers[name]
+    if logging_cfg.get("root") and logging_cfg.root.get("handlers"):
+        logging_cfg.root.handlers = [h for h in logging_cfg.root.handlers if h not in files]
+    return logging_cfg
 
 
 def _job_dir(config: DictConfig) -> Path:
