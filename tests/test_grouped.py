@@ -201,9 +201,15 @@ def _records(root: Path) -> dict[tuple[str, str], list[dict]]:
     return out
 
 
+def _point_dirs(root: Path) -> list[Path]:
+    """The point directories under `root` in the order the jobs run (method full before snapkv)."""
+    return sorted((p.parent for p in root.rglob("records.jsonl")), key=lambda d: d.parent.name)
+
+
 def test_the_grouped_phase_logs_as_the_jobs_do(tmp_path):
     """The lines a group writes (its samples, its progress) name kvbench's logger and level, as a job's lines do,
-    not Hydra's launcher prefix; Hydra's own lines keep theirs."""
+    not Hydra's launcher prefix; Hydra's own lines keep theirs. Each job then says its samples were recorded with
+    its group (not that it resumes); a rerun has nothing to decode together and each job resumes."""
     result = subprocess.run([sys.executable, "-m", "kvbench", "-m", "model=tiny_llama", "task=twostage_retr",
                              "task.num_samples=1", "task.max_new_tokens=2", "method=full,snapkv", "budget=40",
                              "show_progress=false", f"results_dir={tmp_path}"], cwd=tmp_path, capture_output=True,
@@ -214,6 +220,11 @@ def test_the_grouped_phase_logs_as_the_jobs_do(tmp_path):
     assert not any("[HYDRA] decoding" in line or "[HYDRA] loading model" in line for line in lines), lines
     assert any("[HYDRA] Launching 2 jobs locally" in line for line in lines), lines
     assert not list(tmp_path.glob("*.log")), "the grouped phase writes no job's log file"
+    said = [line.split(" - ", 1)[-1] for line in lines if "samples" in line and "[kvbench]" in line]
+    assert [line for line in said if "recorded" in line] == [f"{d.name}: 1 of 1 samples recorded with its group"
+                                                             for d in _point_dirs(tmp_path)], said
+    again = subprocess.run(result.args, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert "decoding 2 points together" not in again.stdout and again.stdout.count("1 of 1 samples already recorded") == 2
 
 
 def test_a_killed_grouped_multirun_resumes_without_loss_or_duplicates(tmp_path):

@@ -19,6 +19,16 @@ from kvbench.run.progress import SampleProgress, sample_count
 log = logging.getLogger("kvbench")
 
 
+# Samples each point recorded in this process's grouped phase, by run directory: its job then finds them
+# recorded and says where they came from rather than that it resumes.
+_GROUPED: dict[Path, int] = {}
+
+
+def recorded_with_group(run_dir: Path) -> int:
+    """How many samples of the point in `run_dir` this process recorded in a grouped decode."""
+    return _GROUPED.get(Path(run_dir).resolve(), 0)
+
+
 # A point's identity less what the points of one group differ in (method, budget); the engine section whole,
 # its non-identity settings too (batch_rows, reuse_prefill, ...), since a group decodes under one EngineConfig.
 GROUP_KEYS = tuple(k for k in POINT_KEYS if k not in ("method", "budget"))
@@ -61,6 +71,8 @@ def _run_group_samples(prepared: list[PreparedPoint], max_group: int) -> None:
     samples = prepared[0].samples
     todo = {p.run_dir: {s.id for s in p.todo()} for p in prepared}
     pending = [s for s in samples if any(s.id in ids for ids in todo.values())]
+    if not pending:  # a rerun of a finished sweep: each job says its samples are recorded
+        return
     log.info("decoding %d points together, %s to run", len(prepared),
              sample_count(pending, prepared[0].cfg.task.get("num_samples")))
     bar = SampleProgress(len(pending), f"group of {len(prepared)} points, {prepared[0].cfg.task.name}",
@@ -68,7 +80,11 @@ def _run_group_samples(prepared: list[PreparedPoint], max_group: int) -> None:
     for sample in pending:
         rows = [p for p in prepared if sample.id in todo[p.run_dir]]
         for start in range(0, len(rows), max_group):
-            run_rows(prepared[0], [(point, sample) for point in rows[start:start + max_group]])
+            batch = rows[start:start + max_group]
+            run_rows(prepared[0], [(point, sample) for point in batch])
+            for point in batch:
+                key = point.run_dir.resolve()
+                _GROUPED[key] = _GROUPED.get(key, 0) + 1
         bar.update()
         release_host_memory()
     bar.close()

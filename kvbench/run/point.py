@@ -19,6 +19,7 @@ from kvbench.core.errors import KVBenchError
 from kvbench.results.store import RECORDS_FILE, point_lock
 from kvbench.results.summary import summarize, write_summary
 from kvbench.run.caches import release_host_memory
+from kvbench.run.group import recorded_with_group
 from kvbench.run.policy import run_rows
 from kvbench.run.prepare import PreparedPoint, prepare_point
 from kvbench.run.progress import SampleProgress, sample_count
@@ -56,9 +57,13 @@ def _remove_empty_point(run_dir: Path, results_dir: Path) -> None:
 def _run_prepared(prepared: PreparedPoint) -> dict[str, Any]:
     cfg = prepared.cfg
     todo = prepared.todo()
-    if len(todo) < len(prepared.samples):
-        log.info("resuming %s: %d of %d samples already recorded", prepared.run_dir,
-                 len(prepared.samples) - len(todo), len(prepared.samples))
+    recorded, grouped = len(prepared.samples) - len(todo), recorded_with_group(prepared.run_dir)
+    if recorded and grouped >= recorded:  # all of them just now, in the sweep's grouped phase: nothing resumes
+        log.info("%s: %d of %d samples recorded with its group", prepared.run_dir.name, recorded,
+                 len(prepared.samples))
+    elif recorded:
+        log.info("resuming %s: %d of %d samples already recorded%s", prepared.run_dir, recorded,
+                 len(prepared.samples), f" ({grouped} of them just now, with its group)" if grouped else "")
     if todo:
         log.info("%s: %s to run", prepared.run_dir.name, sample_count(todo, cfg.task.get("num_samples")))
     bar = SampleProgress(len(todo), f"{cfg.method.name} b={prepared.budget} {cfg.task.name}", cfg.show_progress)
