@@ -157,6 +157,18 @@ def test_budget_tables_prints_the_accuracy_and_table1_columns(tmp_path):
     assert re.search(r"^\| snapkv \| 32 \| 8\.0 \| 0\.250 \| 0\.250 \| 0\.125 \| 32 \| 0\.125 \| 0\.125 \|$", out, re.M), out
 
 
+def test_sweep_graphs_counts_capacities_against_the_plans_as_shapes():
+    """Arithmetic only: per method and budget, the graphs (capacities) are a handful where the plans' numbers as
+    shapes would be more, and the runtime counts read at least the plan's elements, at most 3x."""
+    out = script("sweep_graphs.py", "--budgets", "256,1024", "--samples", "60")
+    rows = re.findall(r"^(quest|hsa|rocketkv|sparq) +(\d+) +(\d+) +(\d+) +(\d+) +(\d+\.\d+) +(\d+\.\d+)$", out, re.M)
+    assert {(method, budget) for method, budget, *_ in rows} == {
+        (m, b) for m in ("quest", "hsa", "rocketkv", "sparq") for b in ("256", "1024")}, out
+    for method, _, points, graphs, shapes, median, largest in rows:
+        assert int(points) == 60 and 1 <= int(graphs) <= 4 < int(shapes), out
+        assert 1.0 <= float(median) <= float(largest) <= 3.0, out
+
+
 @pytest.mark.integration
 def test_sweep_throughput_bench_times_a_grouped_sweep_on_smollm2():
     """The grid on one short sample of the embedded SmolLM2, batched only; kvpress, an optional comparison in

@@ -18,7 +18,10 @@ from kvbench.cache.static import CAPACITY_BUCKET, bucketed
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.sample import run_sample
 from kvbench.methods import build_method
+from kvbench.methods.common.dims import RuntimeDims
 from kvbench.methods.common.pages import RuntimePage, top_page_tokens
+from kvbench.methods.hsa import HSALength, hsa_parameters
+from kvbench.methods.quest import QuestPage
 from kvbench.models import load_model
 from kvbench.reporting.table import point_table, report_text
 from kvbench.results.collect import collect
@@ -89,6 +92,13 @@ def synthetic(length: int) -> Sample:
     ("quest", {"page_size": 16}, 64),
     ("quest", {}, 64),
     ("quest", {}, 100),
+    # HSA's page ceil(sqrt(S / t)) and estimate dimensions int(D p / (S / t)), runtime inputs too (10 and 9 graphs
+    # here while they were Python numbers); RocketKV's, of its stage-1 capacity (7 graphs at 256)
+    ("hsa", {}, 64),
+    ("hsa", {}, 256),
+    ("rocketkv", {"window": 8}, 256),
+    # SparQ's r = round(D t / S), a runtime input (at a budget near the lengths, where r takes many values)
+    ("sparq", {}, 1000),
 ])
 def test_a_sweep_of_twelve_prompt_lengths_compiles_at_most_five_graphs(sweep_llama, monkeypatch, method, settings,
                                                                         budget):
@@ -108,7 +118,12 @@ def test_a_sweep_of_twelve_prompt_lengths_compiles_at_most_five_graphs(sweep_lla
     assert 2 <= compiles <= 5, [(r["prompt_tokens"], r["decode_compiles"]) for r in records]
     if method == "quest" and not settings:  # the page size differs at (almost) every length; the graphs do not
         assert len({r["budget_plan"]["page_size"] for r in records}) >= 10, [r["budget_plan"] for r in records]
-    if method != "adakv":  # every token kept: one graph per capacity of the prompt plus the loop
+    if method in ("hsa", "rocketkv"):  # so do the page and the estimate dimensions
+        plans = {(r["budget_plan"]["page_size"], r["budget_plan"]["k1"]) for r in records}
+        assert len(plans) >= 7 and len({k1 for _, k1 in plans}) >= 3, plans
+    if method == "sparq":
+        assert len({r["budget_plan"]["r"] for r in records}) >= 7, [r["budget_plan"] for r in records]
+    if method not in ("adakv", "rocketkv"):  # every token kept: one graph per capacity of the prompt plus the loop
         assert compiles == len({bucketed(n + NEW + 1) for n in LENGTHS})
     assert sum(r["decode_compile_s"] for r in records) > 0
     assert len({bucketed(n + NEW + 1, growth=1) for n in LENGTHS}) == 12  # 256-row steps: a graph per length
@@ -154,7 +169,7 @@ def test_a_runtime_page_selects_the_tokens_of_the_page_as_a_number(seed):
     length = int(torch.randint(budget + 1, width + 1, (1,), generator=gen))  # the S the page is derived from
     page = max(1, round(2 * length / budget))
     heads = 3
-    runtime = RuntimePage.at(width, page, budget, k, torch.device("cpu"))
+    runtime = RuntimePage.at(width, page, QuestPage(budget, k), torch.device("cpu"))
     fill = torch.randint(max(k, length // 2), length + 1, (heads,), generator=gen)
     if seed % 4 == 0:
         fill[0] = (int(fill[0]) // page) * page or page  # a whole last page
@@ -173,8 +188,58 @@ def test_runtime_page_counts_depend_on_the_capacity_and_budget_alone():
     """Every prompt length whose loop fits a capacity gives the same page count and pages ordered, so one graph;
     a loop outside the rule (rows longer than the S of the page) its own counts, still covering the capacity."""
     budget, k, width = 64, 32, 4096
-    shapes = {(r.pages, r.ordered) for r in (RuntimePage.at(width, max(1, round(2 * s / budget)), budget, k,
-                                                            torch.device("cpu")) for s in range(2049, 4097))}
+    rule = QuestPage(budget, k)
+    shapes = {(r.pages, r.ordered) for r in (RuntimePage.at(width, rule.page(s), rule, torch.device("cpu"))
+                                             for s in range(2049, 4097))}
     assert len(shapes) == 1
-    short = RuntimePage.at(width, max(1, round(2 * 600 / budget)), budget, k, torch.device("cpu"))
+    short = RuntimePage.at(width, rule.page(600), rule, torch.device("cpu"))
     assert short.pages * int(short.page) >= width and short.ordered >= k // int(short.page) + 2
+
+
+@pytest.mark.parametrize("budget,head_dim", [(64, 16), (64, 128), (256, 128), (1024, 128), (100, 64), (7, 32)])
+def test_hsa_most_dims_is_the_largest_k1_of_the_lengths(budget, head_dim):
+    """`HSALength.most_dims` (from where the page steps up) against every length of each capacity's range, and
+    the runtime page's counts: the same for every length whose loop fits the capacity, and enough for its k1."""
+    k1 = lambda n: hsa_parameters(n / budget, head_dim)["k1"]  # noqa: E731
+    for width in (256, 512, 2048, 8192, 32_768):
+        rule = HSALength(budget, budget // 2, head_dim, dims=1)
+        assert rule.most_dims(width // 2, width) == max(k1(n) for n in range(width // 2, width + 1)), width
+        counts = set()
+        for n in range(width // 2 + 1, width + 1, 7):
+            plan = hsa_parameters(n / budget, head_dim)
+            runtime = RuntimePage.at(width, plan["page_size"], HSALength(budget, budget // 2, head_dim, plan["k1"]),
+                                     torch.device("cpu"))
+            assert int(runtime.dims.value) == plan["k1"] <= runtime.dims.count
+            assert int(runtime.page) == plan["page_size"]
+            counts.add((runtime.pages, runtime.ordered, runtime.dims.count))
+        assert len(counts) == 1, (width, counts)
+
+
+@pytest.mark.parametrize("method,settings,budget", [("hsa", {}, 64), ("rocketkv", {}, 256), ("sparq", {}, 1000),
+                                                    ("sparq", {"granularity": "head"}, 1000)])
+def test_runtime_page_and_dims_keep_the_eager_tokens_and_traffic(sweep_llama, monkeypatch, method, settings, budget):
+    """HSA, RocketKV and SparQ compiled with the page and the estimate's dimensions (k1, r) as runtime inputs, at
+    prompt lengths where the step takes more dimensions than the plan's (the rest zeroed) and the page is not
+    the capacity's smallest: the eager path's tokens and the traffic the plan gives."""
+    monkeypatch.setattr(compiled, "BACKEND", "eager")
+    eager_engine = EngineConfig(compile=False, nll=False, topk_recall=False, reuse_prefill=False)
+    seen = []
+    real_at = RuntimePage.at.__func__
+    monkeypatch.setattr(RuntimePage, "at", classmethod(lambda cls, *a: seen.append(real_at(cls, *a)) or seen[-1]))
+    dims_seen = []
+    real_dims = RuntimeDims.at.__func__
+    monkeypatch.setattr(RuntimeDims, "at", classmethod(lambda cls, *a: dims_seen.append(real_dims(cls, *a))
+                                                       or dims_seen[-1]))
+    for length in (1300, 2327, 3000):
+        sample = synthetic(length)
+        sample.turns[0].max_new_tokens = sample.meta["min_new_tokens"] = 8
+        runs = [run_sample(sweep_llama, build_method(method, **settings), budget, sample, engine)
+                for engine in (ENGINE, eager_engine)]
+        assert [r["decode_path"] for r in runs] == ["compiled", "eager"]
+        assert runs[0]["turns"][0]["prediction"] == runs[1]["turns"][0]["prediction"]
+        for key in ("decode_read_bytes_per_step", "decode_read_tokens_per_group", "decode_attended_tokens_per_head"):
+            assert runs[0][key] == runs[1][key], key
+    if method == "sparq":  # its runtime r is its transposed keys' (`TransposedKeys.runtime_dims`)
+        assert not seen and any(int(d.value) < d.count for d in dims_seen)
+        return
+    assert any(int(r.dims.value) < r.dims.count for r in seen) and any(int(r.page) * r.pages > r.width for r in seen)

@@ -8,9 +8,10 @@ hooks (selection, eviction, accounting) into one graph, and every later step of 
 whose capacity falls in the same bucket, runs it. What a graph depends on is the layout's shape (the
 bucketed capacity, uniform or ragged), the method's settings and the plan's shape parameters (a top-k's k, a
 fixed page size): a new value of these compiles a new graph, which the record counts (`decode_compiles`). A plan
-value derived from the prompt length is no shape where the method makes it a runtime input: Quest's default page
-(`kvbench.methods.common.pages.RuntimePage`; 4 graphs over 12 prompt lengths of 1K-8K, was 12). HSA's page and
-estimate dimensions are still shapes (10 graphs over those 12 lengths; RocketKV's, 3). Within a
+value derived from the prompt length is no shape: Quest's default page, HSA's and RocketKV's page and estimate
+dimensions and SparQ's r are runtime inputs (`kvbench.methods.common.pages.RuntimePage`,
+`kvbench.methods.common.dims`; over 12 prompt lengths of 1K-8K, 4 graphs each, one per capacity, where Quest
+compiled 12, HSA 10 and SparQ 9). Within a
 decode loop, once two guarded calls have shown that the loop's steps run one graph on the same tensors, the
 later steps call that graph directly, skipping dynamo's guards: on CUDA as one CUDA graph captured per loop and
 replayed (`kvbench.engine.replay`; records count them, `decode_replayed_steps`).

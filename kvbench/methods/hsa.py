@@ -36,7 +36,8 @@ from kvbench.core.contract import Plan, Selection
 from kvbench.kernels.page_summary import page_scores
 from kvbench.methods.base import SelectionMethod, register_method
 from kvbench.methods.common.arithmetic import check_scoring_dtype, scoring_dtype
-from kvbench.methods.common.pages import PageSummary, layer_pages, page_tokens, top_page_tokens
+from kvbench.methods.common.dims import summed, top_dims, zero_past
+from kvbench.methods.common.pages import OfLength, PageSummary, page_tokens, plan_pages, top_page_tokens
 
 
 def hsa_parameters(compression: float, head_dim: int) -> dict[str, int]:
@@ -47,24 +48,49 @@ def hsa_parameters(compression: float, head_dim: int) -> dict[str, int]:
     return {"page_size": p, "k1": max(1, min(head_dim, int(head_dim * p / c2)))}
 
 
+@dataclass(frozen=True)
+class HSALength(OfLength):
+    """HSA's page p and estimate dimensions k1 as functions of the length L its plan was made for, c2 = L / t
+    (`hsa_parameters`): the static step takes both as runtime inputs (`kvbench.methods.common.pages.RuntimePage`),
+    so that a sweep over prompt lengths does not compile a graph per length (10 over 12 lengths of 1K-8K while
+    they were Python numbers). `dims` is the plan's k1, `k` its k2."""
+
+    budget: int
+    k: int
+    head_dim: int
+    dims: int
+
+    def page(self, length: float) -> int:
+        return hsa_parameters(length / self.budget, self.head_dim)["page_size"]
+
+    def most_dims(self, lo: int, hi: int) -> int:
+        """The largest k1 of a length in lo..hi. k1 = int(D p / c2) falls as c2 grows while p stays, so it peaks
+        where p steps up: at lo, at c2 = 2 (p from 1 to 2) and just past each square p^2 (p to p + 1)."""
+        steps = [2 * self.budget] + [p * p * self.budget + 1 for p in range(2, math.isqrt(hi // self.budget) + 2)]
+        lengths = [lo] + [n for n in steps if lo < n <= hi]
+        return max(hsa_parameters(n / self.budget, self.head_dim)["k1"] for n in lengths)
+
+
 def hsa_select(q: torch.Tensor, pages: PageSummary, k1: int, k2: int, length: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The `[H, G, k]` token indices HSA attends to (k = min(k2, length)), shared by each group, the scores in
     `dtype` (float32, or float16: the release's arithmetic). On a static layer (`pages.fill`) the pages span the
-    capacity and the tokens past each head's length get no score."""
+    capacity and the tokens past each head's length get no score; where the page and k1 are runtime inputs
+    (`pages.runtime`), so are the dimensions (`kvbench.methods.common.dims`)."""
     heads, group, dim = q.shape
     if dtype == torch.float32:
         absq = q.float().abs()
-        dims = absq.sum(dim=1).topk(k1, dim=-1).indices  # [H, k1]
+        dims, past = top_dims(absq.sum(dim=1), k1, pages.runtime_dims)  # [H, k1]
         positive = q.float().sum(dim=1).gather(-1, dims) > 0  # [H, k1]
-        estimate = page_scores(q, pages.kmin, pages.kmax, dims, positive[:, None, :])  # [H, G, P]
+        q_on = zero_past(q, dims, past)  # the plan's dimensions (a runtime k1: the others zeroed)
+        estimate = page_scores(q_on, pages.kmin, pages.kmax, dims, positive[:, None, :])  # [H, G, P]
     else:  # the release's float16 ops: the group's mean |q|, the sign of its sum, the bound's product rounded
         q, kmin, kmax = q.to(dtype), pages.kmin.to(dtype), pages.kmax.to(dtype)
         absq = q.abs()
-        dims = absq.mean(dim=1).topk(k1, dim=-1).indices
+        dims, past = top_dims(absq.mean(dim=1), k1, pages.runtime_dims)
         positive = q.sum(dim=1).gather(-1, dims) > 0
-        estimate = page_scores(q, kmin, kmax, dims, positive[:, None, :]).to(dtype)
-    chosen = absq.gather(-1, dims[:, None, :].expand(heads, group, k1)).sum(-1)
+        estimate = page_scores(zero_past(q, dims, past), kmin, kmax, dims, positive[:, None, :]).to(dtype)
+    chosen = summed(absq.gather(-1, dims[:, None, :].expand(heads, group, dims.shape[1])), past)
     temperature = torch.sqrt(dim * chosen / absq.sum(-1))[..., None]  # [H, G, 1]
     if pages.fill is None:
         # the softmax over tokens (not pages weighted by their sizes) keeps the scores' exact float values
@@ -72,7 +98,7 @@ def hsa_select(q: torch.Tensor, pages: PageSummary, k1: int, k2: int, length: in
         score = torch.softmax(tokens, dim=-1).mean(dim=1)
         idx = top_page_tokens(score[:, :: pages.page_size], pages.page_size, length, k2)
     else:  # a static layer: the compiled step, where the page-weighted softmax saves p-fold exponentials
-        idx = top_page_tokens(_page_softmax_mean(estimate / temperature, pages), pages.page_size, pages.fill, k2)
+        idx = pages.top_tokens(_page_softmax_mean(estimate / temperature, pages), pages.fill, k2)
     return idx[:, None, :].expand(heads, group, idx.shape[1])
 
 
@@ -83,8 +109,9 @@ def _page_softmax_mean(scores: torch.Tensor, pages: PageSummary) -> torch.Tensor
     eager path computes over tokens, equal up to the rounding of the normaliser (the compiled step's tokens
     are checked against the eager ones). On a bf16 HSA step at 8K (1,366 pages of 6 tokens) the token-level
     softmax was 100-200 us per layer on two CPU cores."""
-    first_rows = torch.arange(scores.shape[-1], device=scores.device) * pages.page_size
-    counts = (pages.fill[:, None] - first_rows[None, :]).clamp(0, pages.page_size)[:, None, :]  # [H, 1, P]
+    page = pages.static_page
+    first_rows = torch.arange(scores.shape[-1], device=scores.device) * page
+    counts = torch.minimum((pages.fill[:, None] - first_rows[None, :]).clamp(min=0), page)[:, None, :]  # [H, 1, P]
     held = counts > 0
     top = scores.masked_fill(~held, float("-inf")).amax(dim=-1, keepdim=True)
     weights = torch.exp(scores - top).masked_fill(~held, 0.0)
@@ -104,20 +131,23 @@ class HSAStage:
         plan = step.plan
         if not plan.select:
             return {}
-        return {"pages": PageSummary.of(layer.head_view().keys, plan.derived["page_size"])}
+        d = plan.derived
+        of_length = HSALength(plan.select, d["k2"], layer.head_dim, d["k1"])
+        return {"pages": PageSummary.of(layer.head_view().keys, d["page_size"], of_length)}
 
     def select(self, layer, q, step) -> torch.Tensor | None:
         d = step.plan.derived
         length = layer.physical_length()
         if d["k2"] >= length:
             return None
-        return hsa_select(q, layer_pages(layer, d["page_size"]), d["k1"], d["k2"], length, self.dtype)
+        return hsa_select(q, plan_pages(layer, step.plan), d["k1"], d["k2"], length, self.dtype)
 
     def traffic(self, layer, selection: Selection, step) -> int:
         """Elements read: one bound per chosen dimension of every page, plus K and V of the selected tokens."""
-        pages = layer_pages(layer, step.plan.derived["page_size"])
+        pages = plan_pages(layer, step.plan)
         heads = selection.idx.shape[0]
-        return heads * (pages.pages * step.plan.derived["k1"] + 2 * layer.head_dim * selection.idx.shape[-1])
+        k1 = pages.estimate_dims(step.plan.derived["k1"])
+        return heads * (pages.pages * k1 + 2 * layer.head_dim * selection.idx.shape[-1])
 
 
 @register_method

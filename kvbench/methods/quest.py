@@ -40,7 +40,18 @@ from kvbench.core.contract import Plan, Selection
 from kvbench.kernels.page_summary import page_scores
 from kvbench.kernels.stable_topk import stable_topk
 from kvbench.methods.base import SelectionMethod, register_method
-from kvbench.methods.common.pages import PageSummary, plan_pages
+from kvbench.methods.common.pages import OfLength, PageSummary, plan_pages
+
+
+@dataclass(frozen=True)
+class QuestPage(OfLength):
+    """The traffic-equivalent page max(1, round(2 L / t)) of a budget t, and the k tokens selected (`OfLength`)."""
+
+    budget: int
+    k: int
+
+    def page(self, length: float) -> int:
+        return max(1, round(2 * length / self.budget))
 
 
 @register_method
@@ -81,8 +92,8 @@ class Quest(SelectionMethod):
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
             return Plan.full_attention()
-        page = self.page_size or max(1, round(2 * sequence_length / budget))
         attended = budget if self.budget_unit == "attended" else budget // 2
+        page = self.page_size or QuestPage(budget, attended).page(sequence_length)
         return Plan(evict=None, select=budget, derived={"page_size": page, "k2": attended})
 
     def build_derived(self, layer, step):
@@ -90,8 +101,8 @@ class Quest(SelectionMethod):
         if not plan.select:
             return {}
         # the traffic-equivalent page is a function of the prompt length: a runtime input of the compiled step
-        page_of_length = (plan.select, plan.derived["k2"]) if self.page_size is None else None
-        return {"pages": PageSummary.of(layer.head_view().keys, plan.derived["page_size"], page_of_length)}
+        of_length = QuestPage(plan.select, plan.derived["k2"]) if self.page_size is None else None
+        return {"pages": PageSummary.of(layer.head_view().keys, plan.derived["page_size"], of_length)}
 
     def select(self, layer, q, view, step, scaling):
         k2 = step.plan.derived["k2"]

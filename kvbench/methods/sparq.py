@@ -30,22 +30,44 @@ from kvbench.core.contract import Plan, Selection
 from kvbench.kernels.reduced_scores import reduced_scores, reduced_scores_reference
 from kvbench.methods.base import SelectionMethod, register_method
 from kvbench.methods.common.buffers import GrowingBuffers
+from kvbench.methods.common.dims import RuntimeDims, summed, top_dims, zero_past
 from kvbench.methods.common.pages import top_tokens
+
+
+def sparq_dims(length: float, budget: int, head_dim: int) -> int:
+    """SparQ's r for a budget t at length L: round(D / c), c = L / t, at least 1 (`get_r_k_for_compression_ratio`)."""
+    return max(1, min(head_dim, round(head_dim / (length / budget))))
+
+
+@dataclass(frozen=True)
+class SparQDims:
+    """SparQ's r as a function of the length L its plan was made for, and the plan's r (`dims`): the static
+    step takes it as a runtime input (`kvbench.methods.common.dims`), so a sweep over prompt lengths does not
+    compile a graph per value of r."""
+
+    budget: int
+    head_dim: int
+    dims: int
+
+    def most_dims(self, lo: int, hi: int) -> int:
+        return sparq_dims(lo, self.budget, self.head_dim)  # r falls as L grows
 
 
 class TransposedKeys:
     """SparQ's second copy of the keys, `[H, D, N]` (a view of `GrowingBuffers`: an append writes its columns
-    in place rather than re-concatenating the whole copy), and the running sum of the values (fp32)."""
+    in place rather than re-concatenating the whole copy), and the running sum of the values (fp32). `of_length`:
+    how the plan's r follows from the length (a runtime input of the static step, `runtime_dims`)."""
 
-    def __init__(self, columns: GrowingBuffers, value_sum: torch.Tensor):
-        self.columns, self.value_sum = columns, value_sum  # value_sum [H, D]
+    def __init__(self, columns: GrowingBuffers, value_sum: torch.Tensor, of_length: SparQDims | None = None):
+        self.columns, self.value_sum, self.of_length = columns, value_sum, of_length  # value_sum [H, D]
         self.fill: torch.Tensor | None = None  # the layer's device lengths while it is static (`make_static`)
+        self.runtime_dims: RuntimeDims | None = None  # while static with `of_length`
 
     @classmethod
-    def of(cls, layer) -> "TransposedKeys":
+    def of(cls, layer, of_length: SparQDims | None = None) -> "TransposedKeys":
         view = layer.head_view()
         keys_t = view.keys.transpose(1, 2).contiguous()  # the second copy of K, SparQ's storage cost
-        return cls(GrowingBuffers([keys_t], keys_t.shape[2], dim=2), view.values.float().sum(dim=1))
+        return cls(GrowingBuffers([keys_t], keys_t.shape[2], dim=2), view.values.float().sum(dim=1), of_length)
 
     keys_t = property(lambda self: self.columns.view(0))
 
@@ -59,8 +81,11 @@ class TransposedKeys:
         width = layer.static.width
         keys_t = self.keys_t.new_zeros(self.keys_t.shape[0], self.keys_t.shape[1], width)
         keys_t[:, :, : self.columns.used] = self.keys_t
-        state = TransposedKeys(GrowingBuffers([keys_t], width, dim=2), self.value_sum.clone())
+        state = TransposedKeys(GrowingBuffers([keys_t], width, dim=2), self.value_sum.clone(), self.of_length)
         state.fill = layer.static.fill
+        if self.of_length is not None:
+            rule = self.of_length
+            state.runtime_dims = RuntimeDims.at(rule.dims, rule.most_dims(width // 2, width), state.fill.device)
         return state
 
     def append_static(self, layer, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -77,7 +102,7 @@ class TransposedKeys:
         return [*self.columns.tensors, self.value_sum]
 
     def make_dynamic(self, layer) -> "TransposedKeys":
-        self.fill = None
+        self.fill, self.runtime_dims = None, None
         self.columns.used = layer.physical_length()
         return self
 
@@ -95,10 +120,10 @@ class TransposedKeys:
         self.columns.reserve(tokens)
 
     def truncate(self, layer) -> "TransposedKeys":
-        return TransposedKeys.of(layer)
+        return TransposedKeys.of(layer, self.of_length)
 
     def fork(self) -> "TransposedKeys":
-        return TransposedKeys(self.columns.fork(), self.value_sum)
+        return TransposedKeys(self.columns.fork(), self.value_sum, self.of_length)
 
     def nbytes(self) -> int:
         return self.keys_t.numel() * self.keys_t.element_size() + self.value_sum.numel() * 4
@@ -124,12 +149,14 @@ class SparQ(SelectionMethod):
     def plan(self, budget, *, sequence_length, new_tokens, head_dim, num_layers=None):
         if budget >= sequence_length:
             return Plan.full_attention()
-        compression = sequence_length / budget
-        r = max(1, min(head_dim, round(head_dim / compression)))
+        r = sparq_dims(sequence_length, budget, head_dim)
         return Plan(evict=None, select=budget, derived={"r": r, "k2": max(1, round(budget / 2))})
 
     def build_derived(self, layer, step):
-        return {"keys_t": TransposedKeys.of(layer)} if step.plan.select else {}
+        plan = step.plan
+        if not plan.select:
+            return {}
+        return {"keys_t": TransposedKeys.of(layer, SparQDims(plan.select, layer.head_dim, plan.derived["r"]))}
 
     def _state(self, layer) -> TransposedKeys:
         if "keys_t" not in layer.derived:
@@ -143,16 +170,18 @@ class SparQ(SelectionMethod):
             return None
         heads, group, dim = q.shape
         absq = q.float().abs()
+        # r dimensions, or on a static layer a fixed number of them with those past r zeroed (a runtime r)
         if self.granularity == "group":
-            dims = absq.sum(dim=1).topk(r, dim=-1).indices  # [H, r]
-            estimate = reduced_scores(q, state.keys_t, dims)  # [H, G, N]
-            chosen = absq.gather(-1, dims[:, None, :].expand(heads, group, r)).sum(-1)
+            dims, past = top_dims(absq.sum(dim=1), r, state.runtime_dims)  # [H, r]
+            estimate = reduced_scores(zero_past(q, dims, past), state.keys_t, dims)  # [H, G, N]
+            chosen = summed(absq.gather(-1, dims[:, None, :].expand(heads, group, dims.shape[1])), past)
         else:  # per query head: each head is its own group of one over a shared copy of its KV head's keys
-            dims = absq.topk(r, dim=-1).indices  # [H, G, r]
-            flat = dims.reshape(heads * group, r)
+            dims, past = top_dims(absq, r, state.runtime_dims)  # [H, G, r]
+            flat = dims.reshape(heads * group, -1)
             keys_t = state.keys_t.repeat_interleave(group, dim=0)
-            estimate = reduced_scores_reference(q.reshape(heads * group, 1, dim), keys_t, flat).view(heads, group, -1)
-            chosen = absq.gather(-1, dims).sum(-1)
+            rows = zero_past(q.reshape(heads * group, 1, dim), flat, past)
+            estimate = reduced_scores_reference(rows, keys_t, flat).view(heads, group, -1)
+            chosen = summed(absq.gather(-1, dims), past)
         temperature = torch.sqrt(dim * chosen / absq.sum(-1))[..., None]
         if view.valid is not None:  # a static layer's columns past its tokens
             estimate = estimate.masked_fill(~view.valid[:, None, :], float("-inf"))
@@ -170,7 +199,8 @@ class SparQ(SelectionMethod):
     def step_traffic(self, layer, selection, step):
         if selection is None:
             return super().step_traffic(layer, None, step)
-        state, r = self._state(layer), step.plan.derived["r"]
+        state = self._state(layer)
+        r = step.plan.derived["r"] if state.runtime_dims is None else state.runtime_dims.value
         heads, group = selection.idx.shape[:2]
         estimate = heads * (group if self.granularity == "head" else 1) * r * state.length
         mean_value = heads * layer.head_dim if self.reallocation else 0

@@ -14,6 +14,7 @@ import torch
 from kvbench.kernels.page_summary import page_minmax
 from kvbench.kernels.stable_topk import stable_topk
 from kvbench.methods.common.buffers import GrowingBuffers
+from kvbench.methods.common.dims import RuntimeDims
 
 
 class PageSummary:
@@ -25,21 +26,21 @@ class PageSummary:
     3 ms of a 70 ms float32 Quest step on two cores. An object changes as its layer does; a clone's copy is a
     `fork`. `nbytes` counts the pages in use, as the cache's `kv_bytes` counts the tokens held."""
 
-    def __init__(self, page_size: int, bounds: GrowingBuffers, length: int,
-                 page_of_length: tuple[int, int] | None = None):
+    def __init__(self, page_size: int, bounds: GrowingBuffers, length: int, of_length: OfLength | None = None):
         self.page_size, self.bounds, self.length = page_size, bounds, length
         self.fill: torch.Tensor | None = None  # the layer's device lengths while it is static (`make_static`)
-        # (budget t, tokens selected k) when `page_size` was derived from the prompt length (Quest's round(2 S / t)):
-        # the static layout then takes the page as a tensor (`RuntimePage`), so that it is no graph constant
-        self.page_of_length = page_of_length
-        self.runtime: RuntimePage | None = None  # while static with `page_of_length`
+        # how `page_size` (and HSA's estimate dimensions) follow from the length the plan was made for (Quest's
+        # round(2 S / t), HSA's ceil(sqrt(S / t))): the static layout then takes them as tensors (`RuntimePage`),
+        # so that they are no graph constants
+        self.of_length = of_length
+        self.runtime: RuntimePage | None = None  # while static with `of_length`
 
     @classmethod
-    def of(cls, keys: torch.Tensor, page_size: int, page_of_length: tuple[int, int] | None = None) -> "PageSummary":
-        """The summary of `keys` [H, N, D]. `page_of_length`: (budget, selected tokens) when the page size is a
-        function of the prompt length (see `RuntimePage`)."""
+    def of(cls, keys: torch.Tensor, page_size: int, of_length: OfLength | None = None) -> "PageSummary":
+        """The summary of `keys` [H, N, D]. `of_length`: when the page size is a function of the length the
+        plan was made for (see `RuntimePage`)."""
         kmin, kmax = page_minmax(keys, page_size)
-        return cls(page_size, GrowingBuffers([kmin, kmax], kmin.shape[1], dim=1), keys.shape[1], page_of_length)
+        return cls(page_size, GrowingBuffers([kmin, kmax], kmin.shape[1], dim=1), keys.shape[1], of_length)
 
     kmin = property(lambda self: self.bounds.view(0))
     kmax = property(lambda self: self.bounds.view(1))
@@ -56,6 +57,17 @@ class PageSummary:
     def static_page(self) -> "int | torch.Tensor":
         """The page size a static step computes with: the 0-d device tensor of a `RuntimePage`, else the int."""
         return self.runtime.page if self.runtime is not None else self.page_size
+
+    @property
+    def runtime_dims(self) -> RuntimeDims | None:
+        """The estimate's number of dimensions (HSA's k1) as a runtime input, on a static layer whose plan made it
+        a function of the length (`kvbench.methods.common.dims`); else None."""
+        return self.runtime.dims if self.runtime is not None else None
+
+    def estimate_dims(self, planned: int) -> "int | torch.Tensor":
+        """The estimate dimensions a step scores pages with: `planned`, the plan's number, or its 0-d device
+        tensor (`runtime_dims`)."""
+        return planned if self.runtime_dims is None else self.runtime_dims.value
 
     def unused_pages(self) -> torch.Tensor | None:
         """[H, P] bool: pages past each head's tokens (a static layer's capacity), None when there are none."""
@@ -77,7 +89,7 @@ class PageSummary:
 
     def fork(self) -> "PageSummary":
         """The same summary for a copy of the layer, sharing the buffers until one of them is written."""
-        return PageSummary(self.page_size, self.bounds.fork(), self.length, self.page_of_length)
+        return PageSummary(self.page_size, self.bounds.fork(), self.length, self.of_length)
 
     @torch.inference_mode()  # buffers built in a forward are inference tensors; a rollback updates them after it
     def update(self, tail: torch.Tensor, length: int) -> "PageSummary":
@@ -119,17 +131,16 @@ class PageSummary:
     # -- the static decode layout (kvbench.cache.static) -----------------------------------------------------
     def make_static(self, layer) -> "PageSummary":
         """The summary at the static layer's capacity (its pages past the tokens unused, `unused_pages`), owned
-        by this layer and widened in place by `append_static`. With `page_of_length` the page count and the
+        by this layer and widened in place by `append_static`. With `of_length` the page count and the
         page size are a `RuntimePage`'s: the count fixed by the capacity and the budget, the size a tensor."""
         width = layer.static.width
-        runtime = (RuntimePage.at(width, self.page_size, *self.page_of_length, layer.static.fill.device)
-                   if self.page_of_length is not None else None)
+        runtime = (RuntimePage.at(width, self.page_size, self.of_length, layer.static.fill.device)
+                   if self.of_length is not None else None)
         capacity = runtime.pages if runtime is not None else -(-width // self.page_size)
         bounds = [t.new_zeros(t.shape[0], capacity, t.shape[2]) for t in (self.kmin, self.kmax)]
         for new, old in zip(bounds, (self.kmin, self.kmax)):
             new[:, : old.shape[1]] = old
-        summary = PageSummary(self.page_size, GrowingBuffers(bounds, capacity, dim=1), self.length,
-                              self.page_of_length)
+        summary = PageSummary(self.page_size, GrowingBuffers(bounds, capacity, dim=1), self.length, self.of_length)
         summary.fill, summary.runtime = layer.static.fill, runtime
         return summary
 
@@ -171,31 +182,53 @@ class PageSummary:
         return 2 * self.kmin.numel()
 
 
+class OfLength:
+    """How a page-based plan's values follow from the length L it was made for (the prompt plus the tokens to
+    generate; RocketKV's stage-1 capacity): the method's rule, and the plan's own values. A subclass (a frozen
+    dataclass of the method's) has `k`, the tokens a step selects (a function of the budget alone), `page(L)`,
+    nondecreasing in L, and `dims`: the plan's estimate dimensions where they depend on L (HSA's k1; None
+    where there are none), with `most_dims(lo, hi)`, the largest of them over the lengths lo..hi."""
+
+    k: int
+    dims: int | None = None
+
+    def page(self, length: float) -> int:
+        raise NotImplementedError
+
+    def most_dims(self, lo: int, hi: int) -> int:
+        raise NotImplementedError
+
+
 class RuntimePage:
-    """A page size derived from the prompt length (Quest's traffic-equivalent round(2 S / t)) as a runtime input
-    of the static decode step: the page a 0-d device tensor, the page count and the pages ordered by the top-k
-    fixed by the capacity W and the budget t alone. So prompts of different lengths whose loops share a
-    capacity share one graph, where a page size read as a Python number made one graph per prompt length (12
-    over 12 lengths of 1K-8K tokens; `tests/test_capacity_buckets.py`).
+    """A page size derived from the length (Quest's traffic-equivalent round(2 S / t), HSA's ceil(sqrt(S / t)))
+    as a runtime input of the static decode step: the page a 0-d device tensor, the page count and the pages
+    ordered by the top-k fixed by the capacity W and the rule alone. So prompts of different lengths whose loops
+    share a capacity share one graph, where a page size read as a Python number made one graph per prompt length
+    (12 over 12 lengths of 1K-8K tokens for Quest, 10 for HSA; `tests/test_capacity_buckets.py`). HSA's
+    estimate dimensions k1 = int(D p / c2), a function of the length too, come the same way (`dims`,
+    `kvbench.methods.common.dims.RuntimeDims`).
 
-    Why the budget fixes them: a loop's rows fit its capacity W (the smallest step of the series at or above
-    them: over half of W) and its rows are at most the S the page was derived from, so 2 S >= W and the page is
-    at least `smallest = max(1, round(W / t))` (round does not decrease). Then ceil(W / page) <= ceil(W /
-    smallest) pages cover the capacity and k // page + 2 <= k // smallest + 2 pages reach the first k tokens. A
-    loop outside that rule (a teacher-forced target longer than the sample's generation, a capacity of the
-    series' floor) takes its own page's counts: correct, one graph more."""
+    Why the capacity fixes them: a loop's rows fit its capacity W (the smallest step of the series at or above
+    them: over half of W) and its rows are at most the length L the plan was made for, so L > W / 2 and the page
+    is at least `smallest = page(W / 2)` (Quest: max(1, round(W / t))). Then ceil(W / page) <= ceil(W /
+    smallest) pages cover the capacity and k // page + 2 <= k // smallest + 2 pages reach the first k tokens;
+    likewise the plan's dimensions are at most the most of any length in W/2..W. A loop outside that rule (a
+    teacher-forced target longer than the sample's generation, a capacity of the series' floor, an L over W)
+    takes its own counts: correct, one graph more."""
 
-    def __init__(self, page: torch.Tensor, pages: int, ordered: int, width: int):
-        self.page, self.pages, self.ordered, self.width = page, pages, ordered, width
+    def __init__(self, page: torch.Tensor, pages: int, ordered: int, width: int, dims: RuntimeDims | None = None):
+        self.page, self.pages, self.ordered, self.width, self.dims = page, pages, ordered, width, dims
 
     @classmethod
-    def at(cls, width: int, page_size: int, budget: int, k: int, device: torch.device) -> "RuntimePage":
-        smallest = max(1, round(width / budget))
+    def at(cls, width: int, page_size: int, rule: OfLength, device: torch.device) -> "RuntimePage":
+        smallest = max(1, rule.page(width / 2))
         if page_size < smallest:  # outside the rule: this page's own counts
             smallest = page_size
         pages = -(-width // smallest)
-        return cls(torch.tensor(page_size, dtype=torch.int64, device=device), pages, min(pages, k // smallest + 2),
-                   width)
+        dims = (RuntimeDims.at(rule.dims, rule.most_dims(width // 2, width), device)
+                if rule.dims is not None else None)
+        return cls(torch.tensor(page_size, dtype=torch.int64, device=device), pages,
+                   min(pages, rule.k // smallest + 2), width, dims)
 
     def top_tokens(self, page_scores: torch.Tensor, fill: torch.Tensor, k: int) -> torch.Tensor:
         """`top_page_tokens(page_scores, page, fill, k)` `[H, k]` from the fixed shapes: the first `ordered` pages

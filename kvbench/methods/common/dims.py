@@ -1,0 +1,58 @@
+"""Head dimensions chosen by |q| (HSA's k1, SparQ's r) when their number is a runtime input of the static decode
+step.
+
+HSA's and SparQ's plans derive how many of the D head dimensions their estimate reads from the length L the plan
+was made for (k1 = int(D p / c2), r = round(D t / L)), so a number read as a Python int would make one compiled
+graph per prompt length. On a static layer the number is a 0-d device tensor instead (`RuntimeDims`): the step
+takes the top `count` dimensions, a number fixed by the loop's capacity W, and zeroes the query on those past the
+plan's number, so the estimate sums the plan's terms and exact zeros (in another order than the eager sum: equal
+up to float rounding; the compiled steps' tokens are checked against the eager ones).
+
+What it costs: the estimate's products read `count` dimensions where the plan reads its own number, at most
+the most of any length whose loop fits W (over half of W, at most W: see `RuntimePage`). For D = 128 at
+W = 32K and t = 1,024 that is HSA's 39 against a k1 of 24 to 39, and SparQ's r(W/2), about twice r(W); the
+records' traffic stays the plan's (the method's cost model). `scripts/sweep_graphs.py` prints the graphs
+saved and the elements read; docs/performance.md weighs them. A kernel that takes the number as a loop bound
+would read only the plan's dimensions (GPU work, issue 64)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class RuntimeDims:
+    """The plan's number of dimensions as a 0-d device tensor (`value`) and the fixed number a step takes
+    (`count`): the most of any length in W/2..W, or the plan's own where it is more (a loop outside that rule:
+    its own graph)."""
+
+    def __init__(self, value: torch.Tensor, count: int):
+        self.value, self.count = value, count
+
+    @classmethod
+    def at(cls, planned: int, most: int, device: torch.device) -> "RuntimeDims":
+        return cls(torch.tensor(planned, dtype=torch.int64, device=device), max(planned, most))
+
+
+def top_dims(scores: torch.Tensor, planned: int,
+             runtime: RuntimeDims | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The dimensions of largest `scores` `[..., D]`, in descending order `[..., m]`: the plan's m = `planned`,
+    or with `runtime` its fixed `count` and the `[m]` mask of those past the plan's number (else None)."""
+    if runtime is None:
+        return scores.topk(planned, dim=-1).indices, None
+    past = torch.arange(runtime.count, device=scores.device) >= runtime.value
+    return scores.topk(runtime.count, dim=-1).indices, past
+
+
+def zero_past(q: torch.Tensor, dims: torch.Tensor, past: torch.Tensor | None) -> torch.Tensor:
+    """`q` `[H, G, D]` with zeros on the chosen dimensions `dims` `[H, m]` that `past` `[m]` marks as not the
+    plan's: a product over `dims` then sums exact zeros for them."""
+    if past is None:
+        return q
+    off = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device).scatter(
+        1, dims, past.expand(dims.shape))
+    return q.masked_fill(off[:, None, :], 0)
+
+
+def summed(chosen: torch.Tensor, past: torch.Tensor | None) -> torch.Tensor:
+    """The sum over the last dimension of `chosen` `[..., m]` (values at the chosen dimensions) of the plan's."""
+    return (chosen if past is None else chosen.masked_fill(past, 0)).sum(-1)
