@@ -243,3 +243,27 @@ def test_runtime_page_and_dims_keep_the_eager_tokens_and_traffic(sweep_llama, mo
         assert not seen and any(int(d.value) < d.count for d in dims_seen)
         return
     assert any(int(r.dims.value) < r.dims.count for r in seen) and any(int(r.page) * r.pages > r.width for r in seen)
+
+
+@pytest.mark.parametrize("method,budget,warned", [("quest", "0.25", True), ("quest", "64", False),
+                                                  ("snapkv", "0.25", False), ("sparq", "compression_ratio=0.5", True)])
+def test_a_compiled_selection_with_a_ratio_budget_says_it_compiles_per_length(tmp_path, caplog, method, budget,
+                                                                              warned):
+    """A ratio budget gives each prompt length its own t, and the t / 2 tokens a selection attends are a shape of
+    the compiled graph (the 12-length sweep above compiles 11 graphs with budget=0.25): the point says so in one
+    line before it runs. A token budget, or an eviction method's ratio (its kept rows sit in the capacity), does
+    not."""
+    from hydra import compose, initialize_config_dir
+
+    from kvbench.run.prepare import prepare_point
+    from tests.conftest import CONF
+
+    budget_override = budget if budget.startswith("compression_ratio") else f"budget={budget}"
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        cfg = compose("config", overrides=["model=tiny_llama", f"method={method}", budget_override, "task=niah",
+                                           "task.seq_len=1200", "task.num_samples=1", "task.depths=[0,50]", "engine.compile=true", f"results_dir={tmp_path}"])
+    with caplog.at_level("WARNING", logger="kvbench"):
+        prepared = prepare_point(cfg, tmp_path / "point")
+    assert len(prepared.samples) > 1
+    lines = [r.getMessage() for r in caplog.records if "compiles a graph for each prompt length" in r.getMessage()]
+    assert len(lines) == warned, caplog.text

@@ -29,3 +29,9 @@ def resolve_budget(budget: "float | int | CompressionRatio", length: int) -> int
     if isinstance(budget, float) and not budget.is_integer():
         raise KVBenchError(f"budget {budget} is neither a token count nor a ratio in (0, 1)")
     return int(budget)
+
+
+def is_relative(budget: "float | int | CompressionRatio") -> bool:
+    """Whether `budget` is a share of each sample's segment (a ratio, kvpress's compression ratio), so that its
+    token count differs from one prompt length to the next."""
+    return isinstance(budget, CompressionRatio) or (isinstance(budget, float) and 0 < budget < 1)

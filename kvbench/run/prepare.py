@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.config.validate import check_length, validate
-from kvbench.core.budget import CompressionRatio
+from kvbench.core.budget import CompressionRatio, is_relative
 from kvbench.core.errors import KVBenchError
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.prompt import PromptBuilder
@@ -102,6 +102,12 @@ def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
         **({"prefill_attention": engine_cfg.prefill_attention} if engine_cfg.prefill_attention != "dense" else {}),
     }
     budget = CompressionRatio(point["compression_ratio"]) if point.get("compression_ratio") is not None else cfg.budget
+    if (point.get("engine", {}).get("decode_path") == "compiled" and method.selects and is_relative(budget)
+            and len(samples) > 1):
+        # the tokens a step selects (t / 2) are a shape of the compiled graph, and t follows each sample's length
+        log.warning("kvbench: %s with a ratio budget (%s) on the compiled decode step compiles a graph for each "
+                    "prompt length (tens of seconds each on a GPU); a token budget shares one graph per capacity, "
+                    "engine.compile=false compiles none", cfg.method.name, budget)
     snapshots = prefill_snapshots(engine_cfg.snapshot_cache_mb) if engine_cfg.reuse_prefill else None
     return PreparedPoint(cfg, run_dir, point, phash, method, lm, engine_cfg, samples, store, point_fields, budget,
                          snapshots)
