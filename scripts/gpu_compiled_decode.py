@@ -79,7 +79,7 @@ COLUMNS = ["length", "method", "status", "eager_ms", "compiled_ms", "compile_s",
            "weights_mb", "kv_aux_mb", "bytes_mb", "floor_ms", "eager_over_floor", "compiled_over_floor",
            "compiled_over_stock", "speedup_vs_full", "speedup_vs_repeated_kv", "full_bytes_over_bytes", "of_bytes",
            "compiled_over_snapkv", "eager_p90_ms", "compiled_p90_ms", "rounds", "eager_spread", "compiled_spread", "decode_attention", "baseline_attention",
-           "held_rows", "capacity_rows", "prefill_s", "seconds", "note"]
+           "held_rows", "capacity_rows", "runtime_counts", "prefill_s", "seconds", "note"]
 
 
 class Deadline(Exception):
@@ -416,15 +416,34 @@ class Bench:
             torch.cuda.empty_cache()
 
 
-def static_rows(session) -> dict[str, int]:
+def static_rows(session) -> dict[str, Any]:
     """The most tokens a head of the compiled loop holds, and the slots per head of its static view (the capacity,
     `kvbench.cache.static.bucketed`): a step whose scores or masked attention span the view reads the slack
-    between the two, which the floor (held rows only) does not count. Empty when the loop did not run static."""
+    between the two, which the floor (held rows only) does not count. And where the plan's page or estimate
+    dimensions are runtime inputs (`kvbench.methods.common.pages.RuntimePage`, `kvbench.methods.common.dims`),
+    the fixed counts the step reads beside the plan's own (`runtime_counts`), which the floor does not count
+    either. Empty when the loop did not run static."""
     if not session.cache.is_static:
         return {}
     layers = session.cache.layers
     return {"held_rows": max(int(layer.static.fill.max()) for layer in layers),
-            "capacity_rows": max(layer.static.width for layer in layers)}
+            "capacity_rows": max(layer.static.width for layer in layers), "runtime_counts": runtime_counts(layers)}
+
+
+def runtime_counts(layers) -> str:
+    """'pages P for Q, dims m for k': the page bounds the step scores (P, fixed by the capacity) where the plan's
+    page needs Q over the same capacity, and the estimate dimensions it takes (m) for the plan's k; '' when the
+    step has none of these."""
+    derived = next((layer.derived for layer in layers if layer.derived), {})
+    pages, keys_t = derived.get("pages"), derived.get("keys_t")
+    runtime = getattr(pages, "runtime", None)
+    dims = runtime.dims if runtime is not None else getattr(keys_t, "runtime_dims", None)
+    parts = []
+    if runtime is not None:
+        parts.append(f"pages {runtime.pages} for {-(-runtime.width // int(runtime.page))}")
+    if dims is not None:
+        parts.append(f"dims {dims.count} for {int(dims.value)}")
+    return ", ".join(parts)
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -149,6 +149,9 @@ def test_compiled_decode_rounds_interleave_and_name_the_attention_each_ratio_div
     # warmup + 2 timed) in the next capacity of the series, whose slack its page scores span
     assert (rows["quest"]["held_rows"], rows["quest"]["capacity_rows"]) == ("260", "512")
     assert rows["stock"]["held_rows"] == rows["stock"]["capacity_rows"] == ""
+    # Quest's default page is a runtime input: the pages it scores, fixed by the capacity, beside the plan's
+    assert re.fullmatch(r"pages \d+ for \d+", rows["quest"]["runtime_counts"]), rows["quest"]
+    assert rows["full"]["runtime_counts"] == rows["stock"]["runtime_counts"] == ""
     assert "held rows / capacity rows where the capacity is 1.25x or more" in text and "256 quest 260/512" in text
     # RocketKV Fig. 7's second baseline: the repeated K/V's ms over each row's, at the same length
     for method in ("full", "quest", "full_repeated_kv"):
