@@ -65,6 +65,18 @@ def test_every_static_method_is_one_graph_without_recompiles_and_keeps_the_eager
             assert o.label in {label for label, *_ in check_static_decode.EAGER} and "every decode step" in o.path, o
 
 
+def test_the_estimate_dimensions_as_runtime_inputs_keep_the_eager_tokens_in_bfloat16(capsys):
+    """HSA's k1 and SparQ's r are runtime inputs: the compiled step takes more dimensions than the plan's and
+    zeroes the rest. In bfloat16 the group sums of |q| tie, and `torch.topk` breaks ties by its algorithm, which
+    depends on k: the first k1 of a longer top-k were another dimension than the top k1 (tiny Llama, HSA: tokens
+    differed, logits by 0.98) until both took the stable top-k (`kvbench.methods.common.dims.top_dims`)."""
+    outcomes = check_static_decode.main(["--models", "tiny_llama", "--backend", "eager", "--dtype", "bfloat16",
+                                         "--methods", "hsa,sparq,rocketkv"])
+    report = capsys.readouterr().out
+    assert [o.path for o in outcomes] == ["compiled"] * 3, report
+    assert all(o.ok and o.tokens_equal for o in outcomes), report
+
+
 def test_a_check_with_too_few_steps_for_a_replay_expects_none_and_says_so(capsys):
     """`--steps 2`: a loop replays a graph only after its first `GUARDED_CALLS` guarded steps, so a method that
     compiled to one graph with the eager tokens is as expected without replays, and the table says why (`-`

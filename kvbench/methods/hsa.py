@@ -6,7 +6,8 @@ ablation, App. B.1.1; `rocketkv` runs it after a SnapKV stage). Compared with th
 Every decode step, per KV group, with the layer's page summaries (element-wise key min/max of pages of `p`
 stored tokens):
 
-1. the `k1` head dimensions with the largest |q| summed over the group, and the group's sign of q on them;
+1. the `k1` head dimensions with the largest |q| summed over the group (ties to the lower dimension), and the
+   group's sign of q on them;
 2. each page's score bound from those dimensions (the page max where the sign is positive, the min where it
    is not; zero counts as negative, as the code), per query head;
 3. the scores broadcast to the page's tokens, a softmax per query head with SparQ's temperature

@@ -1,7 +1,7 @@
 """SparQ attention (Ribar et al. 2024): estimate the scores from the r largest-|q| head dimensions, attend
 exactly to the top-k tokens, blend with the mean value (RocketKV's baseline, its App. A.3).
 
-Per decode step: the r dimensions of largest |q|; approximate logits q[r] . K[:, r] read from a second,
+Per decode step: the r dimensions of largest |q| (ties to the lower dimension); approximate logits q[r] . K[:, r] read from a second,
 transposed copy of the keys (`[H, D, N]`, kept current as tokens are appended: SparQ stores K twice); a
 softmax with SparQ's temperature sqrt(D * sum_r |q| / sum |q|) instead of sqrt(D); exact attention over the
 top-k tokens; with `reallocation` (on, as the SparQ code) the output is

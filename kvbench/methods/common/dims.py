@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from kvbench.kernels.stable_topk import stable_topk
+
 
 class RuntimeDims:
     """The plan's number of dimensions as a 0-d device tensor (`value`) and the fixed number a step takes
@@ -35,12 +37,15 @@ class RuntimeDims:
 
 def top_dims(scores: torch.Tensor, planned: int,
              runtime: RuntimeDims | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The dimensions of largest `scores` `[..., D]`, in descending order `[..., m]`: the plan's m = `planned`,
-    or with `runtime` its fixed `count` and the `[m]` mask of those past the plan's number (else None)."""
+    """The dimensions of largest `scores` `[..., D]`, in stable descending order (ties to the lower dimension)
+    `[..., m]`: the plan's m = `planned`, or with `runtime` its fixed `count` and the `[m]` mask of those past
+    the plan's number (else None). Stable, so that the first k of a longer list are the k a shorter one takes:
+    `torch.topk` breaks ties by its algorithm, which depends on k, and a bf16 query's |q| sums tie often enough
+    that a compiled HSA step chose another dimension than the eager one."""
     if runtime is None:
-        return scores.topk(planned, dim=-1).indices, None
+        return stable_topk(scores, planned), None
     past = torch.arange(runtime.count, device=scores.device) >= runtime.value
-    return scores.topk(runtime.count, dim=-1).indices, past
+    return stable_topk(scores, runtime.count), past
 
 
 def zero_past(q: torch.Tensor, dims: torch.Tensor, past: torch.Tensor | None) -> torch.Tensor:
@@ -54,5 +59,10 @@ def zero_past(q: torch.Tensor, dims: torch.Tensor, past: torch.Tensor | None) ->
 
 
 def summed(chosen: torch.Tensor, past: torch.Tensor | None) -> torch.Tensor:
-    """The sum over the last dimension of `chosen` `[..., m]` (values at the chosen dimensions) of the plan's."""
-    return (chosen if past is None else chosen.masked_fill(past, 0)).sum(-1)
+    """The sum over the last dimension of `chosen` `[..., m]` (values at the chosen dimensions) of the plan's, in
+    `chosen`'s dtype. Accumulated in float64, so that the zeros past the plan's number do not change its
+    rounding: a float32 sum's order follows its length (a sum of 13 values and of the same 13 with 3 zeros
+    differ in the last bit for some lengths), which moved a bf16 HSA step's temperature, and a near-tie of its
+    tokens, off the eager path's; of at most D values of |q| the float64 sum is exact or nearly so, whatever
+    its order."""
+    return (chosen if past is None else chosen.masked_fill(past, 0)).double().sum(-1).to(chosen.dtype)
