@@ -81,18 +81,20 @@ def hsa_select(q: torch.Tensor, pages: PageSummary, k1: int, k2: int, length: in
     heads, group, dim = q.shape
     if dtype == torch.float32:
         absq = q.float().abs()
-        dims, past = top_dims(absq.sum(dim=1), k1, pages.runtime_dims)  # [H, k1]
+        chosen = top_dims(absq.sum(dim=1), k1, pages.runtime_dims)  # [H, k1]
+        dims = chosen.dims
         positive = q.float().sum(dim=1).gather(-1, dims) > 0  # [H, k1]
-        q_on = zero_past(q, dims, past)  # the plan's dimensions (a runtime k1: the others zeroed)
+        q_on = zero_past(q, chosen)  # the plan's dimensions (a runtime k1: the others zeroed)
         estimate = page_scores(q_on, pages.kmin, pages.kmax, dims, positive[:, None, :])  # [H, G, P]
     else:  # the release's float16 ops: the group's mean |q|, the sign of its sum, the bound's product rounded
         q, kmin, kmax = q.to(dtype), pages.kmin.to(dtype), pages.kmax.to(dtype)
         absq = q.abs()
-        dims, past = top_dims(absq.mean(dim=1), k1, pages.runtime_dims, stable=False)  # the release's topk
+        chosen = top_dims(absq.mean(dim=1), k1, pages.runtime_dims, stable=False)  # the release's topk
+        dims = chosen.dims
         positive = q.sum(dim=1).gather(-1, dims) > 0
-        estimate = page_scores(zero_past(q, dims, past), kmin, kmax, dims, positive[:, None, :]).to(dtype)
-    chosen = summed(absq.gather(-1, dims[:, None, :].expand(heads, group, dims.shape[1])), past)
-    temperature = torch.sqrt(dim * chosen / absq.sum(-1))[..., None]  # [H, G, 1]
+        estimate = page_scores(zero_past(q, chosen), kmin, kmax, dims, positive[:, None, :]).to(dtype)
+    on_dims = summed(absq.gather(-1, dims[:, None, :].expand(heads, group, dims.shape[1])), chosen.past)
+    temperature = torch.sqrt(dim * on_dims / absq.sum(-1))[..., None]  # [H, G, 1]
     if pages.fill is None:
         # the softmax over tokens (not pages weighted by their sizes) keeps the scores' exact float values
         tokens = page_tokens(estimate / temperature, pages.page_size, length)

@@ -172,16 +172,17 @@ class SparQ(SelectionMethod):
         absq = q.float().abs()
         # r dimensions, or on a static layer a fixed number of them with those past r zeroed (a runtime r)
         if self.granularity == "group":
-            dims, past = top_dims(absq.sum(dim=1), r, state.runtime_dims)  # [H, r]
-            estimate = reduced_scores(zero_past(q, dims, past), state.keys_t, dims)  # [H, G, N]
-            chosen = summed(absq.gather(-1, dims[:, None, :].expand(heads, group, dims.shape[1])), past)
+            top = top_dims(absq.sum(dim=1), r, state.runtime_dims)  # [H, r]
+            dims = top.dims
+            estimate = reduced_scores(zero_past(q, top), state.keys_t, dims)  # [H, G, N]
+            chosen = summed(absq.gather(-1, dims[:, None, :].expand(heads, group, dims.shape[1])), top.past)
         else:  # per query head: each head is its own group of one over a shared copy of its KV head's keys
-            dims, past = top_dims(absq, r, state.runtime_dims)  # [H, G, r]
-            flat = dims.reshape(heads * group, -1)
+            top = top_dims(absq, r, state.runtime_dims)  # [H, G, r]
+            flat = top.dims.reshape(heads * group, -1)
             keys_t = state.keys_t.repeat_interleave(group, dim=0)
-            rows = zero_past(q.reshape(heads * group, 1, dim), flat, past)
+            rows = zero_past(q, top).reshape(heads * group, 1, dim)
             estimate = reduced_scores_reference(rows, keys_t, flat).view(heads, group, -1)
-            chosen = summed(absq.gather(-1, dims), past)
+            chosen = summed(absq.gather(-1, top.dims), top.past)
         temperature = torch.sqrt(dim * chosen / absq.sum(-1))[..., None]
         if view.valid is not None:  # a static layer's columns past its tokens
             estimate = estimate.masked_fill(~view.valid[:, None, :], float("-inf"))

@@ -17,9 +17,11 @@ would read only the plan's dimensions (GPU work, issue 64)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from kvbench.kernels.stable_topk import stable_topk
+from kvbench.kernels.stable_topk import descending_keys
 
 
 class RuntimeDims:
@@ -35,37 +37,54 @@ class RuntimeDims:
         return cls(torch.tensor(planned, dtype=torch.int64, device=device), max(planned, most))
 
 
-def top_dims(scores: torch.Tensor, planned: int, runtime: RuntimeDims | None,
-             stable: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The dimensions of largest `scores` `[..., D]`, in stable descending order (ties to the lower dimension)
-    `[..., m]`: the plan's m = `planned`, or with `runtime` its fixed `count` and the `[m]` mask of those past
-    the plan's number (else None). Stable, so that the first k of a longer list are the k a shorter one takes:
-    `torch.topk` breaks ties by its algorithm, which depends on k, and a bf16 query's |q| sums tie often enough
-    that a compiled HSA step chose another dimension than the eager one. `stable=False`: `torch.topk`'s own
-    order, for a release's arithmetic op by op (HSA's `scoring_dtype=release`, float16 means that tie often: on
-    the release reference's CPU the stable order lowered the overlap of HSA's sets with the release's from
-    1.000 to 0.984 at S 4K, t 256); its compiled step may then take another tied dimension than the eager."""
-    top = (lambda k: stable_topk(scores, k)) if stable else (lambda k: scores.topk(k, dim=-1).indices)
+class Chosen(NamedTuple):
+    """What `top_dims` chose: `dims` `[..., m]` in descending order; with a runtime number, `past` `[m]` (the
+    positions after the plan's number) and `plan` `[..., D]` (the dimensions that are the plan's); else None."""
+
+    dims: torch.Tensor
+    past: torch.Tensor | None = None
+    plan: torch.Tensor | None = None
+
+
+def top_dims(scores: torch.Tensor, planned: int, runtime: RuntimeDims | None, stable: bool = True) -> Chosen:
+    """The dimensions of largest `scores` `[..., D]`, in stable descending order (ties to the lower dimension):
+    the plan's `planned`, or with `runtime` its fixed `count`, with which of them are past the plan's number.
+
+    Stable, so that the first k of a longer list are the k a shorter one takes: `torch.topk` breaks ties by its
+    algorithm, which depends on k, and a bf16 query's |q| sums tie often enough that a compiled HSA step chose
+    another dimension than the eager one. By one `topk` of distinct int64 keys (`descending_keys`), not the
+    stable top-k operator (a launch more a layer on CUDA), and the plan's dimensions by comparing each key with
+    the plan's k-th (elementwise: inductor fuses it into the kernel that reads q, where a scatter or an `any`
+    over the chosen was a kernel of its own). `stable=False`: `torch.topk`'s own order, for a release's
+    arithmetic op by op (HSA's `scoring_dtype=release`, float16 means that tie often: on the release
+    reference's CPU the stable order lowered the overlap of HSA's sets with the release's from 1.000 to 0.984
+    at S 4K, t 256); its compiled step may then take another tied dimension than the eager."""
     if runtime is None:
-        return top(planned), None
-    return top(runtime.count), torch.arange(runtime.count, device=scores.device) >= runtime.value
+        return Chosen(descending_keys(scores).topk(planned, dim=-1).indices if stable
+                      else scores.topk(planned, dim=-1).indices)
+    count = runtime.count
+    past = torch.arange(count, device=scores.device) >= runtime.value
+    if stable:
+        keys = descending_keys(scores)
+        values, dims = keys.topk(count, dim=-1)
+        last = (runtime.value - 1).clamp(min=0).expand(*values.shape[:-1], 1)  # the plan's k-th
+        return Chosen(dims, past, keys >= values.gather(-1, last))
+    dims = scores.topk(count, dim=-1).indices
+    plan = ((dims[..., None] == torch.arange(scores.shape[-1], device=scores.device)) & ~past[:, None]).any(dim=-2)
+    return Chosen(dims, past, plan)
 
 
-def zero_past(q: torch.Tensor, dims: torch.Tensor, past: torch.Tensor | None) -> torch.Tensor:
-    """`q` `[H, G, D]` with zeros on the chosen dimensions `dims` `[H, m]` that `past` `[m]` marks as not the
-    plan's: a product over `dims` then sums exact zeros for them."""
-    if past is None:
+def zero_past(q: torch.Tensor, chosen: Chosen) -> torch.Tensor:
+    """`q` `[H, G, D]` with zeros on the dimensions that are not the plan's (with a runtime number): a product
+    over the chosen dimensions then sums exact zeros for those past it."""
+    if chosen.plan is None:
         return q
-    off = torch.zeros(q.shape[0], q.shape[2], dtype=torch.bool, device=q.device).scatter(
-        1, dims, past.expand(dims.shape))
-    return q.masked_fill(off[:, None, :], 0)
+    plan = chosen.plan if chosen.plan.dim() == q.dim() else chosen.plan[:, None, :]
+    return q.masked_fill(~plan, 0)
 
 
 def summed(chosen: torch.Tensor, past: torch.Tensor | None) -> torch.Tensor:
-    """The sum over the last dimension of `chosen` `[..., m]` (values at the chosen dimensions) of the plan's, in
-    `chosen`'s dtype. Accumulated in float64, so that the zeros past the plan's number do not change its
-    rounding: a float32 sum's order follows its length (a sum of 13 values and of the same 13 with 3 zeros
-    differ in the last bit for some lengths), which moved a bf16 HSA step's temperature, and a near-tie of its
-    tokens, off the eager path's; of at most D values of |q| the float64 sum is exact or nearly so, whatever
-    its order."""
-    return (chosen if past is None else chosen.masked_fill(past, 0)).double().sum(-1).to(chosen.dtype)
+    """The sum over the last dimension of `chosen` `[..., m]` (values at the chosen dimensions) of the plan's. With
+    a runtime number it sums zeros past the plan's, in another order than the plan's own sum: equal up to float
+    rounding (float64 accumulation made it exact, at a kernel a layer more on CUDA; not kept)."""
+    return (chosen if past is None else chosen.masked_fill(past, 0)).sum(-1)
