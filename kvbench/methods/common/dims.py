@@ -86,5 +86,6 @@ def zero_past(q: torch.Tensor, chosen: Chosen) -> torch.Tensor:
 def summed(chosen: torch.Tensor, past: torch.Tensor | None) -> torch.Tensor:
     """The sum over the last dimension of `chosen` `[..., m]` (values at the chosen dimensions) of the plan's. With
     a runtime number it sums zeros past the plan's, in another order than the plan's own sum: equal up to float
-    rounding (float64 accumulation made it exact, at a kernel a layer more on CUDA; not kept)."""
+    rounding. (Accumulating in float64 would make it exact; the stable order alone kept the tiny models' bf16
+    tokens equal, so the sum stays the eager path's float32 arithmetic.)"""
     return (chosen if past is None else chosen.masked_fill(past, 0)).sum(-1)
