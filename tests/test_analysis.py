@@ -135,6 +135,7 @@ def test_analyze_writes_records_verdict_and_figure_and_resumes(tmp_path, capsys)
     ([], "name a claim (claim=NAME)"),
     (["claim=adakv_eviction_loss", "params.adakv_eviction_loss={budget:5000}"], "evicts nothing"),
     (["claim=omnikv_sparsity"], "needs more than 2 layers"),
+    (["keydiff_geometry"], "'keydiff_geometry' is not KEY=VALUE: name a claim as claim=NAME"),
 ])
 def test_bad_input_is_one_error_line(tmp_path, capsys, args, message):
     assert analyze([*TINY, f"results_dir={tmp_path}", "show_progress=false", *args]) == 2

@@ -89,6 +89,11 @@ def records(root: Path) -> dict[str, list[dict]]:
          "method.window is not a setting of method quest"),
         (["-m", "experiment=demo", "model=tiny_llama", "method=snapkv,quest", "method.window=8"],
          "method.window is not a setting of method quest"),
+        # a word that is neither a command nor KEY=VALUE: Hydra's parser printed a traceback
+        (["export_samples", "model=tiny_llama"], "unknown command 'export_samples' (commands: report, analyze, "
+                                                 "calibrate, export, figures, profile;"),
+        (["model=tiny_llama", "method", "snapkv"], "'method' is not an override: write KEY=VALUE"),
+        (["-m", "model=tiny_llama", "budget=64,128", "snapkv"], "'snapkv' is not an override: write KEY=VALUE"),
     ],
 )
 def test_bad_input_gives_one_clear_error_line(tmp_path, args, message):
@@ -252,6 +257,29 @@ def test_help_lists_methods_tasks_models_experiments(tmp_path):
     assert all(any("_".join(p[:i]) in METHODS for i in range(1, len(p) + 1)) for p in parts.values())
     for needle in ("ruler_niah_single_1", "smollm2_135m", "synthetic", "experiment: ", "demo", "rocketkv_fig7_cpu"):
         assert needle in result.stdout
+
+
+@pytest.mark.parametrize("command,needle", [("report", "usage: kvbench report"), ("analyze", "usage: kvbench analyze"),
+                                             ("calibrate", "usage: kvbench calibrate"),
+                                             ("export", "usage: kvbench export"), ("figures", "usage: kvbench figures"),
+                                             ("profile", "== Choices")])
+def test_each_command_is_a_word_after_kvbench(tmp_path, command, needle):
+    """`kvbench NAME --help` for every command the run's help lists (export, figures and profile were reachable
+    only as `python -m kvbench.NAME`)."""
+    from kvbench.cli.main import COMMANDS
+
+    assert command in COMMANDS
+    result = kvbench(command, "--help", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert needle in result.stdout
+
+
+def test_profile_adds_profile_true_unless_given():
+    from kvbench.cli.profile import with_profile
+
+    assert with_profile(["method=snapkv"]) == ["method=snapkv", "profile=true"]
+    assert with_profile(["-m", "profile=false"]) == ["-m", "profile=false"]
+    assert with_profile(["++profile=false"]) == ["++profile=false"]
 
 
 def test_full_cache_points_ignore_the_budget():

@@ -249,8 +249,8 @@ def test_cli_refuses_invalid_file_before_writing_records(tmp_path):
 
 
 def test_export_cli(tiny_llama, tmp_path):
-    result = run("kvbench.export", "model=tiny_llama", "task=twostage_retr", "task.num_samples=2", "out=x.jsonl",
-                 cwd=tmp_path)
+    result = run("kvbench", "export", "model=tiny_llama", "task=twostage_retr", "task.num_samples=2", "out=x.jsonl",
+                 cwd=tmp_path)  # `kvbench export ...`, as `python -m kvbench.export ...` (the help below)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "wrote 2 samples to x.jsonl"
     rows = [json.loads(line) for line in (tmp_path / "x.jsonl").read_text().splitlines()]
@@ -261,7 +261,7 @@ def test_export_cli(tiny_llama, tmp_path):
     assert Custom(path=str(tmp_path / "x.jsonl")).samples(meter, seed=0) == expected
     assert not [p.name for p in tmp_path.iterdir() if p.name != "x.jsonl"]  # no temporary file left behind
     help_text = run("kvbench.export", "--help", cwd=tmp_path)
-    assert help_text.returncode == 0 and help_text.stdout.startswith("usage: python -m kvbench.export")
+    assert help_text.returncode == 0 and help_text.stdout.startswith("usage: kvbench export")
 
 
 def test_cli_refuses_row_too_long_for_the_model(tmp_path):

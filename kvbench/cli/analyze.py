@@ -50,6 +50,10 @@ def main(argv: Sequence[str]) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
+        bare = next((arg for arg in args.overrides if "=" not in arg and not arg.startswith("~")), None)
+        if bare is not None:
+            raise KVBenchError(f"'{bare}' is not KEY=VALUE: name a claim as claim=NAME (kvbench analyze --list "
+                               f"shows them)")
         check_group_overrides(args.overrides)
         check_keys(args.overrides, "analyze", sections=("engine", "model", "task"))
         # a claim's parameters are free-form (each claim checks its own): params.NAME.KEY=VALUE adds or sets

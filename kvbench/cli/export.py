@@ -32,7 +32,7 @@ from kvbench.run.caches import cached_model, seed_everything
 from kvbench.tasks.base import DatasetMissingError
 from kvbench.tasks.custom import FORMATS, Custom, write_samples
 
-USAGE = f"""usage: python -m kvbench.export [OVERRIDE ...] out=FILE
+USAGE = f"""usage: kvbench export [OVERRIDE ...] out=FILE   (or python -m kvbench.export ...)
 
 Write the samples of any task, as `python -m kvbench` would build them with the same overrides, to FILE
 ({', '.join(FORMATS)}; chosen by extension) in the layout that task=custom and kvpress read.

@@ -1,4 +1,5 @@
-"""`python -m kvbench.figures RESULTS_DIR --layout NAME`: a paper's efficiency figure and table."""
+"""`kvbench figures RESULTS_DIR --layout NAME` (or `python -m kvbench.figures ...`): a paper's efficiency figure
+and table."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from kvbench.reporting.efficiency import LAYOUTS, render
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="kvbench figures", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results_dir", type=Path)
     parser.add_argument("--layout", required=True, choices=sorted(LAYOUTS))
     parser.add_argument("--out", type=Path, default=None)
@@ -19,7 +21,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         paths = render(args.results_dir, args.layout, args.out)
     except ValueError as exc:
-        print(f"kvbench.figures: error: {exc}", file=sys.stderr)
+        print(f"kvbench: error: {exc}", file=sys.stderr)
         return 2
     print("\n".join(str(p) for p in paths))
     return 0

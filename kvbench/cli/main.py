@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import signal
@@ -45,19 +46,32 @@ def _log_to_wandb(cfg: DictConfig, summary: dict) -> None:
                     "(then `wandb sync`), or rerun the command once W&B is reachable", said, summary["run_dir"])
 
 
+# `kvbench NAME ...`: the commands beside a run, each a module of kvbench.cli with `main(argv) -> exit status`
+# (imported when named: pandas and matplotlib stay out of a run). `profile` is a run with profile=true.
+COMMANDS = {
+    "report": "tables, figures and an HTML page from stored records",
+    "analyze": "the papers' observations about attention, measured with a verdict",
+    "calibrate": "what a method needs before it runs (DuoAttention's gates)",
+    "export": "a task's samples as a JSONL file (bring-your-own data's layout)",
+    "figures": "a paper's efficiency figure and table from profiled points",
+    "profile": "a run with profile=true (latency and memory of each stage)",
+}
+
+
 def main() -> None:
-    if sys.argv[1:2] == ["report"]:  # `kvbench report ...`: tables, figures and HTML from stored records
-        from kvbench.cli.report import main as report_main  # pandas, matplotlib: a run does without them
+    command = sys.argv[1] if len(sys.argv) > 1 else ""
+    if command == "profile":
+        from kvbench.cli.profile import with_profile
 
-        sys.exit(report_main(sys.argv[2:]))
-    if sys.argv[1:2] == ["analyze"]:  # `kvbench analyze ...`: the papers' observations about attention, measured
-        from kvbench.cli.analyze import main as analyze_main
-
-        sys.exit(analyze_main(sys.argv[2:]))
-    if sys.argv[1:2] == ["calibrate"]:  # `kvbench calibrate METHOD ...`: what a method needs first (DuoAttention)
-        from kvbench.cli.calibrate import main as calibrate_main
-
-        sys.exit(calibrate_main(sys.argv[2:]))
+        sys.argv[1:] = with_profile(sys.argv[2:])
+    elif command in COMMANDS:
+        module = importlib.import_module(f"kvbench.cli.{command}")
+        sys.exit(module.main(sys.argv[2:]))
+    elif command and not command.startswith(("-", "~")) and "=" not in command:
+        commands = ", ".join(COMMANDS)
+        print(f"kvbench: error: unknown command '{command}' (commands: {commands}; a run takes overrides "
+              f"KEY=VALUE: kvbench --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
     try:
         sys.argv[1:] = check_command(sys.argv[1:])
     except KVBenchError as exc:

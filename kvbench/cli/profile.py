@@ -1,4 +1,5 @@
-"""`python -m kvbench.profile ...`: the same command line as `python -m kvbench`, with `profile=true`.
+"""`kvbench profile ...` (or `python -m kvbench.profile ...`): the same command line as `python -m kvbench`, with
+`profile=true`.
 
     python -m kvbench.profile method=snapkv budget=256 task=synthetic task.seq_len=8192
     python -m kvbench.profile -m method=full,snapkv,adakv budget=256,1024 task=synthetic task.lengths=[2048,8192]
@@ -8,10 +9,16 @@ from __future__ import annotations
 
 import sys
 
-from kvbench.cli.main import main
+
+def with_profile(argv: list[str]) -> list[str]:
+    """The run's arguments with profile=true, unless they set profile themselves."""
+    if any(arg.startswith(("profile=", "+profile=", "++profile=")) for arg in argv):
+        return list(argv)
+    return [*argv, "profile=true"]
 
 
 def run() -> None:
-    if not any(arg.startswith(("profile=", "+profile=")) for arg in sys.argv[1:]):
-        sys.argv.append("profile=true")
+    from kvbench.cli.main import main
+
+    sys.argv[1:] = with_profile(sys.argv[1:])
     main()

@@ -33,6 +33,9 @@ def check_command(argv: Sequence[str]) -> list[str]:
     argv = check_settings(argv)
     if any(arg.split("=", 1)[0] in _HYDRA_INFO_FLAGS for arg in argv):
         return argv
+    bare = next((arg for arg in argv if not arg.startswith(("-", "~")) and "=" not in arg), None)
+    if bare is not None:
+        raise KVBenchError(f"'{bare}' is not an override: write KEY=VALUE (kvbench --help lists the keys and values)")
     multirun = any(arg in _MULTIRUN_FLAGS for arg in argv)
     overrides = [arg for arg in argv if not arg.startswith("-")]
     keys = {_key(arg) for arg in overrides}

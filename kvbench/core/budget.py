@@ -24,7 +24,7 @@ def resolve_budget(budget: "float | int | CompressionRatio", length: int) -> int
         return max(1, int(length * (1 - budget.value)))
     if budget is None or budget <= 0:
         raise KVBenchError(f"budget must be positive (tokens per KV head, or a ratio in (0, 1)); got {budget}")
-    if isinstance(budget, float) and budget < 1:
+    if is_relative(budget):
         return max(1, round(budget * length))
     if isinstance(budget, float) and not budget.is_integer():
         raise KVBenchError(f"budget {budget} is neither a token count nor a ratio in (0, 1)")

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvbench.kernels.stable_topk import descending_keys
+from kvbench.kernels.stable_topk import descending_keys, stable_topk_reference
 
 
 class RuntimeDims:
@@ -60,8 +60,7 @@ def top_dims(scores: torch.Tensor, planned: int, runtime: RuntimeDims | None, st
     reference's CPU the stable order lowered the overlap of HSA's sets with the release's from 1.000 to 0.984
     at S 4K, t 256); its compiled step may then take another tied dimension than the eager."""
     if runtime is None:
-        return Chosen(descending_keys(scores).topk(planned, dim=-1).indices if stable
-                      else scores.topk(planned, dim=-1).indices)
+        return Chosen(stable_topk_reference(scores, planned) if stable else scores.topk(planned, dim=-1).indices)
     count = runtime.count
     past = torch.arange(count, device=scores.device) >= runtime.value
     if stable:
