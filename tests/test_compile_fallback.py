@@ -197,3 +197,29 @@ def test_an_error_from_running_a_compiled_graph_is_the_runs_own(fresh):
     with pytest.raises(RuntimeError, match="while the graph ran"):
         greedy_decode(fresh, build_method("snapkv", window=8), 48, random_ids(120, seed=6), 2,
                       compiled.CompiledDecoder(fresh, backend))
+
+
+@pytest.mark.parametrize("setting,warned", [("true", True), ("auto", False)])
+def test_a_method_that_cannot_compile_says_so_once_where_compiling_was_asked(tmp_path, setting, warned):
+    """engine.compile=true (or auto on CUDA) with a method whose step needs host work (MagicPIG's LSH over keys
+    in host memory): the point decodes eagerly with one warning line naming the reason its records carry;
+    auto on a CPU asks for nothing and says nothing."""
+    import json
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-m", "kvbench", "model=tiny_llama", "task=twostage_retr", "task.num_samples=1",
+         "task.max_new_tokens=2", "engine.nll=false", "method=magicpig", "budget=64", f"engine.compile={setting}",
+         "show_progress=false", f"results_dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=300)
+    assert result.returncode == 0, result.stderr
+    warnings = [line for line in (result.stdout + result.stderr).splitlines() if "[WARNING]" in line]
+    record = json.loads(next(tmp_path.rglob("records.jsonl")).read_text().splitlines()[0])
+    assert record["decode_path"] == "eager"
+    if warned:
+        assert len(warnings) == 1, warnings
+        assert "magicpig decodes eagerly although engine.compile=true asks for the compiled step" in warnings[0]
+        assert record["decode_path_reason"] and record["decode_path_reason"] in warnings[0]
+    else:
+        assert warnings == [] and record["decode_path_reason"] is None

@@ -57,22 +57,30 @@ def resolved_decode_path(cfg: DictConfig) -> str:
     """`compiled` where `engine.compile` asks for the compiled decode step on the device this run resolves to and
     the method allows it (`Method.static_decode_blocker`), else `eager`: compiled records are their own points
     (different kernels round differently), and each record says which path it ran (`decode_path`)."""
-    from kvbench.engine.compiled import wants_compile
+    return decode_path_choice(cfg)[0]
+
+
+def decode_path_choice(cfg: DictConfig) -> tuple[str, str | None]:
+    """The decode path (`resolved_decode_path`) and, where `engine.compile` asks for the compiled step but the
+    point decodes eagerly, why (the reason its records carry as `decode_path_reason`); None otherwise."""
+    from kvbench.engine.compiled import SHARDED_REASON, wants_compile
+    from kvbench.engine.sample import STAGE_TIMED_REASON
     from kvbench.methods import build_method, method_parameters
     from kvbench.models import resolve_device
 
     setting = cfg.engine.get("compile", "auto")
     if setting not in ("auto", True, False) or not wants_compile(setting, resolve_device(cfg.model.device)):
-        return "eager"
-    if cfg.model.get("device_map") is not None:  # layer-sharded: eager (kvbench.engine.compiled.SHARDED_REASON)
-        return "eager"
-    if cfg.get("profile") and cfg.get("profiler", {}).get("stages"):  # kvbench.engine.sample.STAGE_TIMED_REASON
-        return "eager"
+        return "eager", None
+    if cfg.model.get("device_map") is not None:
+        return "eager", SHARDED_REASON
+    if cfg.get("profile") and cfg.get("profiler", {}).get("stages"):
+        return "eager", STAGE_TIMED_REASON
     try:
         method = build_method(cfg.method.name, **method_parameters(cfg.method))
     except KVBenchError:  # a bad method setting is reported when the point is prepared
-        return "eager"
-    return "eager" if method.static_decode_blocker() is not None else "compiled"
+        return "eager", None
+    blocker = method.static_decode_blocker()
+    return ("eager", blocker) if blocker is not None else ("compiled", None)
 
 
 def written_point_identity(cfg: DictConfig) -> dict[str, Any]:
