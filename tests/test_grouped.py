@@ -251,3 +251,23 @@ def test_a_killed_grouped_multirun_resumes_without_loss_or_duplicates(tmp_path):
         assert len(recs) == 1, f"{key} recorded {len(recs)} times"
         assert recs[0]["turns"][0]["prediction"] == uninterrupted[key][0]["turns"][0]["prediction"]
         assert recs[0]["score"] == uninterrupted[key][0]["score"]
+
+
+def test_a_grouped_multirun_batches_samples_of_every_point_with_sample_batch(tmp_path):
+    """`engine.sample_batch=2` in a grouped sweep puts two samples of each point in one batch (it was ignored
+    there: the group batched one sample's points only); the records equal one sample at a time, bit for bit."""
+    args = ["-m", "model=tiny_llama", "task=twostage_retr", "task.num_samples=2", "task.max_new_tokens=4",
+            "method=full,snapkv", "budget=40", "show_progress=false"]
+    runs = {}
+    for batch in (1, 2):
+        root = tmp_path / f"batch{batch}"
+        done = subprocess.run([sys.executable, "-m", "kvbench", *args, f"engine.sample_batch={batch}",
+                               f"results_dir={root}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs[batch] = (_records(root), done.stdout)
+    (one, _), (two, said) = runs[1], runs[2]
+    assert "decoding 2 points together (2 samples at a time), 2 samples to run" in said
+    assert set(one) == set(two) and len(one) == 4  # the same point directories: sample_batch is no identity
+    for key, (record,) in two.items():
+        assert record["decode_batched_rows"] == 4 and one[key][0]["decode_batched_rows"] == 2
+        assert_same_records(one[key][0], record)

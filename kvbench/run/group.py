@@ -47,11 +47,11 @@ def group_key(cfg: DictConfig) -> str | None:
 def run_grouped(points: list[tuple[DictConfig, Path]], max_group: int) -> None:
     """Record the samples of several points that share a `group_key`, decoding each sample's points together.
 
-    Per sample: every point still missing it joins one batch (at most `max_group` rows): its own prefill
-    and compression (one shared dense prefill through the snapshots), then one batched decode and NLL
-    (`engine.run_group`); each point's record is appended to its own store as soon as the sample is done, so
-    an interrupted group resumes at the samples each point lacks. Points that fail to prepare are left to
-    their own job, which reports the error.
+    Per sample (per `engine.sample_batch` samples): every point still missing it joins one batch (at most
+    `max_group` points): its own prefill and compression (one shared dense prefill through the snapshots), then
+    one batched decode and NLL (`engine.run_group`); each point's record is appended to its own store as soon as
+    the batch is done, so an interrupted group resumes at the samples each point lacks. Points that fail to
+    prepare are left to their own job, which reports the error.
     """
     with contextlib.ExitStack() as locks:
         prepared = []
@@ -73,20 +73,23 @@ def _run_group_samples(prepared: list[PreparedPoint], max_group: int) -> None:
     pending = [s for s in samples if any(s.id in ids for ids in todo.values())]
     if not pending:  # a rerun of a finished sweep: each job says its samples are recorded
         return
-    log.info("decoding %d points together, %s to run", len(prepared),
+    per_batch = max(1, int(prepared[0].engine_cfg.sample_batch))
+    log.info("decoding %d points together%s, %s to run", len(prepared),
+             f" ({per_batch} samples at a time)" if per_batch > 1 else "",
              sample_count(pending, prepared[0].cfg.task.get("num_samples")))
     bar = SampleProgress(len(pending), f"group of {len(prepared)} points, {prepared[0].cfg.task.name}",
                          prepared[0].cfg.show_progress)
-    for sample in pending:
-        rows = [p for p in prepared if sample.id in todo[p.run_dir]]
-        for start in range(0, len(rows), max_group):
-            batch = rows[start:start + max_group]
-            run_rows(prepared[0], [(point, sample) for point in batch])
-            for point in batch:
+    for start in range(0, len(pending), per_batch):
+        samples_now = pending[start:start + per_batch]
+        for first in range(0, len(prepared), max_group):
+            # sample-major, so a sample's rows follow one another and share its dense prefill (the snapshots)
+            rows = [(point, sample) for sample in samples_now for point in prepared[first:first + max_group]
+                    if sample.id in todo[point.run_dir]]
+            if rows:
+                run_rows(prepared[0], rows)
+            for point, _ in rows:
                 key = point.run_dir.resolve()
                 _GROUPED[key] = _GROUPED.get(key, 0) + 1
-        bar.update()
+        bar.update(len(samples_now))
         release_host_memory()
     bar.close()
-
-
