@@ -275,7 +275,7 @@ def test_each_command_is_a_word_after_kvbench(tmp_path, command, needle):
 
 
 def test_profile_adds_profile_true_unless_given():
-    from kvbench.cli.profile import with_profile
+    from kvbench.cli.main import with_profile
 
     assert with_profile(["method=snapkv"]) == ["method=snapkv", "profile=true"]
     assert with_profile(["-m", "profile=false"]) == ["-m", "profile=false"]

@@ -58,11 +58,16 @@ COMMANDS = {
 }
 
 
+def with_profile(argv: list[str]) -> list[str]:
+    """A run's arguments with profile=true (`kvbench profile ...`), unless they set profile themselves."""
+    if any(arg.startswith(("profile=", "+profile=", "++profile=")) for arg in argv):
+        return list(argv)
+    return [*argv, "profile=true"]
+
+
 def main() -> None:
     command = sys.argv[1] if len(sys.argv) > 1 else ""
     if command == "profile":
-        from kvbench.cli.profile import with_profile
-
         sys.argv[1:] = with_profile(sys.argv[2:])
     elif command in COMMANDS:
         module = importlib.import_module(f"kvbench.cli.{command}")

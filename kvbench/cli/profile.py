@@ -9,16 +9,9 @@ from __future__ import annotations
 
 import sys
 
-
-def with_profile(argv: list[str]) -> list[str]:
-    """The run's arguments with profile=true, unless they set profile themselves."""
-    if any(arg.startswith(("profile=", "+profile=", "++profile=")) for arg in argv):
-        return list(argv)
-    return [*argv, "profile=true"]
+from kvbench.cli.main import main, with_profile
 
 
 def run() -> None:
-    from kvbench.cli.main import main
-
     sys.argv[1:] = with_profile(sys.argv[1:])
     main()
