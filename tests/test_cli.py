@@ -274,6 +274,19 @@ def test_each_command_is_a_word_after_kvbench(tmp_path, command, needle):
     assert needle in result.stdout
 
 
+@pytest.mark.parametrize("command,required", [("report", "SOURCE|RESULTS_DIR"), ("calibrate", "method")])
+def test_a_command_without_arguments_names_only_what_is_required(command, required, capsys):
+    """The overrides after a command are optional: argparse listed them as required too (`nargs="*"` without a
+    default), which told a newcomer that KEY=VALUE must be given."""
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(f"kvbench.cli.{command}").main([])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.endswith(f"the following arguments are required: {required}"), last
+
+
 def test_profile_adds_profile_true_unless_given():
     from kvbench.cli.main import with_profile
 

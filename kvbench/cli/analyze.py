@@ -41,7 +41,7 @@ def main(argv: Sequence[str]) -> int:
         "a verdict (holds / does_not_hold / inconclusive, with a bootstrap interval) and the paper's figure.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--list", action="store_true", help="list the claims and exit")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+    parser.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
                         help="claim=NAME or experiment=claims_<paper>, then Hydra overrides (model=, task=, "
                              "num_samples=, params.<claim>.<key>=, results_dir=)")
     args = parser.parse_args(list(argv))

@@ -35,7 +35,7 @@ def main(argv: Sequence[str]) -> int:
         "its retrieval-head gates), on synthetic passkey retrieval.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("method", choices=METHODS, help="the method to calibrate")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+    parser.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
                         help="Hydra overrides of kvbench/conf/calibrate.yaml (model=, steps=, seq_len=, sink=, recent=, out=)")
     args = parser.parse_args(list(argv))
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")

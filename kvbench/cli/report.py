@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                "(any results tree). Writes <results_dir>/report/ (index.html, table.md/.csv/.tex, points.csv, "
                "figures as PNG and PDF); see kvbench/reporting/paper.py.")
     parser.add_argument("source", metavar="SOURCE|RESULTS_DIR", help="experiment=NAME, or a results directory")
-    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+    parser.add_argument("overrides", nargs="*", default=[], metavar="KEY=VALUE",
                         help="with experiment=NAME: the overrides the sweep ran with (results_dir=..., budget=64,128)")
     parser.add_argument("--out", type=Path, help="report directory (default: <results_dir>/report)")
     parser.add_argument("--no-files", action="store_true", help="only print the table")
