@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from kvbench.analysis.runner import claims, run_claim
-from kvbench.config.command import check_keys
+from kvbench.config.command import check_keys, is_bare_word
 from kvbench.config.paths import compose_command_config
 from kvbench.config.validate import check_group_overrides
 from kvbench.core.errors import KVBenchError
@@ -50,7 +50,7 @@ def main(argv: Sequence[str]) -> int:
         return 0
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")
     try:
-        bare = next((arg for arg in args.overrides if "=" not in arg and not arg.startswith("~")), None)
+        bare = next((arg for arg in args.overrides if is_bare_word(arg)), None)
         if bare is not None:
             raise KVBenchError(f"'{bare}' is not KEY=VALUE: name a claim as claim=NAME (kvbench analyze --list "
                                f"shows them)")

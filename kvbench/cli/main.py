@@ -14,7 +14,7 @@ from types import FrameType
 import hydra
 from omegaconf import DictConfig
 
-from kvbench.config.command import check_command
+from kvbench.config.command import check_command, is_bare_word
 from kvbench.config.paths import CONF_DIR
 from kvbench.core.errors import KVBenchError
 from kvbench.run.point import run_point
@@ -72,7 +72,7 @@ def main() -> None:
     elif command in COMMANDS:
         module = importlib.import_module(f"kvbench.cli.{command}")
         sys.exit(module.main(sys.argv[2:]))
-    elif command and not command.startswith(("-", "~")) and "=" not in command:
+    elif command and is_bare_word(command):
         commands = ", ".join(COMMANDS)
         print(f"kvbench: error: unknown command '{command}' (commands: {commands}; a run takes overrides "
               f"KEY=VALUE: kvbench --help)", file=sys.stderr, flush=True)

@@ -25,6 +25,11 @@ _MULTIRUN_FLAGS = ("-m", "--multirun")
 _SLURM_LAUNCHERS = ("slurm", "slurm_local", "submitit_slurm")
 
 
+def is_bare_word(arg: str) -> bool:
+    """Whether a command-line argument is neither a flag nor an override (KEY=VALUE, Hydra's ~KEY deletion)."""
+    return not arg.startswith(("-", "~")) and "=" not in arg
+
+
 def check_command(argv: Sequence[str]) -> list[str]:
     """The arguments to hand to Hydra (method settings a sweep shares written as `++method.KEY`), after checking
     every job the command would run; a KVBenchError names the first problem."""
@@ -33,7 +38,7 @@ def check_command(argv: Sequence[str]) -> list[str]:
     argv = check_settings(argv)
     if any(arg.split("=", 1)[0] in _HYDRA_INFO_FLAGS for arg in argv):
         return argv
-    bare = next((arg for arg in argv if not arg.startswith(("-", "~")) and "=" not in arg), None)
+    bare = next((arg for arg in argv if is_bare_word(arg)), None)
     if bare is not None:
         raise KVBenchError(f"'{bare}' is not an override: write KEY=VALUE (kvbench --help lists the keys and values)")
     multirun = any(arg in _MULTIRUN_FLAGS for arg in argv)

@@ -1,10 +1,10 @@
 """SparQ attention (Ribar et al. 2024): estimate the scores from the r largest-|q| head dimensions, attend
 exactly to the top-k tokens, blend with the mean value (RocketKV's baseline, its App. A.3).
 
-Per decode step: the r dimensions of largest |q| (ties to the lower dimension); approximate logits q[r] . K[:, r] read from a second,
-transposed copy of the keys (`[H, D, N]`, kept current as tokens are appended: SparQ stores K twice); a
-softmax with SparQ's temperature sqrt(D * sum_r |q| / sum |q|) instead of sqrt(D); exact attention over the
-top-k tokens; with `reallocation` (on, as the SparQ code) the output is
+Per decode step: the r dimensions of largest |q| (ties to the lower dimension); approximate logits
+q[r] . K[:, r] read from a second, transposed copy of the keys (`[H, D, N]`, kept current as tokens are
+appended: SparQ stores K twice); a softmax with SparQ's temperature sqrt(D * sum_r |q| / sum |q|) instead of
+sqrt(D); exact attention over the top-k tokens; with `reallocation` (on, as the SparQ code) the output is
     w * attention(top-k) + (1 - w) * mean(V),  w = the estimated attention mass of the top-k,
 with mean(V) over every stored token (a running sum kept with the transposed keys).
 

@@ -102,12 +102,11 @@ def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
         **({"prefill_attention": engine_cfg.prefill_attention} if engine_cfg.prefill_attention != "dense" else {}),
     }
     budget = CompressionRatio(point["compression_ratio"]) if point.get("compression_ratio") is not None else cfg.budget
-    _, eager_reason = decode_path_choice(cfg)
+    path, eager_reason = decode_path_choice(cfg)
     if eager_reason is not None:  # asked for (engine.compile, or auto on CUDA) and not given: one line per point
         log.warning("kvbench: %s decodes eagerly although engine.compile=%s asks for the compiled step: %s",
                     cfg.method.name, str(cfg.engine.get("compile", "auto")).lower(), eager_reason)
-    if (point.get("engine", {}).get("decode_path") == "compiled" and method.selects and is_relative(budget)
-            and len(samples) > 1):
+    if path == "compiled" and method.selects and is_relative(budget) and len(samples) > 1:
         # the tokens a step selects (t / 2) are a shape of the compiled graph, and t follows each sample's length
         log.warning("kvbench: %s with a ratio budget (%s) on the compiled decode step compiles a graph for each "
                     "prompt length (tens of seconds each on a GPU); a token budget shares one graph per capacity, "
