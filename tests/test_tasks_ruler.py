@@ -366,9 +366,9 @@ def test_qa_hotpot_repeats_documents_past_the_corpus(qa_dir):
 
 def test_qa_missing_data_names_the_file(tmp_path, monkeypatch):
     monkeypatch.delenv("KVBENCH_DATA", raising=False)
-    with pytest.raises(DatasetMissingError, match=r"dev-v2\.0\.json.*rajpurkar"):
+    with pytest.raises(DatasetMissingError, match=r"dev-v2\.0\.json: no data directory is set .*rajpurkar"):
         gen("qa_1", n=1)
-    with pytest.raises(DatasetMissingError, match=r"hotpot_dev_distractor_v1\.json"):
+    with pytest.raises(DatasetMissingError, match=rf"hotpot_dev_distractor_v1\.json: not at {tmp_path}/"):
         gen("qa_2", n=1, data_dir=str(tmp_path))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import struct
 import subprocess
 import sys
@@ -91,14 +92,65 @@ def test_report_publish_without_network_says_so_and_writes_the_static_report(tmp
     assert (tmp_path / "report" / "index.html").is_file() and (tmp_path / "report" / "table.md").is_file()
 
 
-def test_online_logging_without_network_warns_and_the_sweep_goes_on(tmp_path: Path) -> None:
-    env = {**os.environ, "WANDB_BASE_URL": "http://127.0.0.1:9", "WANDB_API_KEY": "x" * 40,
-           "WANDB_INIT_TIMEOUT": "15", "WANDB_SILENT": "true"}
-    result = subprocess.run([sys.executable, "-m", "kvbench", "-m", *TINY, "method=snapkv,streamingllm", "budget=64",
-                             "logger=wandb", "logger.mode=online", f"results_dir={tmp_path}"], cwd=tmp_path,
-                            capture_output=True, text=True, env=env, timeout=600)
+def _online_env(tmp_path: Path, base_url: str, key: bool = True) -> dict:
+    """An environment whose W&B settings are the test's alone: its server, a key or none (no .netrc, no settings)."""
+    env = {**os.environ, "WANDB_BASE_URL": base_url, "WANDB_INIT_TIMEOUT": "5", "WANDB_SILENT": "true",
+           "NETRC": str(tmp_path / "no-netrc"), "WANDB_CONFIG_DIR": str(tmp_path / "wandb-config")}
+    env.pop("WANDB_MODE", None)
+    env.pop("WANDB_API_KEY", None)
+    if key:
+        env["WANDB_API_KEY"] = "x" * 40
+    return env
+
+
+def _online_sweep(tmp_path: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvbench", "-m", *TINY, "method=snapkv,streamingllm", "budget=64",
+                           "logger=wandb", "logger.mode=online", f"results_dir={tmp_path / 'results'}"], cwd=tmp_path,
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+@pytest.mark.parametrize("problem", ["no server", "no key"])
+def test_online_logging_that_cannot_work_from_here_is_one_line_before_anything_runs(tmp_path: Path, problem) -> None:
+    """No server answering, or no API key: every point would warn after it ran (and first wait out W&B's init
+    timeout), so the command stops before any point, in one line naming the way out."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        answering = f"http://127.0.0.1:{server.getsockname()[1]}"
+        env = _online_env(tmp_path, "http://127.0.0.1:9" if problem == "no server" else answering,
+                          key=problem == "no server")
+        result = _online_sweep(tmp_path, env)
+    assert result.returncode == 2, result.stderr[-3000:]
+    said = {"no server": "its server http://127.0.0.1:9 does not answer", "no key": "no W&B API key (run `wandb login`"}
+    lines = [line for line in result.stderr.splitlines() if line.startswith("kvbench: error:")]
+    assert len(lines) == 1 and said[problem] in lines[0] and "logger.mode=offline" in lines[0], result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and not list(tmp_path.glob("results/*"))  # no point directory
+
+
+def test_online_logging_that_fails_after_the_check_warns_and_the_sweep_goes_on(tmp_path: Path) -> None:
+    """A server that takes the connection but never answers W&B (a network that breaks after the command's check):
+    each point warns once, after its records are written, and the sweep goes on."""
+    with socket.socket() as server:  # listening, never accepting: connections open, requests wait
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        result = _online_sweep(tmp_path, _online_env(tmp_path, f"http://127.0.0.1:{server.getsockname()[1]}"))
     assert result.returncode == 0, result.stderr[-3000:]
     warnings = [line for line in (result.stdout + result.stderr).splitlines() if "W&B logging failed" in line]
     assert len(warnings) == 2 and all("records are safe" in w and "logger.mode=offline" in w for w in warnings)
     assert "Traceback" not in result.stdout + result.stderr
     assert len(list(tmp_path.rglob("records.jsonl"))) == 2
+
+
+def test_logger_wandb_without_the_wandb_package_is_one_line(monkeypatch) -> None:
+    import importlib.util
+
+    from omegaconf import OmegaConf
+
+    from kvbench.config import command
+    from kvbench.core.errors import KVBenchError
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *rest: None if name == "wandb" else find_spec(name, *rest))
+    with pytest.raises(KVBenchError, match=r"logger=wandb needs the wandb package: pip install 'kvbench\[wandb\]'"):
+        command.check_logger(OmegaConf.create({"name": "wandb", "mode": "offline"}))
+    command.check_logger(OmegaConf.create({"name": "none"}))  # no W&B asked for: nothing looked up

@@ -3,13 +3,19 @@ bad value, an unknown key or an unreachable cluster is one line and no point dir
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import importlib.util
+import inspect
+import io
 import shutil
+import socket
 import subprocess
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from omegaconf import DictConfig
 
@@ -58,11 +64,16 @@ def check_command(argv: Sequence[str]) -> list[str]:
         argv = narrowed_preset_sweeps(argv, base)
         overrides = [arg for arg in argv if not arg.startswith("-")]
     jobs = _jobs(overrides, base) if multirun else [overrides]
+    loggers: list[Any] = []
     for job in jobs:
         cfg = _compose(job, multirun=False)
         check_job(cfg, runs_here=launcher not in _SLURM_LAUNCHERS)
+        if cfg.logger not in loggers:
+            loggers.append(cfg.logger)
     if launcher in _SLURM_LAUNCHERS:
         check_slurm_reachable()
+    for logger in loggers:
+        check_logger(logger, runs_here=launcher not in _SLURM_LAUNCHERS)
     return argv
 
 
@@ -111,6 +122,52 @@ def check_slurm_reachable(timeout: float = 20) -> None:
     if probe.returncode != 0:
         said = next((line.strip() for line in probe.stderr.splitlines() if line.strip()), f"exit {probe.returncode}")
         raise KVBenchError(f"SLURM is not reachable from here (sinfo: {said}): {advice}")
+
+
+def check_logger(logger: DictConfig, runs_here: bool = True) -> None:
+    """`logger=wandb`: W&B can take the command's points before the first one runs. A point logs after its records
+    are written, and a failure there is one warning (the records are safe), but a sweep would meet it at every
+    point, each online point first waiting out W&B's init timeout (90 s): so the wandb package must be there, and
+    for an online run an API key and, where the points run on this machine, the server answering."""
+    if logger.get("name") != "wandb":
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise KVBenchError("logger=wandb needs the wandb package: pip install 'kvbench[wandb]' (or logger=none)")
+    problem = wandb_online_problem(check_server=runs_here, mode=logger.get("mode"))
+    if problem is not None:
+        raise KVBenchError(f"logger=wandb cannot log online from here: {problem}; log to files with "
+                           f"logger.mode=offline (then `wandb sync`), or run without W&B (logger=none)")
+
+
+def wandb_online_problem(check_server: bool = True, mode: str | None = None) -> str | None:
+    """Why W&B cannot take an online run from here (no API key, its server not answering), or None: also None when
+    the mode (`mode`, else W&B's own setting, $WANDB_MODE) is not online. The server and the key are looked up
+    as wandb itself does (its settings: $WANDB_BASE_URL, settings files; `wandb.login` without a prompt)."""
+    import wandb  # optional; imported only for logger=wandb or a published report
+
+    settings = wandb.setup().settings
+    if (mode or settings.mode) in ("offline", "dryrun", "disabled"):
+        return None
+    if check_server:
+        host = urlparse(settings.base_url)
+        try:
+            socket.create_connection((host.hostname, host.port or (443 if host.scheme == "https" else 80)),
+                                     timeout=5).close()
+        except OSError as exc:
+            return f"its server {settings.base_url} does not answer ({type(exc).__name__})"
+    if not _wandb_has_key(wandb):
+        return "no W&B API key (run `wandb login`, or set WANDB_API_KEY)"
+    return None
+
+
+def _wandb_has_key(wandb: Any) -> bool:
+    """Whether wandb finds an API key (environment, settings, .netrc), without prompting for one or asking its
+    server. `wandb.login(prompt=False)` where wandb has it (it prints what it found: kept quiet), `wandb.api`
+    on older releases."""
+    if "prompt" not in inspect.signature(wandb.login).parameters:
+        return bool(wandb.api.api_key)
+    with contextlib.redirect_stderr(io.StringIO()), contextlib.redirect_stdout(io.StringIO()):
+        return bool(wandb.login(prompt=False, verify=False))
 
 
 def _key(arg: str) -> str:

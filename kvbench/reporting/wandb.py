@@ -8,13 +8,12 @@ hash), and reports never read W&B back.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench.config.command import wandb_online_problem
 from kvbench.results.collect import collect
 
 # Summary metrics logged per point (means over its samples), where the summary has them.
@@ -62,29 +61,14 @@ def log_point(cfg: DictConfig, summary: dict[str, Any], run_dir: Path) -> None:
         run.finish()
 
 
-def _reachable(url: str, timeout_s: float = 3.0) -> str | None:
-    """None when the W&B server answers a TCP connection; else why not."""
-    parsed = urlparse(url)
-    try:
-        socket.create_connection((parsed.hostname, parsed.port or 443), timeout=timeout_s).close()
-        return None
-    except OSError as err:
-        return f"{parsed.hostname} unreachable ({err.__class__.__name__})"
-
-
 def publish_report(result: dict[str, Any], project: str, entity: str | None = None) -> str:
     """Build a W&B report with the static report's panels (score vs budget per method from the runs' summaries,
     the main table as markdown, NIAH and efficiency panels where the static report has them); one line back."""
     out_dir = result["out_dir"]
-    base = os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")
-    reason = _reachable(base)
-    if reason is None and not os.environ.get("WANDB_API_KEY"):
-        try:
-            import wandb
-
-            reason = None if wandb.api.api_key else "no W&B API key (wandb login)"
-        except Exception as err:  # noqa: BLE001 - any failure here means: not published
-            reason = f"W&B unavailable ({err})"
+    try:
+        reason = wandb_online_problem(mode="online")
+    except Exception as err:  # noqa: BLE001 - any failure here means: not published
+        reason = f"W&B unavailable ({err})"
     if reason is not None:
         return f"W&B report not published: {reason}; the static report is {out_dir / 'index.html'}"
     try:

@@ -250,9 +250,9 @@ def qa_path(dataset: str, data_dir: str | None) -> Path:
     root = data_dir or os.environ.get(DATA_ENV)
     path = Path(root) / filename if root else None
     if path is None or not path.is_file():
-        where = f"{path}" if path else f"nowhere (set task.data_dir or ${DATA_ENV})"
+        where = f"not at {path}" if path else f"no data directory is set (task.data_dir or ${DATA_ENV})"
         raise DatasetMissingError(
-            f"RULER {dataset} needs {filename}, looked in {where}. Download it with: wget {url} -O <data_dir>/{filename}")
+            f"RULER {dataset} needs {filename}: {where}. Download it with: wget {url} -O <data_dir>/{filename}")
     return path
 
 
