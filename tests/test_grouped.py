@@ -271,3 +271,43 @@ def test_a_grouped_multirun_batches_samples_of_every_point_with_sample_batch(tmp
     for key, (record,) in two.items():
         assert record["decode_batched_rows"] == 4 and one[key][0]["decode_batched_rows"] == 2
         assert_same_records(one[key][0], record)
+
+
+BROKEN_METHOD = """
+import sys
+from kvbench.methods.exact_topk import ExactTopK
+
+def broken(self, *args, **kwargs):
+    raise RuntimeError("a method's bug, injected by the test")
+
+ExactTopK.select = broken  # every decode step of Exact-TopK raises
+from kvbench.cli.main import main
+sys.argv = ["kvbench", *sys.argv[1:]]
+main()
+"""
+
+
+def test_a_point_that_raises_in_a_group_stops_alone_and_the_sweep_goes_on(tmp_path):
+    """One point's error (a bug, not an out-of-memory, which is recorded as such) stopped the whole grouped sweep,
+    losing every later point. Now its batch runs again one row at a time, the other points record every sample
+    (bitwise what they record without it), and the failed point's own job runs it alone and reports the error,
+    as Hydra's basic launcher does."""
+    script = tmp_path / "broken_method.py"
+    script.write_text(BROKEN_METHOD)
+    args = ["-m", "model=tiny_llama", "task=twostage_retr", "task.num_samples=3", "task.max_new_tokens=4",
+            "budget=40", "show_progress=false"]
+    broken = subprocess.run([sys.executable, str(script), *args, "method=exact_topk,full,adakv",
+                             f"results_dir={tmp_path / 'broken'}"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600)
+    clean = subprocess.run([sys.executable, "-m", "kvbench", *args, "method=full,adakv",
+                            f"results_dir={tmp_path / 'clean'}"], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=600)
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    said = broken.stdout + broken.stderr
+    assert broken.returncode != 0 and "a method's bug, injected by the test" in said
+    assert "failed on sample twostage_retr-4096-0" in said and "FAILED: " in said and "method=exact_topk" in said
+    records, expected = _records(tmp_path / "broken"), _records(tmp_path / "clean")
+    assert not any("exact_topk" in point for point, _ in records)
+    assert set(records) == set(expected) and len(records) == 6  # full and Ada-KV: every sample, once
+    for key, (record,) in records.items():
+        assert_same_records(expected[key][0], record)
