@@ -91,8 +91,9 @@ GRID = [("full", {}, 64), ("adakv", {}, 48), ("exact_topk", {}, 32), ("snapkv", 
         ("duoattention", {"pattern": "tiny_llama"}, 24), ("magicpig", {"n_local": 8, "dense_layers": None}, 16),
         ("shadowkv", {"local_chunks": 1, "outlier_chunks": 2}, 16), ("infllm", {"memory_block_size": 8}, 48),
         ("retrieval_attention", {"n_init": 4, "n_local": 8}, 8),
-        # the rest of the list: pyramid budgets, accumulated scores, page and reduced-dimension selection
-        ("pyramidkv", {}, 40), ("h2o", {}, 40), ("quest", {}, 32), ("sparq", {}, 32),
+        # the rest of the list: sinks and a window, pyramid budgets, accumulated scores, page and
+        # reduced-dimension selection
+        ("streamingllm", {}, 24), ("pyramidkv", {}, 40), ("h2o", {}, 40), ("quest", {}, 32), ("sparq", {}, 32),
         # a stochastic method: the sample's generator, drawn at the prompt's end and at every decode step
         ("random", {"decode_every": 1}, 32)]
 
