@@ -183,14 +183,17 @@ def test_several_samples_of_one_point_decode_together(dtype):
 
 
 @pytest.mark.integration
-def test_grouped_points_on_the_embedded_model(smollm2):
-    sample = _samples(smollm2, n=1)[0]
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_points_on_the_embedded_model(smollm2, dtype):
+    lm = smollm2 if dtype == "float32" else load_model(model_cfg("smollm2_135m", device="cpu", dtype=dtype))
+    sample = _samples(lm, n=1)[0]
     cfg = EngineConfig()
     points = [(build_method(name, **params), budget) for name, params, budget in GRID[:3]]
-    alone = [run_sample(smollm2, method, budget, sample, cfg) for method, budget in points]
-    grouped = run_group(smollm2, [(method, budget, sample) for method, budget in points], cfg)
+    alone = [run_sample(lm, method, budget, sample, cfg) for method, budget in points]
+    grouped = run_group(lm, [(method, budget, sample) for method, budget in points], cfg)
     for a, g in zip(alone, grouped):
         assert_same_records(a, g)
+        assert g["decode_batched_rows"] > 1 and "decode_batch_reason" not in g  # batched, not one row at a time
 
 
 def _records(root: Path) -> dict[tuple[str, str], list[dict]]:
