@@ -170,16 +170,25 @@ def test_compiled_points_step_alone_in_a_group_and_record_what_they_record_alone
         assert_same_records(a, g)
 
 
+# issue 66's list: full, StreamingLLM, SnapKV, Ada-KV, PyramidKV, H2O, Quest, SparQ, RocketKV, Exact-TopK, an offload
+SAMPLE_BATCH_METHODS = ("full", "streamingllm", "snapkv", "adakv", "pyramidkv", "h2o", "quest", "sparq", "rocketkv",
+                        "exact_topk", "omnikv")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_several_samples_of_one_point_decode_together(dtype):
+    """`engine.sample_batch=4`: four samples of one point as the rows of one batch, each record bitwise its own."""
     lm = load_model(model_cfg("tiny_llama", dtype=dtype))
     samples = _samples(lm, n=4)
-    method = build_method("adakv")
-    alone = [run_sample(lm, method, 40, s, EngineConfig()) for s in samples]
-    together = run_group(lm, [(method, 40, s) for s in samples], EngineConfig(sample_batch=4))
-    for a, g in zip(alone, together):
-        assert a["sample_id"] == g["sample_id"] and g["decode_batched_rows"] == 4
-        assert_same_records(a, g)
+    points = [(name, params, budget) for name, params, budget in GRID if name in SAMPLE_BATCH_METHODS]
+    assert sorted(name for name, _, _ in points) == sorted(SAMPLE_BATCH_METHODS)
+    for name, params, budget in points:
+        method = build_method(name, **params)
+        alone = [run_sample(lm, method, budget, s, EngineConfig()) for s in samples]
+        together = run_group(lm, [(method, budget, s) for s in samples], EngineConfig(sample_batch=4))
+        for a, g in zip(alone, together):
+            assert a["sample_id"] == g["sample_id"] and g["decode_batched_rows"] == 4, name
+            assert_same_records(a, g)
 
 
 @pytest.mark.integration
