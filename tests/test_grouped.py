@@ -288,10 +288,11 @@ def test_a_grouped_multirun_batches_samples_of_every_point_with_sample_batch(tmp
 
 BROKEN_METHOD = """
 import sys
+from kvbench.core.errors import KVBenchError
 from kvbench.methods.exact_topk import ExactTopK
 
 def broken(self, *args, **kwargs):
-    raise RuntimeError("a method's bug, injected by the test")
+    raise {error}("a method's bug, injected by the test")
 
 ExactTopK.select = broken  # every decode step of Exact-TopK raises
 from kvbench.cli.main import main
@@ -306,7 +307,7 @@ def test_a_point_that_raises_in_a_group_stops_alone_and_the_sweep_goes_on(tmp_pa
     (bitwise what they record without it), and the failed point's own job runs it alone and reports the error,
     as Hydra's basic launcher does."""
     script = tmp_path / "broken_method.py"
-    script.write_text(BROKEN_METHOD)
+    script.write_text(BROKEN_METHOD.format(error="RuntimeError"))
     args = ["-m", "model=tiny_llama", "task=twostage_retr", "task.num_samples=3", "task.max_new_tokens=4",
             "budget=40", "show_progress=false"]
     broken = subprocess.run([sys.executable, str(script), *args, "method=exact_topk,full,adakv",
@@ -324,3 +325,20 @@ def test_a_point_that_raises_in_a_group_stops_alone_and_the_sweep_goes_on(tmp_pa
     assert set(records) == set(expected) and len(records) == 6  # full and Ada-KV: every sample, once
     for key, (record,) in records.items():
         assert_same_records(expected[key][0], record)
+
+
+def test_a_point_stopped_by_a_kvbench_error_in_a_sweep_stops_alone(tmp_path):
+    """An error kvbench names in one line (`KVBenchError`) met while a sweep's point runs exited the process at that
+    job, so the sweep's later jobs never ran. Now that job fails after its one line, the others run, and the sweep
+    ends with a non-zero status and the failed job named."""
+    script = tmp_path / "broken_method.py"
+    script.write_text(BROKEN_METHOD.format(error="KVBenchError"))
+    result = subprocess.run([sys.executable, str(script), "-m", "model=tiny_llama", "task=twostage_retr",
+                             "task.num_samples=2", "task.max_new_tokens=4", "budget=40", "show_progress=false",
+                             "method=exact_topk,full,adakv", "hydra.launcher.max_group=1",  # each point its own job
+                             f"results_dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.count("kvbench: error: a method's bug, injected by the test") == 1
+    assert "FAILED: " in result.stdout and "method=exact_topk" in result.stdout.split("FAILED: ")[1]
+    records = _records(tmp_path)
+    assert sorted({point.split("/")[2] for point, _ in records}) == ["adakv", "full"] and len(records) == 4

@@ -12,6 +12,8 @@ from pathlib import Path
 from types import FrameType
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from kvbench.config.command import check_command, is_bare_word
@@ -30,7 +32,15 @@ def _hydra_entry(cfg: DictConfig) -> None:
             _log_to_wandb(cfg, summary)
     except KVBenchError as exc:
         print(f"kvbench: error: {exc}", file=sys.stderr, flush=True)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # this point only: the sweep's other jobs still run
+            raise PointFailed(str(exc)) from None
         sys.exit(2)
+
+
+class PointFailed(RuntimeError):
+    """A sweep's point stopped by an error kvbench names in one line (printed when it happened): Hydra marks its
+    job failed, runs the others, and ends the sweep with this error and a non-zero exit status, as for any
+    job's exception (an exit here would end the whole sweep at this point, its later jobs never run)."""
 
 
 def _log_to_wandb(cfg: DictConfig, summary: dict) -> None:
