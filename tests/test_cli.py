@@ -385,6 +385,20 @@ def test_slurm_not_reachable_is_one_line_before_anything_is_submitted(tmp_path):
     assert not list(tmp_path.rglob(".submitit")) and not list(tmp_path.rglob(".hydra"))
 
 
+def test_a_slurm_sweep_without_the_submitit_launcher_says_what_to_install(monkeypatch):
+    import importlib.util
+
+    from kvbench.config.command import check_command
+    from kvbench.core.errors import KVBenchError
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *rest: None if name.endswith("hydra_submitit_launcher") else find_spec(name, *rest))
+    with pytest.raises(KVBenchError, match=r"^hydra/launcher=slurm needs hydra-submitit-launcher: pip install "
+                                           r"'kvbench\[slurm\]'$"):
+        check_command(["-m", "model=tiny_llama", "hydra/launcher=slurm"])
+
+
 def test_a_shared_setting_is_ignored_by_full_and_said(tmp_path):
     result = kvbench("-m", *TINY, "task.num_samples=1", "method=full,snapkv", "budget=64", "++method.block_size=128",
                      f"results_dir={tmp_path}", cwd=tmp_path)

@@ -107,3 +107,29 @@ def test_slurm_sweep_survives_a_cancelled_job_and_resumes_on_resubmission(slurm_
     resumed = json.loads((tmp_path / cancelled[0] / "manifest.json").read_text())
     assert resumed.get("resumes"), "the resubmitted job must have resumed the cancelled point"
     assert "Results of sweep" in output
+
+
+def test_slurm_array_tasks_of_grouped_points_record_what_a_task_per_point_records(slurm_env, tmp_path):
+    """`hydra.launcher.max_group=3`: the sweep's three points go to one array task, which decodes them together (one
+    model load, one dense prefill per prompt, batched decode); their records equal a task per point's, bit for bit."""
+    small = [arg for arg in SWEEP if not arg.startswith("task.num_samples=")] + ["task.num_samples=3"]
+    runs = {}
+    for name, extra in (("alone", []), ("grouped", ["hydra.launcher.max_group=3"])):
+        root = tmp_path / name
+        root.mkdir()
+        done = subprocess.run([sys.executable, "-m", "kvbench", *small, *extra, f"results_dir={root}"], cwd=root,
+                              env=slurm_env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        runs[name] = root
+    tasks = {name: sorted(p.name for p in root.glob(".submitit/*/*_log.out")) for name, root in runs.items()}
+    assert len(tasks["alone"]) == 3 and len(tasks["grouped"]) == 1, tasks
+    alone, grouped = ({(str(p.parent.relative_to(root)), r["sample_id"]): r for p in root.rglob("records.jsonl")
+                       for r in map(json.loads, p.read_text().splitlines())} for root in runs.values())
+    assert set(alone) == set(grouped) and len(grouped) == 9
+    for key, record in grouped.items():
+        assert record["decode_batched_rows"] == 3 and alone[key]["decode_batched_rows"] == 1
+        for field in ("score", "kv_bytes_end", "kept_tokens_end_max", "eviction_events"):
+            assert record[field] == alone[key][field], (key, field)
+        assert [t["prediction"] for t in record["turns"]] == [t["prediction"] for t in alone[key]["turns"]]
+    manifests = [json.loads(p.read_text()) for p in runs["grouped"].rglob("manifest.json")]
+    assert len(manifests) == 3 and len({m["env"]["SLURM_JOB_ID"] for m in manifests}) == 1  # one task ran them all

@@ -57,6 +57,8 @@ def check_command(argv: Sequence[str]) -> list[str]:
     if launcher in _SLURM_LAUNCHERS and not multirun:
         raise KVBenchError(f"hydra/launcher={launcher} submits sweeps: add -m (a single point runs here, "
                            f"without a launcher)")
+    if launcher in _SLURM_LAUNCHERS and importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
+        raise KVBenchError(f"hydra/launcher={launcher} needs hydra-submitit-launcher: pip install 'kvbench[slurm]'")
     check_keys(overrides)
     base = _compose(overrides, multirun)
     _check_launcher(base)
