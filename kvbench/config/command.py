@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 
 from kvbench.config.paths import GROUPS, compose_config, config_groups
 from kvbench.config.validate import check_group_overrides, check_length, check_settings, validate
-from kvbench.core.errors import KVBenchError
+from kvbench.core.errors import KVBenchError, one_line
 
 # Hydra's flags that print something or point at another config tree: the command is Hydra's to answer.
 _HYDRA_INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--resolve", "--package", "-p",
@@ -135,7 +135,10 @@ def check_logger(logger: DictConfig, runs_here: bool = True) -> None:
         return
     if importlib.util.find_spec("wandb") is None:
         raise KVBenchError("logger=wandb needs the wandb package: pip install 'kvbench[wandb]' (or logger=none)")
-    problem = wandb_online_problem(check_server=runs_here, mode=logger.get("mode"))
+    try:
+        problem = wandb_online_problem(check_server=runs_here, mode=logger.get("mode"))
+    except Exception as exc:  # noqa: BLE001 - W&B failing to set up here would fail every point's logging
+        problem = f"W&B could not be set up ({one_line(exc)})"
     if problem is not None:
         raise KVBenchError(f"logger=wandb cannot log online from here: {problem}; log to files with "
                            f"logger.mode=offline (then `wandb sync`), or run without W&B (logger=none)")
