@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.singleton import Singleton
-from hydra.core.utils import JobReturn, configure_log, filter_overrides, run_job, setup_globals
+from hydra.core.utils import JobReturn, filter_overrides, run_job, setup_globals
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf, SlurmQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import SlurmLauncher
 from omegaconf import OmegaConf, open_dict
 
-from hydra_plugins.kvbench_launcher.grouped_launcher import _console_only, _job_dir, _task_config
+from hydra_plugins.kvbench_launcher.grouped_launcher import console_logging, job_dir, record_group
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,6 @@ class GroupedSlurmLauncher(SlurmLauncher):
         point's job as submitit's launcher runs it (which finds them recorded, or runs the point alone)."""
         import submitit
 
-        from kvbench.run.group import run_grouped
-
         assert self.hydra_context is not None and self.config is not None and self.task_function is not None
         Singleton.set_state(singleton_state)
         setup_globals()
@@ -113,7 +111,7 @@ class GroupedSlurmLauncher(SlurmLauncher):
                 config.hydra.job.num = idx
             configs.append(config)
         if len(configs) > 1:
-            configure_log(_console_only(self.config.hydra.job_logging), self.config.hydra.verbose)
-            run_grouped([(_task_config(config), _job_dir(config)) for config in configs], self.max_group)
+            console_logging(self.config)
+            record_group([(config, job_dir(config)) for config in configs], self.max_group)
         return [run_job(hydra_context=self.hydra_context, task_function=self.task_function, config=config,
                         job_dir_key=job_dir_key, job_subdir_key="hydra.sweep.subdir") for config in configs]

@@ -46,7 +46,7 @@ class GroupedLauncher(Launcher):
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
         from kvbench.results.sweeps import note_point
-        from kvbench.run.group import group_key, run_grouped
+        from kvbench.run.group import group_key
         from kvbench.run.progress import SweepEstimate
 
         setup_globals()
@@ -66,15 +66,15 @@ class GroupedLauncher(Launcher):
             for _, _, config in configs:
                 key = group_key(config)
                 if key is not None:
-                    groups.setdefault(key, []).append((config, _job_dir(config)))
+                    groups.setdefault(key, []).append((config, job_dir(config)))
             shared = [members for members in groups.values() if len(members) > 1]
             estimate = SweepEstimate(len(shared))
-            if shared:  # the groups' lines read as the jobs' do (logger and level), not as Hydra's own
-                configure_log(_console_only(self.config.hydra.job_logging), self.config.hydra.verbose)
+            if shared:
+                console_logging(self.config)
             for members in shared:
-                for config, job_dir in members:  # noted now, so a sweep stopped in its grouped phase (Ctrl-C)
-                    note_point(Path(str(config.hydra.sweep.dir)), job_dir)  # prints what it has recorded
-                run_grouped([(_task_config(c), d) for c, d in members], self.max_group)
+                for config, directory in members:  # noted now, so a sweep stopped in its grouped phase (Ctrl-C)
+                    note_point(Path(str(config.hydra.sweep.dir)), directory)  # prints what it has recorded
+                record_group(members, self.max_group)
                 estimate.group_done()
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         runs: list[JobReturn] = []
@@ -84,6 +84,20 @@ class GroupedLauncher(Launcher):
                                 job_dir_key="hydra.sweep.dir", job_subdir_key="hydra.sweep.subdir"))
             configure_log(self.config.hydra.hydra_logging, self.config.hydra.verbose)
         return runs
+
+
+def console_logging(config: DictConfig) -> None:
+    """Log as the jobs do (kvbench's logger and level), not as Hydra's own, on the console only: the grouped phase
+    belongs to no one job's directory."""
+    configure_log(_console_only(config.hydra.job_logging), config.hydra.verbose)
+
+
+def record_group(members: list[tuple[DictConfig, Path]], max_group: int) -> None:
+    """Record the samples of a group's points (their sweep configs and job directories) together: `run_grouped`
+    on the configs their jobs' task function would get."""
+    from kvbench.run.group import run_grouped
+
+    run_grouped([(_task_config(config), directory) for config, directory in members], max_group)
 
 
 def _console_only(job_logging: DictConfig) -> DictConfig:
@@ -98,7 +112,7 @@ def _console_only(job_logging: DictConfig) -> DictConfig:
     return logging_cfg
 
 
-def _job_dir(config: DictConfig) -> Path:
+def job_dir(config: DictConfig) -> Path:
     """The directory `run_job` will give the job (sweep dir / subdir, resolved with the job's config)."""
     HydraConfig.instance().set_config(config)
     return Path(str(OmegaConf.select(config, "hydra.sweep.dir"))) / str(OmegaConf.select(config, "hydra.sweep.subdir"))
