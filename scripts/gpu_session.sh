@@ -10,10 +10,10 @@
 #   bash scripts/gpu_session.sh compiled OUT_DIR  # the compiled decode step (scripts/gpu_compiled_decode.py, <= 8 min):
 #                                                 # static-decode check with inductor, eager / compiled / stock
 #                                                 # transformers ms/token vs the bandwidth floor, 32K and 128K
-#   bash scripts/gpu_session.sh kernel  OUT_DIR   # the split-K decode attention (kernels/flash_decode.py): its
+#   bash scripts/gpu_session.sh kernel  OUT_DIR   # the split-K decode attention (kvbench/kernels/flash_decode.py): its
 #                                                 # tests compiled on CUDA, against inductor's masked attention,
 #                                                 # flex_attention and SDPA; the selection methods' stable top-k
-#                                                 # (kernels/stable_topk.py) against PyTorch's; a compiled step's
+#                                                 # (kvbench/kernels/stable_topk.py) against PyTorch's; a compiled step's
 #                                                 # top kernels (KERNEL_METHODS, default full,snapkv,quest,
 #                                                 # exact_topk,sparq; <= 7 min)
 #   bash scripts/gpu_session.sh selection OUT_DIR # issue 45 in one call (<= 9 min): the stable top-k's, group

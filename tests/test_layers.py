@@ -49,6 +49,21 @@ def test_everything_installed_lives_in_kvbench():
     assert setuptools["packages"]["find"]["include"] == ["kvbench*", "hydra_plugins*"]
 
 
+def test_nothing_at_the_checkout_top_level_takes_an_installed_module_s_name():
+    """Python puts the working directory first on sys.path, so a package or module at the checkout's top level
+    stands in for an installed one of the same name in every command run from the checkout. A `kernels/` link
+    there took the place of Hugging Face's `kernels` (which transformers 5.25 imports when a model module loads):
+    `make test` and the README's commands failed at import."""
+    import importlib.metadata
+
+    installed = {name for name, dists in importlib.metadata.packages_distributions().items()
+                 if any(dist != "kvbench" for dist in dists)}
+    importable = {p.stem if p.suffix == ".py" else p.name for p in ROOT.iterdir()
+                  if p.suffix == ".py" or (p.is_dir() and (p / "__init__.py").is_file())}
+    assert "conf" in importable and "tasks" in importable  # the links the layout keeps (docs/architecture.md)
+    assert sorted(importable & installed) == []
+
+
 def test_a_method_helper_that_imports_the_engine_breaks_the_contract(tmp_path):
     """The layers hold for methods/common/ as for a method file: the engine sits above the methods."""
     shutil.copytree(ROOT / "kvbench", tmp_path / "kvbench", ignore=shutil.ignore_patterns("__pycache__"))
