@@ -96,6 +96,19 @@ def test_a_missing_bitsandbytes_is_one_line_naming_what_to_install(tmp_path, mon
         load_model(model_cfg("tiny_llama", quantization="bnb_8bit"))
 
 
+def test_bitsandbytes_is_imported_without_the_hubs_kernels():
+    """bitsandbytes' CPU backend fetches an NF4 product from the Hugging Face Hub at import where `kernels` is
+    importable (transformers 5.25 installs it); kvbench imports it with `kernels` hidden, so a CPU NF4 run's
+    numbers do not depend on whether the Hub answered, and `kernels` is as it was afterwards."""
+    from kvbench.models.placement import _hub_kernels_hidden
+
+    before = sys.modules.get("kernels")
+    with _hub_kernels_hidden():
+        with pytest.raises(ImportError):
+            from kernels import get_kernel  # noqa: F401
+    assert sys.modules.get("kernels") is before
+
+
 def _records(root: Path) -> dict[Path, dict]:
     return {p.parent: json.loads(p.read_text().splitlines()[0]) for p in root.rglob("records.jsonl")}
 

@@ -22,10 +22,13 @@ Models larger than one device (issue 47):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import logging
 import os
 import shutil
+import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,15 +101,38 @@ def device_map_of(cfg: Any) -> str | dict[str, Any] | None:
     return mapping
 
 
+@contextlib.contextmanager
+def _hub_kernels_hidden() -> Iterator[None]:
+    """Hugging Face's `kernels` package unimportable for the duration (`from kernels import ...` raises
+    ImportError), then as it was.
+
+    On AVX512-BF16 CPUs, bitsandbytes' import fetches an NF4 product from the Hub (`kernels.get_kernel(
+    "kernels-community/quantization-bitsandbytes")`) wherever `kernels` is installed, which transformers 5.25
+    made every environment: a CPU NF4 run's products, and so its numbers, would then depend on whether the Hub
+    answered at import (and an offline one printed a line before kvbench's). Without it bitsandbytes uses the CPU
+    kernels of its installed version, which the manifest records."""
+    missing = object()
+    saved = sys.modules.get("kernels", missing)
+    sys.modules["kernels"] = None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        if saved is missing:
+            del sys.modules["kernels"]
+        else:
+            sys.modules["kernels"] = saved  # type: ignore[assignment]
+
+
 def bitsandbytes_missing(quantization: str) -> str | None:
-    """Why `quantization` cannot run here (bitsandbytes absent or broken), or None."""
+    """Why `quantization` cannot run here (bitsandbytes absent or broken), or None. bitsandbytes is imported here
+    first, with its own CPU kernels (`_hub_kernels_hidden`)."""
     if quantization == "none":
         return None
-    # On AVX512-BF16 CPUs bitsandbytes' import looks for an optional hub kernel (`kernels.get_kernel`) and warns
-    # when it is absent, then uses its own CPU kernels: the same results, so its warning is not the user's concern
+    # without the hub kernel bitsandbytes' CPU backend warns that it is absent: not the user's concern
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     try:
-        importlib.import_module("bitsandbytes")
+        with _hub_kernels_hidden():
+            importlib.import_module("bitsandbytes")
     except Exception as exc:  # noqa: BLE001 - an install that fails to import is as missing as an absent one
         return (f"model.quantization={quantization} needs bitsandbytes, which is not importable here "
                 f"({type(exc).__name__}): pip install 'kvbench[quant]' (or pip install bitsandbytes)")
