@@ -24,7 +24,7 @@ from kvbench.engine.config import EngineConfig
 from kvbench.engine.prompt import PromptBuilder
 from kvbench.engine.sample import run_group, run_sample
 from kvbench.engine.session import Session
-from kvbench.methods import build_method
+from kvbench.methods import METHODS, build_method
 from kvbench.models import load_model
 
 CONF = Path(__file__).resolve().parents[1] / "kvbench" / "conf"
@@ -95,7 +95,15 @@ GRID = [("full", {}, 64), ("adakv", {}, 48), ("exact_topk", {}, 32), ("snapkv", 
         # reduced-dimension selection
         ("streamingllm", {}, 24), ("pyramidkv", {}, 40), ("h2o", {}, 40), ("quest", {}, 32), ("sparq", {}, 32),
         # a stochastic method: the sample's generator, drawn at the prompt's end and at every decode step
-        ("random", {"decode_every": 1}, 32)]
+        ("random", {"decode_every": 1}, 32),
+        # the rest of the registry (a point's records may not depend on its batch, whatever its method): Ada-KV's
+        # pyramid, RocketKV's second stage alone and its multi-turn form, key norms, clustered keys, TOVA
+        ("ada_pyramid", {}, 48), ("hsa", {}, 32), ("rocketkv_mt", {}, 48), ("keyl2norm", {}, 40),
+        ("squeezed_attention", {"window": 8}, 32), ("tova", {"decode_every": 1}, 40)]
+
+
+def test_the_grid_holds_every_registered_method():
+    assert sorted({name for name, _, _ in GRID}) == sorted(METHODS)
 
 
 def _grouped_vs_alone(lm, compress_question: bool, **engine) -> list[tuple[dict, dict]]:
