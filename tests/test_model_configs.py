@@ -60,6 +60,7 @@ def test_paper_model_config_builds_offline(name, tmp_path, monkeypatch):
     assert lm.max_positions == cfg.max_positions and config.model_type == published["model_type"]
     assert config.rope_parameters["rope_theta"] == published["rope_theta"]
     assert set(getattr(config, "layer_types", None) or ["full_attention"]) == {"full_attention"}
+    assert lm.model.use_kernels is False  # transformers' own modules, not the Hub's kernels (kvbench.models)
     session = Session(lm, build_method("snapkv", window=4), 16)  # kvbench's cache and attention run it
     logits, _ = session.prefill(list(range(10, 50)), compress=True)
     tokens, _, _ = session.decode(logits, 4, set(), [])

@@ -53,6 +53,15 @@ def test_missing_hub_model_gives_download_hint(tmp_path, monkeypatch):
 
 
 @pytest.mark.integration
+def test_the_embedded_model_computes_with_transformers_own_modules(smollm2):
+    """transformers 5.25's `from_pretrained` swaps layers for kernels fetched from the Hub unless told not to: the
+    embedded model's load says no (`kvbench.models.NO_HUB_KERNELS`); the hub-model path is checked in
+    tests/test_model_configs.py, the quantised one in tests/test_quantized_models.py."""
+    assert smollm2.model.use_kernels is False
+    assert type(smollm2.model.model.norm).forward is smollm2.model.model.norm.forward.__func__
+
+
+@pytest.mark.integration
 def test_a_full_disk_leaves_the_converted_model_in_memory_and_nothing_on_disk(smollm2, tmp_path, monkeypatch, caplog):
     """CI once ran out of disk while keeping the converted weights: the run goes on with the same model."""
     import errno

@@ -1,7 +1,8 @@
 """Model loading: HF hub ids, local paths, GGUF files, the embedded SmolLM2 and tiny random test models.
 
 Every model is loaded with `attn_implementation="kvbench"` (see `kvbench.attention`), so the same code path
-serves accuracy, latency and memory measurements. Only decoder models whose attention modules call the
+serves accuracy, latency and memory measurements, and with transformers' own modules, never kernels fetched from
+the Hub (`NO_HUB_KERNELS`). Only decoder models whose attention modules call the
 registered attention function and do not need features we cannot honour (sliding windows, attention
 sinks, soft-capping) are accepted; anything else is refused up front with a clear message.
 
@@ -58,6 +59,14 @@ from kvbench.models.placement import (  # noqa: F401
 )
 
 log = logging.getLogger(__name__)
+
+# `from_pretrained` of transformers 5.25 swaps layers for kernels it fetches from the Hugging Face Hub ("hub kernels":
+# RMSNorm, activations and rotary embeddings on CUDA, with `kernels` installed, which transformers now requires)
+# unless told not to. A model's arithmetic would then depend on the Hub's kernels of the day and on whether the Hub
+# answered at load (a cluster's compute nodes often have no network), its records would no longer be those of
+# transformers' modules, and the compiled decode step would trace foreign operators. kvbench computes with
+# transformers' own PyTorch modules: every load passes this (accepted, and the default, before 5.25).
+NO_HUB_KERNELS = {"use_kernels": False}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -266,7 +275,7 @@ def _load_hf(cfg: Any, dtype: torch.dtype, placement: Placement) -> LoadedModel:
         tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else path)
         model = AutoModelForCausalLM.from_pretrained(
             str(local) if local.exists() else path, dtype=dtype, attn_implementation=ATTENTION_NAME,
-            **placement.from_pretrained_kwargs()
+            **placement.from_pretrained_kwargs(), **NO_HUB_KERNELS
         )
     except OSError as exc:
         raise KVBenchError(
@@ -309,7 +318,8 @@ def _load_converted_gguf(folder: Path, filename: str, name: str, dtype: torch.dt
         log.info("converting %s to %s (once)", folder / filename, converted)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=filename)
-            model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=filename, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=filename, dtype=torch.float32,
+                                                         **NO_HUB_KERNELS)
         except ImportError as exc:
             raise KVBenchError(f"loading GGUF needs the `gguf` and `accelerate` packages: {exc}") from None
         # The GGUF quantizer marks the model non-serialisable although the weights are now plain fp32.
@@ -332,7 +342,7 @@ def _load_converted_gguf(folder: Path, filename: str, name: str, dtype: torch.dt
         tmp.replace(converted) if not converted.exists() else None
     tokenizer = AutoTokenizer.from_pretrained(str(converted))
     model = AutoModelForCausalLM.from_pretrained(str(converted), dtype=dtype, attn_implementation=ATTENTION_NAME,
-                                                 **placement.from_pretrained_kwargs())
+                                                 **placement.from_pretrained_kwargs(), **NO_HUB_KERNELS)
     return LoadedModel(model, tokenizer, name, _max_positions(model.config))
 
 
@@ -373,7 +383,7 @@ def _load_tiny(cfg: Any, dtype: torch.dtype, placement: Placement) -> LoadedMode
     shutil.rmtree(folder, ignore_errors=True)
     loaded.model.save_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTENTION_NAME,
-                                                 **placement.from_pretrained_kwargs())
+                                                 **placement.from_pretrained_kwargs(), **NO_HUB_KERNELS)
     return LoadedModel(model, loaded.tokenizer, loaded.name, loaded.max_positions)
 
 
