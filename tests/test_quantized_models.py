@@ -42,7 +42,7 @@ def test_nf4_linear_layers_are_4bit_and_the_rest_stays_in_the_compute_dtype(nf4)
 
 def test_the_reloaded_quantised_model_keeps_transformers_own_modules(nf4):
     """The quantised tiny model is saved and loaded back through `from_pretrained`, which in transformers 5.25
-    swaps in the Hub's kernels unless told not to (`kvbench.models.NO_HUB_KERNELS`)."""
+    swaps in the Hub's kernels unless told not to (`kvbench.models._from_pretrained`)."""
     assert nf4.model.use_kernels is False
 
 

@@ -2,7 +2,7 @@
 
 Every model is loaded with `attn_implementation="kvbench"` (see `kvbench.attention`), so the same code path
 serves accuracy, latency and memory measurements, and with transformers' own modules, never kernels fetched from
-the Hub (`NO_HUB_KERNELS`). Only decoder models whose attention modules call the
+the Hub (`_from_pretrained`). Only decoder models whose attention modules call the
 registered attention function and do not need features we cannot honour (sliding windows, attention
 sinks, soft-capping) are accepted; anything else is refused up front with a clear message.
 
@@ -60,13 +60,6 @@ from kvbench.models.placement import (  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-# `from_pretrained` of transformers 5.25 swaps layers for kernels it fetches from the Hugging Face Hub ("hub kernels":
-# RMSNorm, activations and rotary embeddings on CUDA, with `kernels` installed, which transformers now requires)
-# unless told not to. A model's arithmetic would then depend on the Hub's kernels of the day and on whether the Hub
-# answered at load (a cluster's compute nodes often have no network), its records would no longer be those of
-# transformers' modules, and the compiled decode step would trace foreign operators. kvbench computes with
-# transformers' own PyTorch modules: every load passes this (accepted, and the default, before 5.25).
-NO_HUB_KERNELS = {"use_kernels": False}
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
@@ -268,15 +261,26 @@ def _max_positions(config: Any) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 0) or 2**31
 
 
+def _from_pretrained(path: str | Path, **kwargs: Any) -> PreTrainedModel:
+    """`AutoModelForCausalLM.from_pretrained`, with transformers' own modules: every model kvbench loads comes
+    through here.
+
+    transformers 5.25's `from_pretrained` swaps layers for kernels it fetches from the Hugging Face Hub (RMSNorm,
+    activations and rotary embeddings on CUDA; `kernels`, which transformers now requires, does it) unless told
+    not to. A model's arithmetic would then depend on the Hub's kernels of the day and on whether the Hub answered
+    at load (a cluster's compute nodes often have no network), and the compiled decode step would trace foreign
+    operators. `use_kernels=False` is accepted by every transformers the project allows, and was the default
+    before 5.25."""
+    return AutoModelForCausalLM.from_pretrained(str(path), use_kernels=False, **kwargs)
+
+
 def _load_hf(cfg: Any, dtype: torch.dtype, placement: Placement) -> LoadedModel:
     path = cfg.path
     local = Path(path).expanduser()
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(local) if local.exists() else path)
-        model = AutoModelForCausalLM.from_pretrained(
-            str(local) if local.exists() else path, dtype=dtype, attn_implementation=ATTENTION_NAME,
-            **placement.from_pretrained_kwargs(), **NO_HUB_KERNELS
-        )
+        model = _from_pretrained(str(local) if local.exists() else path, dtype=dtype,
+                                 attn_implementation=ATTENTION_NAME, **placement.from_pretrained_kwargs())
     except OSError as exc:
         raise KVBenchError(
             f"cannot load model {path!r}: weights not found locally and the hub is unreachable or the repo is gated. "
@@ -318,8 +322,7 @@ def _load_converted_gguf(folder: Path, filename: str, name: str, dtype: torch.dt
         log.info("converting %s to %s (once)", folder / filename, converted)
         try:
             tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=filename)
-            model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=filename, dtype=torch.float32,
-                                                         **NO_HUB_KERNELS)
+            model = _from_pretrained(folder, gguf_file=filename, dtype=torch.float32)
         except ImportError as exc:
             raise KVBenchError(f"loading GGUF needs the `gguf` and `accelerate` packages: {exc}") from None
         # The GGUF quantizer marks the model non-serialisable although the weights are now plain fp32.
@@ -341,8 +344,8 @@ def _load_converted_gguf(folder: Path, filename: str, name: str, dtype: torch.dt
             return LoadedModel(model.to(dtype), tokenizer, name, _max_positions(model.config))
         tmp.replace(converted) if not converted.exists() else None
     tokenizer = AutoTokenizer.from_pretrained(str(converted))
-    model = AutoModelForCausalLM.from_pretrained(str(converted), dtype=dtype, attn_implementation=ATTENTION_NAME,
-                                                 **placement.from_pretrained_kwargs(), **NO_HUB_KERNELS)
+    model = _from_pretrained(converted, dtype=dtype, attn_implementation=ATTENTION_NAME,
+                             **placement.from_pretrained_kwargs())
     return LoadedModel(model, tokenizer, name, _max_positions(model.config))
 
 
@@ -382,8 +385,8 @@ def _load_tiny(cfg: Any, dtype: torch.dtype, placement: Placement) -> LoadedMode
     folder = offload_folder(cfg.name) / "checkpoint"
     shutil.rmtree(folder, ignore_errors=True)
     loaded.model.save_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, attn_implementation=ATTENTION_NAME,
-                                                 **placement.from_pretrained_kwargs(), **NO_HUB_KERNELS)
+    model = _from_pretrained(folder, dtype=dtype, attn_implementation=ATTENTION_NAME,
+                             **placement.from_pretrained_kwargs())
     return LoadedModel(model, loaded.tokenizer, loaded.name, loaded.max_positions)
 
 
