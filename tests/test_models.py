@@ -13,7 +13,7 @@ from conftest import model_cfg
 
 from kvbench.attention.dispatch import ATTENTION_NAME
 from kvbench.core.errors import KVBenchError
-from kvbench.models import check_supported, load_model, smollm2_gguf
+from kvbench.models import check_supported, declared_max_positions, load_model, smollm2_gguf
 
 
 def test_missing_embedded_model_package_says_how_to_install_it(monkeypatch):
@@ -122,3 +122,41 @@ def test_the_first_prefill_of_a_process_equals_the_next_one_bitwise():
             assert proc.returncode == 0, err[-2000:]
             verdicts.append(out.strip().splitlines()[-1])
     assert verdicts == ["same"] * 6
+
+
+def test_a_model_s_declared_limit_is_read_without_loading_it(tmp_path, monkeypatch):
+    """`declared_max_positions` gives what the loaded model's `max_positions` will be, from configs alone: the
+    embedded model's (from its converted copy and, before any run made one, from the GGUF's metadata), a tiny
+    model's (transformers' default where its config names none), a local directory's config.json; None for a
+    hub model the local cache lacks (its load then says so)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    embedded = model_cfg("smollm2_135m")
+    assert declared_max_positions(embedded) == 8192  # the converted copy, made by earlier runs
+    monkeypatch.setenv("KVBENCH_CACHE", str(tmp_path / "empty_cache"))
+    assert declared_max_positions(embedded) == 8192  # the GGUF's context_length
+    tiny = model_cfg("tiny_llama")
+    assert declared_max_positions(tiny) == load_model(tiny).max_positions == 8192
+    unnamed = model_cfg("tiny_llama")
+    del unnamed.config["max_position_embeddings"]
+    assert declared_max_positions(unnamed) == load_model(unnamed).max_positions == 2048
+    hub = model_cfg("llama3.1_8b_instruct")
+    del hub["max_positions"]
+    assert declared_max_positions(hub) is None  # not in the local cache, and no network is asked
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("llama", max_position_embeddings=4096).save_pretrained(tmp_path / "local")
+    assert declared_max_positions(model_cfg("llama3.1_8b_instruct", path=str(tmp_path / "local"))) == 131072
+    hub.path = str(tmp_path / "local")
+    assert declared_max_positions(hub) == 4096
+
+
+def test_a_task_longer_than_the_embedded_model_allows_is_refused_before_it_loads(monkeypatch):
+    """The embedded model's config names no `max_positions`: its limit comes from its own config, so the refusal
+    comes before the load (which `check_job` never calls) and before the point's results directory exists."""
+    from kvbench.config.paths import compose_config
+    from kvbench.config.validate import check_length
+
+    cfg = compose_config(["task=niah", "task.seq_len=16384"])
+    assert cfg.model.get("max_positions") is None
+    with pytest.raises(KVBenchError, match="smollm2_135m allows at most 8192 positions"):
+        check_length(cfg)

@@ -11,7 +11,7 @@ from kvbench.config.paths import GROUPS, POINT_GROUPS, choice_name, choices, def
 from kvbench.core.checks import is_int
 from kvbench.core.errors import KVBenchError
 from kvbench.engine.config import PREFILL_ATTENTION, check_sampling
-from kvbench.models import LoadedModel
+from kvbench.models import LoadedModel, declared_max_positions
 
 
 def validate(cfg: DictConfig) -> None:
@@ -75,11 +75,14 @@ def validate(cfg: DictConfig) -> None:
 
 def check_length(cfg: DictConfig, lm: "LoadedModel | None" = None) -> None:
     """A task longer than the model allows: say how long this model goes and the ways out. Without `lm` (before
-    the model loads), against the limit its config declares (`model.max_positions`), where it declares one."""
+    the model loads), against the limit its configs declare (`kvbench.models.declared_max_positions`), where they
+    can be read without loading it."""
     seq_len = cfg.task.get("seq_len")
-    limit = lm.max_positions if lm is not None else cfg.model.get("max_positions")
+    if not is_int(seq_len):
+        return
+    limit = lm.max_positions if lm is not None else declared_max_positions(cfg.model)
     name = lm.name if lm is not None else cfg.model.name
-    if is_int(seq_len) and is_int(limit) and seq_len > limit:
+    if is_int(limit) and seq_len > limit:
         longer = next((f", or on a longer-context model (model={model}, {label})" for model, positions, label in
                        LONGER_MODELS if positions > limit), "")
         raise KVBenchError(

@@ -260,6 +260,56 @@ def _max_positions(config: Any) -> int:
     return int(getattr(config, "max_position_embeddings", 0) or 0) or 2**31
 
 
+def declared_max_positions(cfg: Any) -> int | None:
+    """The context limit a `kvbench/conf/model/*.yaml` node's model will have once loaded, read from configs
+    without loading a weight, so that a task longer than the model allows is refused before a load that can take
+    minutes (`kvbench.config.validate.check_length`): `model.max_positions` where the node sets it, else the
+    `max_position_embeddings` of the model's own config (a tiny model's `config`, the embedded model's or a GGUF
+    file's metadata, a local directory's or the local Hugging Face cache's config.json). None where no config
+    is readable without the hub: the check then runs after the load, against the loaded model."""
+    if cfg.get("max_positions"):
+        return int(cfg.max_positions)
+    if cfg.get("path") and cfg.source in ("tiny", "package_gguf"):
+        cfg = _with_local_path(cfg)
+    if cfg.source == "tiny":
+        params = dict(cfg.config)
+        return _max_positions(AutoConfig.for_model(params.pop("model_type"), **params))
+    if cfg.source == "package_gguf":
+        gguf = smollm2_gguf()
+        return _gguf_max_positions(str(gguf.parent), gguf.name, cfg.name)
+    if cfg.source == "gguf":
+        path = Path(cfg.path).expanduser()
+        return _gguf_max_positions(str(path.parent), path.name, cfg.name) if path.is_file() else None
+    local = Path(str(cfg.path)).expanduser()
+    try:
+        return _max_positions(AutoConfig.from_pretrained(str(local) if local.exists() else str(cfg.path),
+                                                         local_files_only=True))
+    except (OSError, ValueError):  # not in the local cache (its load will say so), or a config transformers lacks
+        return None
+
+
+def _gguf_max_positions(folder: str, filename: str, name: str) -> int | None:
+    """The converted copy's config where an earlier run made it (1 ms), else the GGUF's metadata."""
+    converted = _converted_folder(Path(folder), filename, name)
+    if (converted / "config.json").is_file():
+        return _max_positions(AutoConfig.from_pretrained(str(converted)))
+    return _gguf_metadata_max_positions(folder, filename)
+
+
+@functools.cache
+def _gguf_metadata_max_positions(folder: str, filename: str) -> int | None:
+    """Once per process: reading a GGUF's metadata takes seconds (the tokenizer's vocabulary is read too)."""
+    try:
+        return _max_positions(AutoConfig.from_pretrained(folder, gguf_file=filename))
+    except (OSError, ValueError, KeyError, ImportError):  # not a GGUF transformers reads: its load says why
+        return None
+
+
+def _converted_folder(folder: Path, filename: str, name: str) -> Path:
+    """Where a GGUF's dequantised safetensors copy is kept (a new file size, a new copy)."""
+    return cache_root() / "models" / f"{name}-{(folder / filename).stat().st_size}"
+
+
 def _from_pretrained(path: str | Path, **kwargs: Any) -> PreTrainedModel:
     """`AutoModelForCausalLM.from_pretrained`, with transformers' own modules: every model kvbench loads comes
     through here.
@@ -316,7 +366,7 @@ def _load_package_gguf(cfg: Any, dtype: torch.dtype, placement: Placement) -> Lo
 def _load_converted_gguf(folder: Path, filename: str, name: str, dtype: torch.dtype,
                          placement: Placement) -> LoadedModel:
     """Dequantise a GGUF once (~20 s) and keep a safetensors copy under the kvbench cache."""
-    converted = cache_root() / "models" / f"{name}-{(folder / filename).stat().st_size}"
+    converted = _converted_folder(folder, filename, name)
     if not (converted / "config.json").is_file():
         log.info("converting %s to %s (once)", folder / filename, converted)
         try:
