@@ -46,6 +46,11 @@ def records(root: Path) -> dict[str, list[dict]]:
         # issue 13: every setting is checked before anything runs, and the message names it
         (["model=tiny_llama", "task.num_samples=0"], "task.num_samples must be a positive integer"),
         (["model=tiny_llama", "task.num_samples=-1"], "task.num_samples must be a positive integer"),
+        (["model=tiny_llama", "task=twostage_retr", "task.max_new_tokens=0"], "task.max_new_tokens must be a positive"),
+        (["model=tiny_llama", "task=twostage_retr", "task.chat_template=maybe"],
+         "task twostage_retr: chat_template must be true or false, got 'maybe'"),
+        (["model=tiny_llama", "task=twostage_retr", "task.answer_prefix=5"],
+         "task twostage_retr: answer_prefix must be text or null, got 5"),
         (["model=tiny_llama", "seed=abc"], "seed must be an integer, got 'abc'"),
         (["model=tiny_llama", "compress_question=maybe"], "compress_question must be true or false, got 'maybe'"),
         (["model=tiny_llama", "engine.nll=maybe"], "engine.nll must be true or false"),

@@ -58,3 +58,23 @@ def test_every_config_accepts_every_key_it_has_after_composition(group):
         args = [f"{group}={name}", *(f"{group}.{k}={_override_value(composed[k])}" for k in keys)]
         again = OmegaConf.to_container(compose_config(check_settings(args))[group], resolve=False)  # raises on a key
         assert {k: again[k] for k in keys} == {k: composed[k] for k in keys}, name
+
+
+def test_every_task_refuses_a_flag_that_is_not_true_or_false():
+    """A task's settings are built as its constructor's annotations say: `task.chat_template=maybe` (or any flag
+    of any task config) is one error line naming the task and the setting, not a truthy string read as true."""
+    from kvbench.config.paths import compose_config
+    from kvbench.core.errors import KVBenchError
+    from kvbench.tasks.base import build_task
+
+    flags = 0
+    for name in choices("task"):
+        task = compose_config([f"task={name}"]).task
+        build_task(task)  # every shipped config is of the kinds its task annotates
+        for key in [k for k, v in task.items() if isinstance(v, bool)]:
+            wrong = task.copy()
+            wrong[key] = "maybe"
+            with pytest.raises(KVBenchError, match=f"^task {task.name}: {key} must be true or false, got 'maybe'$"):
+                build_task(wrong)
+            flags += 1
+    assert flags >= len(choices("task"))  # chat_template at least, in every task

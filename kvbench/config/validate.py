@@ -71,6 +71,9 @@ def validate(cfg: DictConfig) -> None:
     seq_len = cfg.task.get("seq_len")
     if seq_len is not None and (not is_int(seq_len) or seq_len < 1):
         raise KVBenchError(f"task.seq_len must be a positive number of tokens, got {seq_len!r}")
+    max_new_tokens = cfg.task.get("max_new_tokens")  # null: the task's own limit, where it has one
+    if max_new_tokens is not None and (not is_int(max_new_tokens) or max_new_tokens < 1):
+        raise KVBenchError(f"task.max_new_tokens must be a positive number of tokens, got {max_new_tokens!r}")
 
 
 def check_length(cfg: DictConfig, lm: "LoadedModel | None" = None) -> None:

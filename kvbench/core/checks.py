@@ -1,12 +1,14 @@
 """Argument checks shared by every layer: one definition of what a count, a flag or a ratio is, and of the kinds
-a dataclass's field annotations promise."""
+a dataclass's field annotations (a method's parameters) or a constructor's (a task's settings) promise."""
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import functools
 import types
 import typing
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -26,6 +28,24 @@ def check_field_kinds(instance: Any) -> None:
             raise ValueError(f"{field.name} must be {_describe(hints[field.name])}, got {value!r}")
 
 
+def check_argument_kinds(function: Callable[..., Any], arguments: Mapping[str, Any]) -> None:
+    """Each of `arguments` that `function`'s signature annotates holds a value of that kind (the kinds of
+    `check_field_kinds`; a `Sequence[X]` is a list of X), or a ValueError names the argument, the kind and the value.
+    Called before `function` runs, so a flag given as `maybe` is refused rather than read as true."""
+    hints = _argument_hints(function)
+    for name, value in arguments.items():
+        if name in hints and not _is_kind(value, hints[name]):
+            raise ValueError(f"{name} must be {_describe(hints[name])}, got {value!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _argument_hints(function: Callable[..., Any]) -> dict[str, Any]:
+    try:
+        return typing.get_type_hints(function)
+    except NameError:  # an annotation its module cannot resolve: left unchecked
+        return {}
+
+
 @functools.lru_cache(maxsize=None)
 def _field_hints(cls: type) -> dict[str, Any]:
     """The fields' annotations, resolved (`from __future__ import annotations` makes them text). One naming what
@@ -42,7 +62,7 @@ def _is_kind(value: Any, kind: Any) -> bool:
         return any(_is_kind(value, arg) for arg in args)
     if origin is typing.Literal:
         return any(value == arg and type(value) is type(arg) for arg in args)  # 1 is not True, nor "1"
-    if origin is list:
+    if origin in (list, collections.abc.Sequence):
         return isinstance(value, (list, tuple)) and all(_is_kind(item, args[0]) for item in value)
     checks = {type(None): lambda v: v is None, bool: lambda v: isinstance(v, bool), int: is_int,
               float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), str: lambda v: isinstance(v, str)}
@@ -61,6 +81,6 @@ def _describe(kind: Any, plural: bool = False) -> str:
         return ", ".join(described[:-1]) + " or " + described[-1]
     if origin is typing.Literal:
         return "one of " + ", ".join(map(str, args))
-    if origin is list:
+    if origin in (list, collections.abc.Sequence):
         return f"a list of {_describe(args[0], plural=True)}"
     return _KINDS.get(kind, (getattr(kind, "__name__", str(kind)),) * 2)[plural]

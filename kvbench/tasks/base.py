@@ -27,8 +27,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
+from omegaconf import OmegaConf
 
+from kvbench.core.checks import check_argument_kinds
 from kvbench.core.errors import KVBenchError
 
 
@@ -110,9 +112,12 @@ class Task:
 
 
 def build_task(task_cfg: Any) -> Task:
-    """The task a `kvbench/conf/task/*.yaml` node names. A task's word on its settings (a ValueError, also when
-    raised through Hydra's instantiation) becomes one KVBenchError line naming the task."""
+    """The task a `kvbench/conf/task/*.yaml` node names. A setting of another kind than its constructor's
+    annotation (`task.chat_template=maybe`) and a task's word on its settings (a ValueError, also when raised
+    through Hydra's instantiation) become one KVBenchError line naming the task."""
     try:
+        settings = OmegaConf.to_container(task_cfg, resolve=True)
+        check_argument_kinds(get_class(settings.pop("_target_")).__init__, settings)
         return instantiate(task_cfg, _convert_="all")
     except (ValueError, InstantiationException) as exc:
         raise task_error(task_cfg.name, exc) from exc
