@@ -56,6 +56,7 @@ def records(root: Path) -> dict[str, list[dict]]:
         (["model=tiny_llama", "engine.nll=maybe"], "engine.nll must be true or false"),
         (["model=tiny_llama", "compression_ratio=1.5"], "compression_ratio must be a fraction of the tokens removed in [0, 1)"),
         (["model.path=/nonexistent"], "model.path='/nonexistent' does not exist"),
+        (["model=tiny_llama", "model.source=foo"], "model.source='foo': expected hf, gguf, package_gguf or tiny"),
         (["model=tiny_llama", "model.path=/tmp"], "model.path is not a setting of model tiny_llama (its settings: source"),
         (["model=tiny_llama", "task.sizes=[40]"], "task.sizes is not a setting of task ruler_niah_single_1"),
         (["model=tiny_llama", "method=snapkv", "method.window=-3"], "method snapkv: window must be a positive number"),

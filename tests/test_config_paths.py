@@ -1,6 +1,8 @@
 """Config-group discovery: a variant config (`defaults: [snapkv]`) offers every setting of the config it
 builds on, so `method=snapkv_head method.window=64` or `task=longbench_hotpotqa task.data_dir=...` is accepted."""
 
+import re
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -78,3 +80,38 @@ def test_every_task_refuses_a_flag_that_is_not_true_or_false():
                 build_task(wrong)
             flags += 1
     assert flags >= len(choices("task"))  # chat_template at least, in every task
+
+
+@pytest.mark.parametrize("task,setting,message", [
+    ("ruler_4k", "task.subtasks=[]", "subtasks is empty"),
+    ("scbench", "task.tasks=[]", "tasks is empty"),
+    ("longbench", "task.subsets=[]", "subsets is empty"),
+    ("niah", "task.depths=[]", "depths are percentages in [0, 100], at least one"),
+    ("niah", "task.lengths=[]", "lengths are positive numbers of tokens, at least one"),
+    ("niah", "task.lengths=[-5]", "lengths are positive numbers of tokens"),
+    ("niah", "task.digits=0", "digits (of the needle's number) must be at least 1"),
+    ("twostage_retr", "task.sizes=[]", "sizes are the dictionaries' entry counts, each at least 1"),
+    ("twostage_retr", "task.sizes=[0]", "sizes are the dictionaries' entry counts, each at least 1"),
+])
+def test_a_task_setting_that_leaves_nothing_to_generate_is_refused(task, setting, message):
+    """Each of these ran: an empty list gave a point of 0 samples (reported as a score over none), the others a
+    needle of no digits, a traceback (`sizes=[]`) or a randrange error (`sizes=[0]`)."""
+    from kvbench.config.paths import compose_config
+    from kvbench.core.errors import KVBenchError
+    from kvbench.tasks.base import build_task
+
+    with pytest.raises(KVBenchError, match=f"^task {task}: " + re.escape(message)):
+        build_task(compose_config([f"task={task}", setting]).task)
+
+
+def test_a_point_whose_task_gives_no_sample_is_refused_before_its_directory_exists(tmp_path, monkeypatch):
+    """What no setting above reaches (a task of the future, data of no row): one error, no point stored."""
+    from kvbench.config.paths import compose_config
+    from kvbench.core.errors import KVBenchError
+    from kvbench.run import prepare
+
+    monkeypatch.setattr(prepare, "cached_samples", lambda *args: [])
+    cfg = compose_config(["model=tiny_llama", "task=niah", "task.num_samples=1", f"results_dir={tmp_path}"])
+    with pytest.raises(KVBenchError, match="^task niah gives no sample with these settings"):
+        prepare.prepare_point(cfg, tmp_path / "point")
+    assert not (tmp_path / "point").exists()

@@ -280,6 +280,8 @@ def declared_max_positions(cfg: Any) -> int | None:
     if cfg.source == "gguf":
         path = Path(cfg.path).expanduser()
         return _gguf_max_positions(str(path.parent), path.name, cfg.name) if path.is_file() else None
+    if cfg.source != "hf" or not cfg.get("path"):
+        return None  # `load_model` names what is wrong
     local = Path(str(cfg.path)).expanduser()
     try:
         return _max_positions(AutoConfig.from_pretrained(str(local) if local.exists() else str(cfg.path),

@@ -82,6 +82,8 @@ def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
     if cfg.profile:  # every sample's own prefill (the peaks are real) and no fidelity measurement in the timings
         engine_cfg.reuse_prefill, engine_cfg.topk_recall = False, False
     samples = cached_samples(cfg, lm, PromptBuilder(lm.tokenizer, engine_cfg.chat_template, engine_cfg.system_prompt))
+    if not samples:  # a point of no sample would be stored and reported as a score over 0 samples
+        raise KVBenchError(f"task {cfg.task.name} gives no sample with these settings: nothing to run")
     run_dir.mkdir(parents=True, exist_ok=True)
     store = RecordStore(run_dir)
     write_manifest(run_dir, build_manifest(cfg.seed, {"point_hash": phash, "point": point, "dtype": str(lm.dtype),

@@ -224,6 +224,9 @@ class LongBench(Task):
         allowed = E_SUBSETS if self.e else ALL_SUBSETS
         self.subsets = list(subsets) if subsets is not None else list(E_SUBSETS if self.e else ENGLISH_SUBSETS)
         bad = [s for s in self.subsets if s not in allowed]
+        if not self.subsets:
+            raise ValueError(f"subsets is empty; give at least one of {list(allowed)} (or null: "
+                             f"{'LongBench-E' if self.e else 'the English subsets'})")
         if bad:
             kind = "LongBench-E" if self.e else "LongBench"
             raise ValueError(f"{bad} not in {kind}; choose from {list(allowed)}")

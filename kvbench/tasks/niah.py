@@ -85,8 +85,13 @@ class Niah(Task):
                  chat_template: bool = False, digits: int = 7):
         if length_unit not in ("tokens", "words"):
             raise ValueError(f"length_unit must be 'tokens' or 'words', not {length_unit!r}")
-        if any(not 0 <= d <= 100 for d in depths):
-            raise ValueError(f"depths are percentages in [0, 100]: {list(depths)}")
+        if not depths or any(not 0 <= d <= 100 for d in depths):
+            raise ValueError(f"depths are percentages in [0, 100], at least one: {list(depths)}")
+        if lengths is not None and (not lengths or any(length < 1 for length in lengths)):
+            raise ValueError(f"lengths are positive numbers of {length_unit}, at least one (or null: seq_len), "
+                             f"got {list(lengths)}")
+        if digits < 1:
+            raise ValueError(f"digits (of the needle's number) must be at least 1, got {digits}")
         self.name = name
         self.seq_len = int(seq_len)
         self.num_samples = int(num_samples)

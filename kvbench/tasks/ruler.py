@@ -209,8 +209,9 @@ class RulerSuite(Task):
         self.num_samples = int(num_samples)
         self.subtasks = list(subtasks)
         unknown = [t for t in self.subtasks if t not in RULER_TASKS]
-        if unknown:
-            raise ValueError(f"unknown RULER tasks {unknown}")
+        if unknown or not self.subtasks:
+            raise ValueError(f"unknown RULER tasks {unknown}" if unknown else
+                             f"subtasks is empty; give at least one of {', '.join(RULER_TASKS)}")
         self.data_dir = data_dir
         self.skip_missing = skip_missing
         self.chat_template = chat_template

@@ -217,6 +217,8 @@ class SCBench(Task):
     ) -> None:
         if seq_len is not None:
             raise ValueError("SCBench is real data with fixed lengths: task.seq_len must be null")
+        if not tasks:
+            raise ValueError(f"tasks is empty; give at least one of {', '.join(TASKS)}")
         unknown = [t for t in tasks if t not in TASKS]
         if unknown:
             raise ValueError(f"unknown SCBench task(s) {unknown}; known: {', '.join(TASKS)}")

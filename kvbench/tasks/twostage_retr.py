@@ -75,6 +75,9 @@ class TwoStageRetr(Task):
                  sizes: Sequence[int] | None = PAPER_SIZES, cot: bool = True, quote_values: bool = True,
                  answer_prefix: str | None = None, max_new_tokens: int = 200, chat_template: bool = True,
                  preamble: str = ""):
+        if sizes is not None and (not sizes or any(size < 1 for size in sizes)):
+            raise ValueError(f"sizes are the dictionaries' entry counts, each at least 1 (or null: the size that "
+                             f"fills seq_len), got {list(sizes)}")
         self.name = name
         self.seq_len = int(seq_len)
         self.num_samples = int(num_samples)
