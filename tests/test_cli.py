@@ -530,3 +530,16 @@ def test_a_swept_key_given_with_another_prefix_takes_the_presets_spelling():
     assert len(jobs) == 2 and {tuple(sorted(job)) for job in jobs} == {  # method.z's two values, once each
         ("++method.w=1", "++method.z=7", "+method.x=5", "budget=64", "method.y=a"),
         ("++method.w=1", "++method.z=8", "+method.x=5", "budget=64", "method.y=a")}
+
+
+def test_a_point_that_two_jobs_of_a_sweep_name_prints_its_summary_once(tmp_path):
+    """`method=full,snapkv budget=64,128`: full compresses nothing, so its two jobs are one point (one directory,
+    one set of records); its summary is printed once, and the second job says it is the same point."""
+    result = kvbench("-m", *TINY, "task.num_samples=1", "method=full,snapkv", "budget=64,128",
+                     f"results_dir={tmp_path}", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout + result.stderr
+    assert out.count("full budget=- on twostage_retr") == 1
+    assert out.count("snapkv budget=64 on") == 1 and out.count("snapkv budget=128 on") == 1
+    assert out.count("the same point as an earlier job of this sweep, summary above") == 1
+    assert len(records(tmp_path)) == 3

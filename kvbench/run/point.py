@@ -81,8 +81,18 @@ def _run_prepared(prepared: PreparedPoint) -> dict[str, Any]:
     if suite and suite.get("skipped"):  # e.g. RULER without its QA data: say the average is partial
         summary["suite_skipped"] = suite["skipped"]
     write_summary(prepared.run_dir, summary)
-    _print_summary(summary)
+    key = prepared.run_dir.resolve()
+    if key in _PRINTED and not todo:  # e.g. `-m method=full,snapkv budget=128,256`: full's budgets are one point
+        log.info("%s: the same point as an earlier job of this sweep, summary above", prepared.run_dir.name)
+    else:
+        _print_summary(summary)
+        _PRINTED.add(key)
     return summary
+
+
+# Points whose summary this process printed: a sweep's jobs that name one point (a budget that does not apply to
+# the method) print it once.
+_PRINTED: set[Path] = set()
 
 
 def _interval(summary: dict[str, Any]) -> str:
