@@ -136,6 +136,11 @@ def test_analyze_writes_records_verdict_and_figure_and_resumes(tmp_path, capsys)
     (["claim=adakv_eviction_loss", "params.adakv_eviction_loss={budget:5000}"], "evicts nothing"),
     (["claim=omnikv_sparsity"], "needs more than 2 layers"),
     (["keydiff_geometry"], "'keydiff_geometry' is not KEY=VALUE: name a claim as claim=NAME"),
+    # each was a traceback (int('abc'), numpy's cast of 'x') or read as true
+    (["claim=keydiff_geometry", "num_samples=abc"], "num_samples must be a positive number of samples, got 'abc'"),
+    (["claim=keydiff_geometry", "seed=x"], "seed must be an integer, got 'x'"),
+    (["claim=keydiff_geometry", "engine.chat_template=maybe"], "engine.chat_template must be true or false"),
+    (["claim=keydiff_geometry", "show_progress=maybe"], "show_progress must be true or false"),
 ])
 def test_bad_input_is_one_error_line(tmp_path, capsys, args, message):
     assert analyze([*TINY, f"results_dir={tmp_path}", "show_progress=false", *args]) == 2

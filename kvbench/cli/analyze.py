@@ -12,6 +12,7 @@ from kvbench.analysis.runner import claims, run_claim
 from kvbench.config.command import check_keys, is_bare_word
 from kvbench.config.paths import compose_command_config
 from kvbench.config.validate import check_group_overrides
+from kvbench.core.checks import is_int
 from kvbench.core.errors import KVBenchError
 
 EPILOG = """examples:
@@ -62,8 +63,7 @@ def main(argv: Sequence[str]) -> int:
         if not names:
             raise KVBenchError("name a claim (claim=NAME) or a claims preset (experiment=claims_<paper>); "
                                "kvbench analyze --list shows the claims")
-        if cfg.num_samples is None or int(cfg.num_samples) < 1:
-            raise KVBenchError(f"num_samples must be a positive number of samples, got {cfg.num_samples!r}")
+        check_settings(cfg)
         if "num_samples" in cfg.task:  # the task builds no more than the claims measure
             cfg.task.num_samples = min(int(cfg.task.num_samples), int(cfg.num_samples))
         results = [run_claim(cfg, name) for name in names]
@@ -72,6 +72,20 @@ def main(argv: Sequence[str]) -> int:
         return 2
     print(verdict_lines(results))
     return 0
+
+
+def check_settings(cfg) -> None:
+    """The command's own settings (the model's and the task's are checked where they are built), each refused in
+    one line naming it rather than a traceback from the first line that reads it."""
+    if not is_int(cfg.num_samples) or cfg.num_samples < 1:
+        raise KVBenchError(f"num_samples must be a positive number of samples, got {cfg.num_samples!r}")
+    if not is_int(cfg.seed):
+        raise KVBenchError(f"seed must be an integer, got {cfg.seed!r}")
+    for key, value in (("show_progress", cfg.show_progress), ("engine.chat_template", cfg.engine.chat_template)):
+        if not isinstance(value, bool):
+            raise KVBenchError(f"{key} must be true or false, got {value!r}")
+    if cfg.engine.system_prompt is not None and not isinstance(cfg.engine.system_prompt, str):
+        raise KVBenchError(f"engine.system_prompt must be text or null, got {cfg.engine.system_prompt!r}")
 
 
 def verdict_lines(results: Sequence[dict]) -> str:
