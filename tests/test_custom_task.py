@@ -264,6 +264,32 @@ def test_export_cli(tiny_llama, tmp_path):
     assert help_text.returncode == 0 and help_text.stdout.startswith("usage: kvbench export")
 
 
+@pytest.mark.parametrize("args,message", [
+    (["task.num_samples=abc"], "task.num_samples must be a positive integer"),  # was Hydra's wrapped ValueError
+    (["seed=x"], "seed must be an integer, got 'x'"),  # was a numpy traceback
+    (["task.chat_template=maybe"], "task twostage_retr: chat_template must be true or false"),  # was read as true
+    (["budgt=3"], "unknown setting 'budgt' (did you mean budget?)"),
+    (["out=/proc/x.jsonl"], "out=/proc/x.jsonl: cannot write in /proc"),  # was a traceback after the samples
+])
+def test_export_refuses_bad_input_in_one_line_before_the_model_loads(tmp_path, capsys, monkeypatch, args, message):
+    from kvbench.cli import export as export_cli
+
+    monkeypatch.setattr(export_cli, "cached_model", lambda cfg: pytest.fail("the model loaded"))
+    out = [a for a in args if a.startswith("out=")] or [f"out={tmp_path / 'x.jsonl'}"]
+    argv = ["model=tiny_llama", "task=twostage_retr", *[a for a in args if not a.startswith("out=")], *out]
+    assert export_cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvbench: error: ") and message in err and len(err.strip().splitlines()) == 1
+    assert not list(tmp_path.iterdir())
+
+
+def test_export_makes_the_folder_of_its_file(tmp_path):
+    result = run("kvbench", "export", "model=tiny_llama", "task=twostage_retr", "task.num_samples=1",
+                 "out=data/x.jsonl", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert len((tmp_path / "data" / "x.jsonl").read_text().splitlines()) == 1
+
+
 def test_cli_refuses_row_too_long_for_the_model(tmp_path):
     path = write_jsonl(tmp_path / "long.jsonl", [GOOD, {**GOOD, "id": "big", "context": "x" * 9000}])
     result = run("kvbench", "model=tiny_llama", "task=custom", f"task.path={path}", f"results_dir={tmp_path / 'out'}",

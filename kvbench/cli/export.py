@@ -16,20 +16,21 @@ different model than the one that will run the file changes the lengths, not the
 from __future__ import annotations
 
 import sys
+import tempfile
 from pathlib import Path
 
 from hydra.errors import HydraException
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from kvbench.config.command import check_keys
 from kvbench.config.paths import compose_config
-from kvbench.config.validate import check_group_overrides
+from kvbench.config.validate import check_group_overrides, validate
 from kvbench.core.errors import KVBenchError
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.prompt import PromptBuilder
 from kvbench.run.caches import cached_model, seed_everything
-from kvbench.tasks.base import DatasetMissingError
+from kvbench.tasks.base import DatasetMissingError, build_task
 from kvbench.tasks.custom import FORMATS, Custom, write_samples
 
 USAGE = f"""usage: kvbench export [OVERRIDE ...] out=FILE   (or python -m kvbench.export ...)
@@ -52,16 +53,31 @@ def export(overrides: list[str], out: Path) -> int:
     """Build the samples for `overrides` and write them to `out`; returns the number written."""
     if out.suffix not in FORMATS:
         raise KVBenchError(f"out={out}: unsupported file type {out.suffix!r}; use {', '.join(FORMATS)}")
+    _check_writable(out)
     check_group_overrides(overrides)
+    check_keys(overrides)
     cfg = compose_config(overrides)
+    validate(cfg)  # the settings a run checks (seed, task.num_samples, engine flags, ...), as a run words them
     seed_everything(cfg.seed)
-    task = instantiate(cfg.task, _convert_="all")  # before loading the model: config errors come first
+    task = build_task(cfg.task)  # before loading the model: config errors come first
     lm = cached_model(cfg.model)
     engine_cfg = EngineConfig(compress_question=cfg.compress_question, **OmegaConf.to_container(cfg.engine))
     if isinstance(task, Custom) and task.max_positions is None:
         task.max_positions = lm.max_positions
     builder = PromptBuilder(lm.tokenizer, engine_cfg.chat_template, engine_cfg.system_prompt)
     return write_samples(task.samples(builder.measure, seed=cfg.seed), out)
+
+
+def _check_writable(out: Path) -> None:
+    """`out`'s folder (made if missing) takes a file from this process (the write is a temporary file there,
+    renamed): checked before the model loads and the samples are built."""
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out.parent):
+            pass
+    except OSError as exc:
+        raise KVBenchError(f"out={out}: cannot write in {out.parent} ({exc.strerror or type(exc).__name__}); give "
+                           f"a file in a writable folder") from None
 
 
 def main(argv: list[str] | None = None) -> int:
