@@ -86,6 +86,7 @@ def test_every_task_refuses_a_flag_that_is_not_true_or_false():
     ("ruler_4k", "task.subtasks=[]", "subtasks is empty"),
     ("scbench", "task.tasks=[]", "tasks is empty"),
     ("longbench", "task.subsets=[]", "subsets is empty"),
+    ("infinitebench", "task.subsets=[]", "subsets is empty"),
     ("niah", "task.depths=[]", "depths are percentages in [0, 100], at least one"),
     ("niah", "task.lengths=[]", "lengths are positive numbers of tokens, at least one"),
     ("niah", "task.lengths=[-5]", "lengths are positive numbers of tokens"),

@@ -232,8 +232,11 @@ class InfiniteBench(Task):
         self.name = name
         self.subsets = list(subsets) if subsets is not None else list(OMNIKV_SUBSETS)
         bad = [s for s in self.subsets if s not in ALL_SUBSETS]
-        if bad or not self.subsets:
-            raise ValueError(f"InfiniteBench subsets {bad or '[]'} unknown; choose from {list(ALL_SUBSETS)}")
+        if not self.subsets:
+            raise ValueError(f"subsets is empty; give at least one of {list(ALL_SUBSETS)} (or null: the ten "
+                             f"OmniKV evaluates)")
+        if bad:
+            raise ValueError(f"InfiniteBench subsets {bad} unknown; choose from {list(ALL_SUBSETS)}")
         if num_samples is not None and num_samples < 1:
             raise ValueError("num_samples must be >= 1 or null")
         if seq_len is not None and seq_len < 64:
