@@ -154,3 +154,14 @@ def test_logger_wandb_without_the_wandb_package_is_one_line(monkeypatch) -> None
     with pytest.raises(KVBenchError, match=r"logger=wandb needs the wandb package: pip install 'kvbench\[wandb\]'"):
         command.check_logger(OmegaConf.create({"name": "wandb", "mode": "offline"}))
     command.check_logger(OmegaConf.create({"name": "none"}))  # no W&B asked for: nothing looked up
+
+
+def test_a_mode_w_and_b_does_not_have_is_one_line() -> None:
+    """`logger.mode=ofline` was taken as online (and refused for want of a server, naming the wrong cause)."""
+    from omegaconf import OmegaConf
+
+    from kvbench.config import command
+    from kvbench.core.errors import KVBenchError
+
+    with pytest.raises(KVBenchError, match="^logger.mode must be online, offline, disabled .*got 'ofline'$"):
+        command.check_logger(OmegaConf.create({"name": "wandb", "mode": "ofline"}))

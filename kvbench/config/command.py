@@ -126,6 +126,9 @@ def check_slurm_reachable(timeout: float = 20) -> None:
         raise KVBenchError(f"SLURM is not reachable from here (sinfo: {said}): {advice}")
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+
+
 def check_logger(logger: DictConfig, runs_here: bool = True) -> None:
     """`logger=wandb`: W&B can take the command's points before the first one runs. A point logs after its records
     are written, and a failure there is one warning (the records are safe), but a sweep would meet it at every
@@ -133,6 +136,9 @@ def check_logger(logger: DictConfig, runs_here: bool = True) -> None:
     for an online run an API key and, where the points run on this machine, the server answering."""
     if logger.get("name") != "wandb":
         return
+    if logger.get("mode") not in (None, *WANDB_MODES):  # W&B would take another word for online
+        raise KVBenchError(f"logger.mode must be {', '.join(WANDB_MODES)} (or null: $WANDB_MODE, else online), got "
+                           f"{logger.mode!r}")
     if importlib.util.find_spec("wandb") is None:
         raise KVBenchError("logger=wandb needs the wandb package: pip install 'kvbench[wandb]' (or logger=none)")
     try:
