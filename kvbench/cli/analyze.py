@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from kvbench.analysis.runner import claims, run_claim
 from kvbench.config.command import check_keys, is_bare_word
 from kvbench.config.paths import compose_command_config
-from kvbench.config.validate import check_group_overrides
+from kvbench.config.validate import check_group_overrides, check_shared_settings
 from kvbench.core.checks import is_int
 from kvbench.core.errors import KVBenchError
 
@@ -79,13 +79,7 @@ def check_settings(cfg) -> None:
     one line naming it rather than a traceback from the first line that reads it."""
     if not is_int(cfg.num_samples) or cfg.num_samples < 1:
         raise KVBenchError(f"num_samples must be a positive number of samples, got {cfg.num_samples!r}")
-    if not is_int(cfg.seed):
-        raise KVBenchError(f"seed must be an integer, got {cfg.seed!r}")
-    for key, value in (("show_progress", cfg.show_progress), ("engine.chat_template", cfg.engine.chat_template)):
-        if not isinstance(value, bool):
-            raise KVBenchError(f"{key} must be true or false, got {value!r}")
-    if cfg.engine.system_prompt is not None and not isinstance(cfg.engine.system_prompt, str):
-        raise KVBenchError(f"engine.system_prompt must be text or null, got {cfg.engine.system_prompt!r}")
+    check_shared_settings(cfg)
 
 
 def verdict_lines(results: Sequence[dict]) -> str:

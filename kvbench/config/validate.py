@@ -32,15 +32,10 @@ def validate(cfg: DictConfig) -> None:
     elif budget == 1.0 and isinstance(budget, float):  # a ratio of 1 or one token: say which, run neither
         raise KVBenchError("budget=1.0 is ambiguous: write budget=1 for one token per KV head; to keep everything "
                            "use method=full (or any budget at or above the context length)")
-    if not is_int(cfg.seed):
-        raise KVBenchError(f"seed must be an integer, got {cfg.seed!r}")
-    for key in ("compress_question", "show_progress"):
-        if not isinstance(cfg[key], bool):
-            raise KVBenchError(f"{key} must be true or false, got {cfg[key]!r}")
+    check_shared_settings(cfg)
+    if not isinstance(cfg.compress_question, bool):
+        raise KVBenchError(f"compress_question must be true or false, got {cfg.compress_question!r}")
     engine = cfg.engine
-    for key in ("reuse_prefill", "nll", "chat_template", "topk_recall"):
-        if key in engine and not isinstance(engine[key], bool):
-            raise KVBenchError(f"engine.{key} must be true or false, got {engine[key]!r}")
     for key, low in (("snapshot_window", 1), ("snapshot_cache_mb", 0)):
         if key in engine and (not is_int(engine[key]) or engine[key] < low):
             raise KVBenchError(f"engine.{key} must be an integer >= {low}, got {engine[key]!r}")
@@ -61,8 +56,6 @@ def validate(cfg: DictConfig) -> None:
         raise KVBenchError(f"profiler.stages must be true or false, got {profiler.stages!r}")
     if profiler.get("stages") and not cfg.get("profile"):
         raise KVBenchError("profiler.stages=true times the stages of a profiled run: add profile=true")
-    if engine.get("system_prompt") is not None and not isinstance(engine.system_prompt, str):
-        raise KVBenchError(f"engine.system_prompt must be text or null, got {engine.system_prompt!r}")
     check_sampling(engine, cfg.task)  # engine.sampling, and no batched rows for a point that samples
     num_samples = cfg.task.get("num_samples")
     if num_samples is not None and (not is_int(num_samples) or num_samples < 1):
@@ -74,6 +67,21 @@ def validate(cfg: DictConfig) -> None:
     max_new_tokens = cfg.task.get("max_new_tokens")  # null: the task's own limit, where it has one
     if max_new_tokens is not None and (not is_int(max_new_tokens) or max_new_tokens < 1):
         raise KVBenchError(f"task.max_new_tokens must be a positive number of tokens, got {max_new_tokens!r}")
+
+
+def check_shared_settings(cfg: DictConfig) -> None:
+    """The settings a run shares with `kvbench analyze`: the seed, the progress bars, and the engine's flags and
+    system prompt (where its config has them)."""
+    if not is_int(cfg.seed):
+        raise KVBenchError(f"seed must be an integer, got {cfg.seed!r}")
+    if not isinstance(cfg.show_progress, bool):
+        raise KVBenchError(f"show_progress must be true or false, got {cfg.show_progress!r}")
+    engine = cfg.engine
+    for key in ("reuse_prefill", "nll", "chat_template", "topk_recall"):
+        if key in engine and not isinstance(engine[key], bool):
+            raise KVBenchError(f"engine.{key} must be true or false, got {engine[key]!r}")
+    if engine.get("system_prompt") is not None and not isinstance(engine.system_prompt, str):
+        raise KVBenchError(f"engine.system_prompt must be text or null, got {engine.system_prompt!r}")
 
 
 def check_length(cfg: DictConfig, lm: "LoadedModel | None" = None) -> None:
