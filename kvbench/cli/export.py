@@ -16,14 +16,13 @@ different model than the one that will run the file changes the lengths, not the
 from __future__ import annotations
 
 import sys
-import tempfile
 from pathlib import Path
 
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from kvbench.config.command import check_keys
+from kvbench.config.command import check_keys, unwritable_folder
 from kvbench.config.paths import compose_config
 from kvbench.config.validate import check_group_overrides, validate
 from kvbench.core.errors import KVBenchError
@@ -71,13 +70,9 @@ def export(overrides: list[str], out: Path) -> int:
 def _check_writable(out: Path) -> None:
     """`out`'s folder (made if missing) takes a file from this process (the write is a temporary file there,
     renamed): checked before the model loads and the samples are built."""
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out.parent):
-            pass
-    except OSError as exc:
-        raise KVBenchError(f"out={out}: cannot write in {out.parent} ({exc.strerror or type(exc).__name__}); give "
-                           f"a file in a writable folder") from None
+    reason = unwritable_folder(out.parent)
+    if reason is not None:
+        raise KVBenchError(f"out={out}: cannot write in {out.parent} ({reason}); give a file in a writable folder")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -99,14 +99,21 @@ def check_job(cfg: DictConfig, runs_here: bool = True) -> None:
 def check_results_dir(path: Path) -> None:
     """`results_dir` must be a directory this process can create and write files in (a file there, a read-only
     place or /proc are refused before the model loads)."""
+    reason = unwritable_folder(path)
+    if reason is not None:
+        raise KVBenchError(f"results_dir={str(path)!r} cannot hold results: {reason}; give a writable directory "
+                           f"(results_dir=PATH)")
+
+
+def unwritable_folder(path: Path) -> str | None:
+    """Why this process cannot write files in the folder `path` (made if missing), or None where it can."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise KVBenchError(f"results_dir={str(path)!r} cannot hold results: {reason}; give a writable directory "
-                           f"(results_dir=PATH)") from None
+        return exc.strerror or type(exc).__name__
+    return None
 
 
 def check_slurm_reachable(timeout: float = 20) -> None:
