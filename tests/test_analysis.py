@@ -138,7 +138,7 @@ def test_analyze_writes_records_verdict_and_figure_and_resumes(tmp_path, capsys)
     (["keydiff_geometry"], "'keydiff_geometry' is not KEY=VALUE: name a claim as claim=NAME"),
     # each was a traceback (int('abc'), numpy's cast of 'x') or read as true
     (["claim=keydiff_geometry", "num_samples=abc"], "num_samples must be a positive number of samples, got 'abc'"),
-    (["claim=keydiff_geometry", "seed=x"], "seed must be an integer, got 'x'"),
+    (["claim=keydiff_geometry", "seed=x"], "seed must be an integer from 0 to 2**32 - 1, got 'x'"),
     (["claim=keydiff_geometry", "engine.chat_template=maybe"], "engine.chat_template must be true or false"),
     (["claim=keydiff_geometry", "show_progress=maybe"], "show_progress must be true or false"),
 ])

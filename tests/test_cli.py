@@ -51,7 +51,8 @@ def records(root: Path) -> dict[str, list[dict]]:
          "task twostage_retr: chat_template must be true or false, got 'maybe'"),
         (["model=tiny_llama", "task=twostage_retr", "task.answer_prefix=5"],
          "task twostage_retr: answer_prefix must be text or null, got 5"),
-        (["model=tiny_llama", "seed=abc"], "seed must be an integer, got 'abc'"),
+        (["model=tiny_llama", "seed=abc"], "seed must be an integer from 0 to 2**32 - 1, got 'abc'"),
+        (["model=tiny_llama", "seed=-1"], "seed must be an integer from 0 to 2**32 - 1, got -1"),  # was numpy's traceback
         (["model=tiny_llama", "compress_question=maybe"], "compress_question must be true or false, got 'maybe'"),
         (["model=tiny_llama", "engine.nll=maybe"], "engine.nll must be true or false"),
         (["model=tiny_llama", "compression_ratio=1.5"], "compression_ratio must be a fraction of the tokens removed in [0, 1)"),

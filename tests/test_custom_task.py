@@ -266,7 +266,7 @@ def test_export_cli(tiny_llama, tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["task.num_samples=abc"], "task.num_samples must be a positive integer"),  # was Hydra's wrapped ValueError
-    (["seed=x"], "seed must be an integer, got 'x'"),  # was a numpy traceback
+    (["seed=x"], "seed must be an integer from 0 to 2**32 - 1, got 'x'"),  # was a numpy traceback
     (["task.chat_template=maybe"], "task twostage_retr: chat_template must be true or false"),  # was read as true
     (["budgt=3"], "unknown setting 'budgt' (did you mean budget?)"),
     (["out=/proc/x.jsonl"], "out=/proc/x.jsonl: cannot write in /proc"),  # was a traceback after the samples

@@ -72,8 +72,8 @@ def validate(cfg: DictConfig) -> None:
 def check_shared_settings(cfg: DictConfig) -> None:
     """The settings a run shares with `kvbench analyze`: the seed, the progress bars, and the engine's flags and
     system prompt (where its config has them)."""
-    if not is_int(cfg.seed):
-        raise KVBenchError(f"seed must be an integer, got {cfg.seed!r}")
+    if not is_int(cfg.seed) or not 0 <= cfg.seed < 2**32:  # numpy's and torch's seeds are unsigned 32-bit words
+        raise KVBenchError(f"seed must be an integer from 0 to 2**32 - 1, got {cfg.seed!r}")
     if not isinstance(cfg.show_progress, bool):
         raise KVBenchError(f"show_progress must be true or false, got {cfg.show_progress!r}")
     engine = cfg.engine
