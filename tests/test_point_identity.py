@@ -93,3 +93,19 @@ def test_the_same_data_file_through_two_paths_is_one_point(tmp_path, monkeypatch
     data.write_text('{"context": "edited", "question": "q", "answers": ["a"]}\n')
     os.utime(data, ns=(1, 1))  # a new mtime even on coarse-clock filesystems
     assert point_hash(point_identity(config(tmp_path, "float32", str(data)))) not in hashes
+
+
+def test_a_token_budget_written_as_a_float_is_the_integer_point(tmp_path):
+    """`budget=1e3` (YAML's float 1000.0) is the point of `budget=1000`: one directory, one hash, integer
+    budget in the records; it was a second point, `b1000p0`, of the same settings."""
+    names = set()
+    for written in (64, 64.0, 6.4e1):
+        cfg = config(tmp_path, "float32")
+        cfg.budget = written
+        point = point_identity(cfg)
+        assert point["budget"] == 64 and isinstance(point["budget"], int)
+        names.add(point_dir_name(cfg, point))
+    assert len(names) == 1 and "/b64-qa-" in names.pop()
+    cfg = config(tmp_path, "float32")
+    cfg.budget = 0.25  # a ratio stays a ratio
+    assert point_identity(cfg)["budget"] == 0.25

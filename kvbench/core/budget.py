@@ -31,6 +31,15 @@ def resolve_budget(budget: "float | int | CompressionRatio", length: int) -> int
     return int(budget)
 
 
+def canonical_budget(budget):
+    """A token count written as a float (`budget=1e3`, `budget=1024.0`) is that integer: the same point, the same
+    directory and records as `budget=1024`. Ratios, non-integral floats (refused by the checks) and other values
+    are returned as they are."""
+    if isinstance(budget, float) and budget > 1 and budget.is_integer():
+        return int(budget)
+    return budget
+
+
 def is_relative(budget: "float | int | CompressionRatio") -> bool:
     """Whether `budget` is a share of each sample's segment (a ratio, kvpress's compression ratio), so that its
     token count differs from one prompt length to the next."""

@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from kvbench.core.budget import canonical_budget
 from kvbench.core.errors import KVBenchError
 from kvbench.engine.config import point_samples
 from kvbench.methods import METHODS
@@ -103,6 +104,7 @@ def written_point_identity(cfg: DictConfig) -> dict[str, Any]:
         point["model"].pop("quantization", None)
     if point["model"].get("device_map") is None:
         point["model"].pop("device_map", None)
+    point["budget"] = canonical_budget(point["budget"])
     ratio = cfg.get("compression_ratio")
     if ratio is not None:  # kvpress's convention replaces the budget (a new key only when used: old hashes hold)
         point["compression_ratio"], point["budget"] = ratio, None
@@ -140,7 +142,7 @@ def budget_matters(cfg: DictConfig) -> bool:
 
 def point_dir_name(cfg: DictConfig, point: dict[str, Any]) -> str:
     """`<task>/<model>/<method>/b<budget>-<mode>-<hash>`: the point's directory under `results_dir`."""
-    budget = str(cfg.budget).replace(".", "p") if point["budget"] is not None else "-"
+    budget = str(point["budget"]).replace(".", "p") if point["budget"] is not None else "-"
     if point.get("compression_ratio") is not None:
         budget = "cr" + str(point["compression_ratio"]).replace(".", "p")
     mode = ("qa" if cfg.compress_question else "qagn") + ("-prof" if cfg.get("profile") else "")

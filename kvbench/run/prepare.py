@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from kvbench.config.validate import check_length, validate
-from kvbench.core.budget import CompressionRatio, is_relative
+from kvbench.core.budget import CompressionRatio, canonical_budget, is_relative
 from kvbench.core.errors import KVBenchError
 from kvbench.engine.config import EngineConfig
 from kvbench.engine.prompt import PromptBuilder
@@ -103,7 +103,8 @@ def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
         # the prompt's first forward, when not dense (MInference's sparse prefill)
         **({"prefill_attention": engine_cfg.prefill_attention} if engine_cfg.prefill_attention != "dense" else {}),
     }
-    budget = CompressionRatio(point["compression_ratio"]) if point.get("compression_ratio") is not None else cfg.budget
+    ratio = point.get("compression_ratio")
+    budget = CompressionRatio(ratio) if ratio is not None else canonical_budget(cfg.budget)
     path, eager_reason = decode_path_choice(cfg)
     if eager_reason is not None:  # asked for (engine.compile, or auto on CUDA) and not given: one line per point
         log.warning("kvbench: %s decodes eagerly although engine.compile=%s asks for the compiled step: %s",
