@@ -53,6 +53,8 @@ def records(root: Path) -> dict[str, list[dict]]:
          "task twostage_retr: answer_prefix must be text or null, got 5"),
         (["model=tiny_llama", "seed=abc"], "seed must be an integer from 0 to 2**32 - 1, got 'abc'"),
         (["model=tiny_llama", "seed=-1"], "seed must be an integer from 0 to 2**32 - 1, got -1"),  # was numpy's traceback
+        (["model=tiny_llama", "hydra.sweep.subdir=x"], "hydra.sweep.subdir is kvbench's point directory"),
+        (["model=tiny_llama", "hydra.run.dir=out"], "hydra.run.dir is kvbench's point directory"),
         (["model=tiny_llama", "compress_question=maybe"], "compress_question must be true or false, got 'maybe'"),
         (["model=tiny_llama", "engine.nll=maybe"], "engine.nll must be true or false"),
         (["model=tiny_llama", "compression_ratio=1.5"], "compression_ratio must be a fraction of the tokens removed in [0, 1)"),
@@ -491,7 +493,7 @@ cli.main()
 
 def launched_points(tmp_path: Path, *args: str) -> list[tuple[str, ...]]:
     result = subprocess.run([sys.executable, "-c", LAUNCH_COUNTER, "-m", *args, f"results_dir={tmp_path / 'r'}",
-                             f"hydra.sweep.dir={tmp_path / 's'}", "show_progress=false"], cwd=tmp_path,
+                             "show_progress=false"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return sorted(tuple(line.split()[1:]) for line in result.stdout.splitlines() if line.startswith("LAUNCHED"))

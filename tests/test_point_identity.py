@@ -109,3 +109,23 @@ def test_a_token_budget_written_as_a_float_is_the_integer_point(tmp_path):
     cfg = config(tmp_path, "float32")
     cfg.budget = 0.25  # a ratio stays a ratio
     assert point_identity(cfg)["budget"] == 0.25
+
+
+def test_a_directory_holding_another_points_records_is_refused_and_left_as_it_was(tmp_path):
+    """A Hydra output directory not named by kvbench (`hydra.sweep.subdir=x`, reused by a second point) held
+    the first point's records, and the second point resumed them as its own: its summary gave budget 128 the
+    64-token point's kept tokens and score. The second point is refused before its manifest is written."""
+    from kvbench.config.paths import compose_config
+    from kvbench.core.errors import KVBenchError
+    from kvbench.run.prepare import prepare_point
+
+    cfg = compose_config(["model=tiny_llama", "task=niah", "task.num_samples=1", "task.seq_len=2048",
+                          "task.depths=[50]", f"results_dir={tmp_path}"])
+    run_dir = tmp_path / "x"
+    run_dir.mkdir()
+    line = json.dumps({"sample_id": "niah-512-50-0", "point_hash": "0123456789ab", "score": 1.0}) + "\n"
+    (run_dir / "records.jsonl").write_text(line)
+    with pytest.raises(KVBenchError, match=r"x holds records of another point \(0123456789ab\), not of this one"):
+        prepare_point(cfg, run_dir)
+    assert (run_dir / "records.jsonl").read_text() == line
+    assert not (run_dir / "manifest.json").exists() and not (run_dir / "config.yaml").exists()

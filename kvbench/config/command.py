@@ -29,6 +29,9 @@ _HYDRA_INFO_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-
                      "-sc", "--version", "--experimental-rerun")
 _MULTIRUN_FLAGS = ("-m", "--multirun")
 _SLURM_LAUNCHERS = ("slurm", "slurm_local", "submitit_slurm")
+# Hydra's output directories are kvbench's point directories (results_dir/<task>/<model>/<method>/b<budget>-...):
+# elsewhere a point is not found again to resume, and a directory reused by another point mixes their records
+_POINT_DIRS = ("hydra.run.dir", "hydra.sweep.dir", "hydra.sweep.subdir")
 
 
 def is_bare_word(arg: str) -> bool:
@@ -59,6 +62,11 @@ def check_command(argv: Sequence[str]) -> list[str]:
                            f"without a launcher)")
     if launcher in _SLURM_LAUNCHERS and importlib.util.find_spec("hydra_plugins.hydra_submitit_launcher") is None:
         raise KVBenchError(f"hydra/launcher={launcher} needs hydra-submitit-launcher: pip install 'kvbench[slurm]'")
+    moved = next((key for key in map(_key, overrides) if key in _POINT_DIRS), None)
+    if moved is not None:
+        raise KVBenchError(f"{moved} is kvbench's point directory (results_dir/<task>/<model>/<method>/b<budget>-"
+                           "<hash>, by which a point resumes and is never mixed with another): set results_dir=DIR "
+                           "instead")
     check_keys(overrides)
     base = _compose(overrides, multirun)
     _check_launcher(base)

@@ -68,6 +68,17 @@ def unrecorded(store: RecordStore, samples: list["Sample"], run_dir: Path, task:
     return [s for s in samples if s.id not in recorded]
 
 
+def check_own_records(store: RecordStore, run_dir: Path, phash: str) -> None:
+    """A directory holding another point's records is not resumed: its samples would count as this point's
+    (reached by a Hydra output directory not named by kvbench, e.g. `hydra.sweep.subdir=${hydra.job.num}`
+    from an earlier sweep). Before the manifest is written, so that nothing there changes."""
+    others = sorted({rec.get("point_hash") for rec in store.records()} - {None, phash})
+    if others:
+        raise KVBenchError(f"{run_dir} holds records of another point ({', '.join(others)}), not of this one "
+                           f"({phash}): kvbench names each point's directory after its settings (under results_dir); "
+                           "leave Hydra's output directories (hydra.run.dir, hydra.sweep.subdir) to it")
+
+
 def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
     """Validate a point, load its model and samples, and set up its directory (manifest, config, records)."""
     validate(cfg)
@@ -86,6 +97,7 @@ def prepare_point(cfg: DictConfig, run_dir: Path) -> PreparedPoint:
         raise KVBenchError(f"task {cfg.task.name} gives no sample with these settings: nothing to run")
     run_dir.mkdir(parents=True, exist_ok=True)
     store = RecordStore(run_dir)
+    check_own_records(store, run_dir, phash)
     write_manifest(run_dir, build_manifest(cfg.seed, {"point_hash": phash, "point": point, "dtype": str(lm.dtype),
                                                  "decode_attention": decode_attention_kind(lm.dtype, lm.device)}))
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
