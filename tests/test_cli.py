@@ -55,6 +55,12 @@ def records(root: Path) -> dict[str, list[dict]]:
         (["model=tiny_llama", "seed=-1"], "seed must be an integer from 0 to 2**32 - 1, got -1"),  # was numpy's traceback
         (["model=tiny_llama", "hydra.sweep.subdir=x"], "hydra.sweep.subdir is kvbench's point directory"),
         (["model=tiny_llama", "hydra.run.dir=out"], "hydra.run.dir is kvbench's point directory"),
+        (["model=tiny_llama", "profile=maybe"], "profile must be true or false, got 'maybe'"),  # was a profiled point
+        (["model=tiny_llama", "method.foo=1"], "method.foo is not a setting of any method"),  # full ignored it
+        (["model=tiny_llama", "model.init_seed=x"], "model.init_seed must be an integer, got 'x'"),
+        (["model=tiny_llama", "model.config.num_key_value_heads=3"],
+         "model tiny_llama: model.config does not build a llama model: ValueError: num_attention_heads=4 is not a "
+         "multiple of num_key_value_heads=3"),  # was a traceback at the first forward
         (["model=tiny_llama", "compress_question=maybe"], "compress_question must be true or false, got 'maybe'"),
         (["model=tiny_llama", "engine.nll=maybe"], "engine.nll must be true or false"),
         (["model=tiny_llama", "compression_ratio=1.5"], "compression_ratio must be a fraction of the tokens removed in [0, 1)"),
@@ -546,3 +552,22 @@ def test_a_point_that_two_jobs_of_a_sweep_name_prints_its_summary_once(tmp_path)
     assert out.count("snapkv budget=64 on") == 1 and out.count("snapkv budget=128 on") == 1
     assert out.count("the same point as an earlier job of this sweep, summary above") == 1
     assert len(records(tmp_path)) == 3
+
+
+@pytest.mark.parametrize("value", ["", "null", "' '"])
+def test_an_empty_results_dir_is_refused(value):
+    """`results_dir=` made Hydra's point directory `/<task>/...`: records at the file system's root."""
+    from kvbench.config.command import check_job
+    from kvbench.config.paths import compose_config
+    from kvbench.core.errors import KVBenchError
+
+    with pytest.raises(KVBenchError, match="^results_dir must name a directory"):
+        check_job(compose_config(["model=tiny_llama", f"results_dir={value}"]))
+
+
+def test_a_multirun_flag_among_the_overrides_goes_first():
+    """`model=x -m method=a,b`: Hydra's parser took the overrides after -m for unrecognized arguments."""
+    from kvbench.config.command import check_command
+
+    argv = check_command(["model=tiny_llama", "task=twostage_retr", "-m", "method=full,snapkv", "budget=64"])
+    assert argv == ["-m", "model=tiny_llama", "task=twostage_retr", "method=full,snapkv", "budget=64"]

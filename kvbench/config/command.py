@@ -51,6 +51,8 @@ def check_command(argv: Sequence[str]) -> list[str]:
     if bare is not None:
         raise KVBenchError(f"'{bare}' is not an override: write KEY=VALUE (kvbench --help lists the keys and values)")
     multirun = any(arg in _MULTIRUN_FLAGS for arg in argv)
+    if multirun:  # first, as Hydra's parser wants it: `model=x -m method=a,b` split its overrides in two
+        argv = ["-m"] + [arg for arg in argv if arg not in _MULTIRUN_FLAGS]
     overrides = [arg for arg in argv if not arg.startswith("-")]
     keys = {_key(arg) for arg in overrides}
     if "budget" in keys and "compression_ratio" in keys:
@@ -101,6 +103,8 @@ def check_job(cfg: DictConfig, runs_here: bool = True) -> None:
 
         resolved_precision(cfg.model)  # an absent device or unknown dtype, named before its directory exists
         build_task(cfg.task).check()  # e.g. a custom data file that is not there (on this machine)
+    if cfg.results_dir is None or not str(cfg.results_dir).strip():  # `${results_dir}/...` would be the root
+        raise KVBenchError(f"results_dir must name a directory, got {cfg.results_dir!r}")
     check_results_dir(Path(str(cfg.results_dir)))
 
 

@@ -4,6 +4,7 @@ their settings, and prompt lengths against the model, each refused with one line
 from __future__ import annotations
 
 import difflib
+import functools
 
 from omegaconf import DictConfig
 
@@ -47,6 +48,8 @@ def validate(cfg: DictConfig) -> None:
     if "compile" in engine and engine.compile not in ("auto", True, False):
         raise KVBenchError(f"engine.compile must be auto, true or false, got {engine.compile!r}")
     check_prefill_attention(engine)
+    if not isinstance(cfg.get("profile", False), bool):  # `profile=maybe` was a profiled point (any text is true)
+        raise KVBenchError(f"profile must be true or false, got {cfg.profile!r}")
     profiler = cfg.get("profiler") or {}
     if "repeats" in profiler and (not is_int(profiler.repeats) or profiler.repeats < 1):
         raise KVBenchError(f"profiler.repeats must be a positive integer, got {profiler.repeats!r}")
@@ -142,7 +145,10 @@ def check_settings(argv: list[str]) -> list[str]:
         if "=" in arg and group in POINT_GROUPS and setting and not preset:
             for name in chosen.get(group, [default_choice(group)]):
                 if group == "method" and not compresses(name):
-                    continue  # `full` ignores a setting a sweep shares (kvbench.methods.method_parameters)
+                    if setting.split(".")[0] in any_method_setting():
+                        continue  # `full` ignores a setting a sweep shares (kvbench.methods.method_parameters)
+                    raise KVBenchError(f"{key} is not a setting of any method (method {name} has none: "
+                                       "python -m kvbench --help lists the methods; conf/method/ their settings)")
                 known = settings(group, name)
                 if setting.split(".")[0] not in known:
                     close = difflib.get_close_matches(setting.split(".")[0], known, n=1)
@@ -152,6 +158,12 @@ def check_settings(argv: list[str]) -> list[str]:
         out.append("++" + arg if group == "method" and setting and "=" in arg and not arg.startswith(("+", "~"))
                    else arg)
     return out
+
+
+@functools.cache
+def any_method_setting() -> frozenset[str]:
+    """Every setting of every method config: what `method.KEY` may name beside `full`, which has none."""
+    return frozenset(key for name in choices("method") for key in settings("method", name))
 
 
 def compresses(method_choice: str) -> bool:

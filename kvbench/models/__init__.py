@@ -28,7 +28,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from kvbench.attention.dispatch import ATTENTION_NAME, register_attention
 from kvbench.core.devices import start_cpu_threads
-from kvbench.core.errors import KVBenchError
+from kvbench.core.errors import KVBenchError, one_line
 
 # re-exported: kvbench.models is where callers find a model's loading, placement and packing
 from kvbench.models.packed import (  # noqa: F401
@@ -362,19 +362,25 @@ def _build_tiny(cfg: Any, dtype: torch.dtype) -> LoadedModel:
     tokenizer = byte_tokenizer()
     params = dict(cfg.config)
     model_type = params.pop("model_type")
-    config = AutoConfig.for_model(
-        model_type,
-        vocab_size=len(tokenizer),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
-        **params,
-    )
-    config._attn_implementation = ATTENTION_NAME
+    seed = cfg.get("init_seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise KVBenchError(f"model.init_seed must be an integer, got {seed!r}")
     generator_state = torch.random.get_rng_state()
-    torch.manual_seed(int(cfg.get("init_seed", 0)))
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
-    torch.random.set_rng_state(generator_state)
+    torch.manual_seed(seed)
+    try:  # a config transformers refuses (a negative size, heads that do not divide): one line naming it
+        config = AutoConfig.for_model(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+                                      **params)
+        heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None)
+        if kv_heads and heads % kv_heads:  # else the first forward's attention fails
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        config._attn_implementation = ATTENTION_NAME
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise KVBenchError(f"model {cfg.name}: model.config does not build a {model_type} model: "
+                           f"{one_line(exc)}") from None
+    finally:
+        torch.random.set_rng_state(generator_state)
     return LoadedModel(model, tokenizer, cfg.name, max_positions_of(config))
 
 
