@@ -141,6 +141,8 @@ def test_analyze_writes_records_verdict_and_figure_and_resumes(tmp_path, capsys)
     (["claim=keydiff_geometry", "seed=x"], "seed must be an integer from 0 to 2**32 - 1, got 'x'"),
     (["claim=keydiff_geometry", "engine.chat_template=maybe"], "engine.chat_template must be true or false"),
     (["claim=keydiff_geometry", "show_progress=maybe"], "show_progress must be true or false"),
+    (["claim=keydiff_geometry", "results_dir="], "results_dir must name a directory, got ''"),  # wrote in the cwd
+    (["claim=keydiff_geometry", "results_dir=/proc/x"], "results_dir='/proc/x' cannot hold results"),  # a traceback
 ])
 def test_bad_input_is_one_error_line(tmp_path, capsys, args, message):
     assert analyze([*TINY, f"results_dir={tmp_path}", "show_progress=false", *args]) == 2

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from kvbench.analysis.runner import claims, run_claim
-from kvbench.config.command import check_keys, is_bare_word
+from kvbench.config.command import check_keys, check_results_dir, is_bare_word
 from kvbench.config.paths import compose_command_config
 from kvbench.config.validate import check_group_overrides, check_shared_settings
 from kvbench.core.checks import is_int
@@ -80,6 +80,7 @@ def check_settings(cfg) -> None:
     if not is_int(cfg.num_samples) or cfg.num_samples < 1:
         raise KVBenchError(f"num_samples must be a positive number of samples, got {cfg.num_samples!r}")
     check_shared_settings(cfg)
+    check_results_dir(cfg.results_dir)
 
 
 def verdict_lines(results: Sequence[dict]) -> str:

@@ -103,14 +103,15 @@ def check_job(cfg: DictConfig, runs_here: bool = True) -> None:
 
         resolved_precision(cfg.model)  # an absent device or unknown dtype, named before its directory exists
         build_task(cfg.task).check()  # e.g. a custom data file that is not there (on this machine)
-    if cfg.results_dir is None or not str(cfg.results_dir).strip():  # `${results_dir}/...` would be the root
-        raise KVBenchError(f"results_dir must name a directory, got {cfg.results_dir!r}")
-    check_results_dir(Path(str(cfg.results_dir)))
+    check_results_dir(cfg.results_dir)
 
 
-def check_results_dir(path: Path) -> None:
-    """`results_dir` must be a directory this process can create and write files in (a file there, a read-only
-    place or /proc are refused before the model loads)."""
+def check_results_dir(setting: Any) -> None:
+    """`results_dir` must be a directory this process can create and write files in (empty or null, a file there,
+    a read-only place or /proc are refused before the model loads)."""
+    if setting is None or not str(setting).strip():  # a run's `${results_dir}/<point>` would be the root
+        raise KVBenchError(f"results_dir must name a directory, got {setting!r}")
+    path = Path(str(setting))
     reason = unwritable_folder(path)
     if reason is not None:
         raise KVBenchError(f"results_dir={str(path)!r} cannot hold results: {reason}; give a writable directory "
