@@ -31,7 +31,7 @@ def resolve_budget(budget: "float | int | CompressionRatio", length: int) -> int
     return int(budget)
 
 
-def canonical_budget(budget):
+def canonical_budget(budget: "float | int | None") -> "float | int | None":
     """A token count written as a float (`budget=1e3`, `budget=1024.0`) is that integer: the same point, the same
     directory and records as `budget=1024`. Ratios, non-integral floats (refused by the checks) and other values
     are returned as they are."""
