@@ -27,6 +27,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from kvbench.attention.dispatch import ATTENTION_NAME, register_attention
+from kvbench.core.checks import is_int
 from kvbench.core.devices import start_cpu_threads
 from kvbench.core.errors import KVBenchError, one_line
 
@@ -363,7 +364,7 @@ def _build_tiny(cfg: Any, dtype: torch.dtype) -> LoadedModel:
     params = dict(cfg.config)
     model_type = params.pop("model_type")
     seed = cfg.get("init_seed", 0)
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if not is_int(seed):
         raise KVBenchError(f"model.init_seed must be an integer, got {seed!r}")
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
